@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli")
 
 
 def _encoder(args):
@@ -159,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="embed a few sentences at several cells; print similarities and time")
     model_args(p)
     p.set_defaults(func=cmd_demo)
+
+    # Larger command groups live next to their code; each module has register(subparsers, model_args).
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub, model_args)
     return parser
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -219,6 +221,44 @@ class ElasticEncoder(nn.Module):
             out[n] = pool(hidden, mask, self.pooling)
         return out
 
+    # ---- saving -----------------------------------------------------------------------------------------
+
+    def save(self, path: str | Path, keep_layers: int | None = None, metadata: dict | None = None) -> Path:
+        """Write a sentence-transformers folder (safetensors weights, tokenizer, pooling config) that loads with
+        `SentenceTransformer(path)`, `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)`.
+
+        `keep_layers` cuts the saved model to its first layers (the layers above are not written at all).
+        `metadata` (method, training config, ...) goes to matryoshka2d.json.
+        """
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        n = self.check_layer(keep_layers) if keep_layers else self.num_layers
+        with truncated_stack(self.model, n):
+            original = _layer_count_attrs(self.model.config)
+            for attr in original:
+                setattr(self.model.config, attr, n)
+            try:
+                self.model.save_pretrained(out, safe_serialization=True)
+            finally:
+                for attr, value in original.items():
+                    setattr(self.model.config, attr, value)
+        self.tokenizer.save_pretrained(out)
+        pooling_key = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}.get(
+            self.pooling, "pooling_mode_lasttoken"
+        )
+        (out / "1_Pooling").mkdir(exist_ok=True)
+        pool_cfg = {"word_embedding_dimension": self.hidden_size, pooling_key: True}
+        (out / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg, indent=2))
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]
+        (out / "modules.json").write_text(json.dumps(modules, indent=2))
+        (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": self.max_length}, indent=2))
+        if metadata is not None:
+            (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+        return out
+
     # ---- inference ------------------------------------------------------------------------------------
 
     def encode(
@@ -289,6 +329,11 @@ class ElasticEncoder(nn.Module):
             finally:
                 self.model.train(was_training)
         return {n: arr[inverse] for n, arr in out.items()}
+
+
+def _layer_count_attrs(config) -> dict[str, int]:
+    """The config fields that hold the number of layers (num_hidden_layers; n_layers for DistilBERT)."""
+    return {a: getattr(config, a) for a in ("num_hidden_layers", "n_layers") if hasattr(config, a)}
 
 
 def check_texts(texts) -> list[str]:

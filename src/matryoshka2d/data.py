@@ -1,0 +1,226 @@
+"""Read training data: triplets, NLI-labelled pairs, or scored pairs, from TSV/JSONL files or the HF hub.
+
+The kind is read from the header (TSV) or the keys (JSONL, HF datasets):
+- triplets: anchor, positive, negative
+- NLI pairs: premise, hypothesis, label   (or sentence1, sentence2, label with entailment/neutral/contradiction)
+- scored pairs: sentence1, sentence2, score   (STS-B / SICK train)
+Several sources can be given; they must be of one kind. A malformed row stops the run with file and line.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from matryoshka2d.losses.batch import NLI_LABELS
+
+KINDS = {
+    "triplets": (("anchor", "positive", "negative"), None),
+    "nli": (("premise", "hypothesis"), "label"),
+    "scored": (("sentence1", "sentence2"), "score"),
+}
+
+
+class DataError(ValueError):
+    """A training file is missing, empty or malformed; the message names the file and line."""
+
+
+@dataclass
+class TrainingData:
+    kind: str
+    columns: list[list[str]]
+    labels: np.ndarray | None = None
+    sources: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def rows(self, idx) -> tuple[list[list[str]], np.ndarray | None]:
+        cols = [[col[i] for i in idx] for col in self.columns]
+        return cols, (self.labels[idx] if self.labels is not None else None)
+
+
+def _kind_of(header: list[str], where: str) -> tuple[str, list[str], str | None]:
+    names = [h.strip().lower() for h in header]
+    if all(c in names for c in KINDS["triplets"][0]):
+        return "triplets", list(KINDS["triplets"][0]), None
+    if "label" in names and {"premise", "hypothesis"} <= set(names):
+        return "nli", ["premise", "hypothesis"], "label"
+    if "label" in names and {"sentence1", "sentence2"} <= set(names):
+        return "nli", ["sentence1", "sentence2"], "label"
+    if "score" in names and {"sentence1", "sentence2"} <= set(names):
+        return "scored", ["sentence1", "sentence2"], "score"
+    raise DataError(
+        f"{where}: cannot tell the kind of data from the columns {header}; expected anchor/positive/negative, "
+        "premise/hypothesis/label, or sentence1/sentence2/score"
+    )
+
+
+def _label(kind: str, value, where: str):
+    if kind == "nli":
+        key = str(value).strip().lower()
+        if key not in NLI_LABELS:
+            raise DataError(f"{where}: label '{value}' is not one of {', '.join(NLI_LABELS)}")
+        return NLI_LABELS[key]
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: score '{value}' is not a number") from None
+    if not math.isfinite(score):
+        raise DataError(f"{where}: score '{value}' is not finite")
+    return score
+
+
+def _read_tsv(path: Path) -> tuple[str, list[list[str]], list]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, None)
+        if not header:
+            raise DataError(f"{path}: empty file (expected a header line)")
+        kind, text_cols, label_col = _kind_of(header, f"{path}:1")
+        names = [h.strip().lower() for h in header]
+        positions = [names.index(c) for c in text_cols]
+        label_pos = names.index(label_col) if label_col else None
+        columns: list[list[str]] = [[] for _ in text_cols]
+        labels = []
+        for line_no, row in enumerate(reader, start=2):
+            where = f"{path}:{line_no}"
+            if len(row) != len(header):
+                raise DataError(f"{where}: {len(row)} fields, expected {len(header)} ({', '.join(header)})")
+            for col, pos in zip(columns, positions, strict=True):
+                if not row[pos].strip():
+                    raise DataError(f"{where}: empty '{header[pos]}'")
+                col.append(row[pos])
+            if label_pos is not None:
+                labels.append(_label(kind, row[label_pos], where))
+    return kind, columns, labels
+
+
+def _read_records(records, where_prefix: str) -> tuple[str, list[list[str]], list]:
+    columns: list[list[str]] = []
+    labels: list = []
+    kind = text_cols = label_col = None
+    for n, record in enumerate(records, start=1):
+        where = f"{where_prefix}:{n}"
+        if kind is None:
+            kind, text_cols, label_col = _kind_of(list(record), where)
+            columns = [[] for _ in text_cols]
+        for col, name in zip(columns, text_cols, strict=True):
+            value = record.get(name)
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: '{name}' is missing or not a non-empty string")
+            col.append(value)
+        if label_col:
+            if label_col not in record:
+                raise DataError(f"{where}: '{label_col}' is missing")
+            labels.append(_label(kind, record[label_col], where))
+    if kind is None:
+        raise DataError(f"{where_prefix}: no rows")
+    return kind, columns, labels
+
+
+def _read_jsonl(path: Path):
+    opener = gzip.open if path.suffix == ".gz" else open
+
+    def records():
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{n}: expected a JSON object")
+                yield record
+
+    return _read_records(records(), str(path))
+
+
+def _read_hub(name: str):
+    """'owner/dataset[:config][:split]' through the datasets library (needs network and `pip install datasets`)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{name}: not a local file; reading Hugging Face datasets needs `pip install datasets`"
+        ) from None
+    parts = name.split(":")
+    repo, config, split = parts[0], (parts[1] if len(parts) > 2 else None), parts[-1] if len(parts) > 1 else "train"
+    try:
+        ds = datasets.load_dataset(repo, config, split=split)
+    except Exception as exc:
+        raise DataError(f"{name}: could not load from the Hugging Face Hub ({exc})") from exc
+    label_names = getattr(ds.features.get("label"), "names", None)
+
+    def records():
+        for row in ds:
+            if label_names and isinstance(row.get("label"), int):
+                if row["label"] < 0:
+                    continue  # SNLI marks pairs without a gold label with -1
+                row = {**row, "label": label_names[row["label"]]}
+            yield row
+
+    return _read_records(records(), name)
+
+
+def read_source(source: str) -> tuple[str, list[list[str]], list]:
+    path = Path(source).expanduser()
+    if path.is_file():
+        name = path.name.lower()
+        if name.endswith((".jsonl", ".jsonl.gz", ".json")):
+            return _read_jsonl(path)
+        return _read_tsv(path)
+    if path.exists():
+        raise DataError(f"{source}: is a directory; give the training files themselves")
+    if "/" in source and not source.startswith((".", "/", "~")) and not path.parent.exists():
+        return _read_hub(source)
+    raise DataError(f"{source}: no such file")
+
+
+def read_training_data(sources: list[str]) -> TrainingData:
+    """Read and concatenate several sources of the same kind."""
+    if not sources:
+        raise DataError("no training data given")
+    data: TrainingData | None = None
+    for source in sources:
+        kind, columns, labels = read_source(str(source))
+        if not columns or not columns[0]:
+            raise DataError(f"{source}: no rows after the header")
+        if data is None:
+            data = TrainingData(kind, columns, [] if labels else None, [])
+        elif kind != data.kind:
+            raise DataError(f"{source}: holds {kind} data but {data.sources[0]} holds {data.kind}; use one kind")
+        else:
+            for mine, theirs in zip(data.columns, columns, strict=True):
+                mine.extend(theirs)
+        if labels:
+            data.labels.extend(labels)
+        data.sources.append(str(source))
+    if data.labels is not None:
+        data.labels = np.asarray(data.labels, dtype=np.int64 if data.kind == "nli" else np.float32)
+    return data
+
+
+def read_sentences(path: str | Path) -> list[str]:
+    """Plain sentences for unsupervised objectives and reducers: one per line of a text file, or the first
+    text column of a TSV with a header (every distinct text of every text column for pair/triplet files)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    if path.suffix in {".tsv", ".gz"}:
+        _kind, columns, _ = _read_tsv(path)
+        return list(dict.fromkeys(t for col in columns for t in col))
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    out = [line for line in lines if line]
+    if not out:
+        raise DataError(f"{path}: no sentences")
+    return out

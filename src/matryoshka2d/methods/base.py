@@ -1,0 +1,68 @@
+"""What a method is: which views get the task loss at this step, with what weights, plus extra terms.
+
+A method never touches tokenization, batching or the optimizer. The trainer asks `plan(rng)` for this step's
+views, runs the backbone once up to the deepest layer the plan needs, and hands the pooled full-width states
+per layer to `loss(plan, states, task_loss)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from matryoshka2d.losses.batch import EmbeddedBatch
+from matryoshka2d.views import View
+
+States = dict[int, EmbeddedBatch]  # layer -> full-width pooled embeddings of every column of the batch
+TaskLoss = Callable[[EmbeddedBatch], torch.Tensor]
+
+
+@dataclass
+class Plan:
+    views: list[View]  # views that get the task loss
+    extra_layers: set[int] = field(default_factory=set)  # layers needed only by alignment terms
+    info: dict = field(default_factory=dict)  # what was sampled this step (for logs and the loss)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({v.layer for v in self.views} | self.extra_layers)
+
+
+class Method(nn.Module):
+    """Base class; subclasses set `name`, `summary` and implement `plan` (and `extra_loss` if any)."""
+
+    name = "base"
+    summary = ""
+
+    def __init__(self, num_layers: int, hidden_size: int):
+        super().__init__()
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+
+    def plan(self, rng: np.random.Generator) -> Plan:
+        raise NotImplementedError
+
+    def loss(self, plan: Plan, states: States, task_loss: TaskLoss) -> tuple[torch.Tensor, dict[str, float]]:
+        parts: dict[str, float] = {}
+        total = None
+        for view in plan.views:
+            value = task_loss(states[view.layer].sliced(view.dim))
+            parts[f"task{view}"] = float(value.detach())
+            total = view.weight * value if total is None else total + view.weight * value
+        extra, extra_parts = self.extra_loss(plan, states)
+        parts.update(extra_parts)
+        return (total + extra if extra is not None else total), parts
+
+    def extra_loss(self, plan: Plan, states: States) -> tuple[torch.Tensor | None, dict[str, float]]:
+        return None, {}
+
+    def widths(self) -> set[int]:
+        """Every width a view of this method can have (losses with per-width parameters create them upfront)."""
+        return {v.dim for v in self.plan(np.random.default_rng(0)).views}
+
+    def config(self) -> dict:
+        """The method's settings, recorded with the trained model."""
+        return {"method": self.name}

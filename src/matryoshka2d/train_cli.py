@@ -1,0 +1,112 @@
+"""`matryoshka2d train`: one command for every backbone, method and loss; `--config file.yaml` for all."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from matryoshka2d.losses import TASK_LOSSES
+from matryoshka2d.methods import METHODS
+from matryoshka2d.train import TrainConfig, train
+from matryoshka2d.views import parse_cells
+
+
+def _method_help() -> str:
+    lines = [f"  {name:<10} {cls.summary}" for name, cls in METHODS.items()]
+    return "methods:\n" + "\n".join(lines)
+
+
+def _options(values: list[str] | None, flag: str) -> dict:
+    """key=value pairs; values parsed as YAML scalars/lists (k=128, sizes=[[1,32],[6,384]], dynamic_weights=true)."""
+    out = {}
+    for item in values or []:
+        if "=" not in item:
+            raise ValueError(f"{flag} expects key=value, got '{item}'")
+        key, value = item.split("=", 1)
+        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
+def cmd_train(args) -> int:
+    values: dict = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of training options")
+        values.update(loaded)
+    for key in (
+        "model",
+        "method",
+        "loss",
+        "data",
+        "steps",
+        "epochs",
+        "batch_size",
+        "lr",
+        "seed",
+        "output",
+        "pooling",
+        "eval_steps",
+        "eval_file",
+        "save_steps",
+        "max_length",
+        "warmup_ratio",
+        "device",
+    ):
+        value = getattr(args, key, None)
+        if value is not None:
+            values[key] = value
+    if args.eval_cell:
+        values["eval_cell"] = list(parse_cells(args.eval_cell)[0])
+    values.setdefault("method_options", {}).update(_options(args.method_option, "--method-option"))
+    values.setdefault("loss_options", {}).update(_options(args.loss_option, "--loss-option"))
+    if args.sizes:
+        values["method_options"]["sizes"] = [list(c) for c in parse_cells(args.sizes)]
+    if args.layer or args.dim:
+        values["method_options"].update({k: v for k, v in (("layer", args.layer), ("dim", args.dim)) if v})
+    missing = [k for k in ("data", "output") if not values.get(k)]
+    if missing:
+        raise ValueError(f"train needs {' and '.join('--' + m for m in missing)} (or in --config)")
+    out = train(TrainConfig.from_dict(values), resume=args.resume)
+    print(f"model saved to {out}")
+    return 0
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model with any method and loss",
+        description="Train an elastic embedding model.\n\n" + _method_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="backbone: short name, directory or hub id (default minilm-l6)")
+    p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
+    p.add_argument("--device")
+    p.add_argument("--method", choices=list(METHODS), help="training method (see above; default plain)")
+    p.add_argument("--loss", choices=list(TASK_LOSSES), help="task loss (default angle)")
+    p.add_argument("--data", nargs="+", help="training files (TSV/JSONL: triplets, NLI pairs or scored pairs)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-ratio", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--output", help="folder for the trained model, logs and checkpoints")
+    p.add_argument("--eval-steps", type=int, help="evaluate on STS-B dev every N steps (and always at the end)")
+    p.add_argument("--eval-file", help="STS file for the periodic evaluation (default STS-B dev)")
+    p.add_argument("--eval-cell", help="layer:dim to evaluate (default: the full model)")
+    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
+    p.add_argument("--sizes", help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
+    p.add_argument("--layer", type=int, help="separate: train the model cut to this many layers")
+    p.add_argument("--dim", type=int, help="separate: at this width")
+    p.add_argument("--method-option", action="append", metavar="KEY=VALUE", help="e.g. k=64, kl_temperature=0.5")
+    p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. angle_weight=0.02")
+    p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    p.set_defaults(func=cmd_train)
