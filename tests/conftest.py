@@ -57,6 +57,15 @@ def tiny_bert(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer):
+    """A tiny random BERT saved as a plain Hugging Face folder (no sentence-transformers config)."""
+    path = tmp_path_factory.mktemp("tiny-bert")
+    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def minilm():
     return ElasticEncoder("minilm-l6", device="cpu")
 

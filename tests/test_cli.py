@@ -1,18 +1,8 @@
 """The command line: info, encode, models, demo; errors come back as one line and exit code 2."""
 
 import numpy as np
-import pytest
 
-from conftest import tiny_transformer
 from matryoshka2d.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-bert")
-    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def test_info(tiny_dir, capsys):

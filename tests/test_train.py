@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_transformer
 from matryoshka2d.backbones import layer_stack
 from matryoshka2d.cli import main
 from matryoshka2d.encoder import ElasticEncoder
@@ -30,14 +29,6 @@ WORDS = [
     "happy",
     "sad",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def pca_target(x: torch.Tensor, k: int) -> torch.Tensor:
     """X (B x D) -> X A_k (B x k), A_k the top-k singular directions of softmax(X^T X / sqrt(D)) scaled by S."""
     x = x.detach().float()
     dependency = torch.softmax(x.T @ x / math.sqrt(x.shape[-1]), dim=-1)
-    u, s, _ = torch.linalg.svd(dependency)
+    u, s, _ = torch.linalg.svd(dependency, full_matrices=False)
     return x @ (u[:, :k] * s[:k])
 
 

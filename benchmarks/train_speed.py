@@ -1,0 +1,113 @@
+"""Training time per step of every method, and our 2DMSE against sentence-transformers' Matryoshka2dLoss.
+
+    python benchmarks/train_speed.py [--steps 30] [--warmup 3] [--rounds 2] [--batch-size 32]
+
+All runs use minilm-l6, the shared NLI triplets, batch 32, the same batches, AdamW and clipping. Each run
+takes `warmup` untimed steps and then `steps` timed ones; the runs are repeated for `rounds` rounds in
+alternating order, and the best round of each is kept, so that a slow spell of the machine hits all alike.
+The peer is Matryoshka2dLoss(MultipleNegativesRankingLoss) with its defaults; our matching run is `2dmse` with
+the `infonce` loss (the same in-batch objective as MultipleNegativesRankingLoss, scale 20).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import DEFAULT_DATA, header
+
+from matryoshka2d.train import Trainer, TrainConfig
+
+RUNS = [
+    ("plain", "plain", "angle", {}),
+    ("mrl", "mrl", "angle", {}),
+    ("2dmse", "2dmse", "angle", {}),
+    ("ese", "ese", "angle", {}),
+    ("starbucks", "starbucks", "angle", {}),
+    ("separate (2,128)", "separate", "angle", {"layer": 2, "dim": 128}),
+    ("2dmse + infonce", "2dmse", "infonce", {}),
+]
+
+
+def time_ours(method, loss, options, data, batch_size, warmup, steps) -> float:
+    cfg = TrainConfig(data=[str(data)], output="/tmp/m2d-train-speed", method=method, loss=loss,
+                      batch_size=batch_size, steps=warmup + steps, method_options=options, save_steps=0)
+    trainer = Trainer(cfg)
+    for _ in range(warmup):
+        trainer.train_step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    return (time.perf_counter() - start) / steps
+
+
+def time_peer(data, batch_size, warmup, steps) -> float:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
+
+    from matryoshka2d.backbones import minilm_dir
+    from matryoshka2d.data import read_training_data
+    from matryoshka2d.views import nested_dims
+
+    rows = read_training_data([str(data)])
+    model = SentenceTransformer(str(minilm_dir()), device="cpu")
+    dims = sorted(nested_dims(model.get_embedding_dimension()), reverse=True)
+    loss_fn = Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
+    order = np.random.default_rng([42, 0]).permutation(len(rows))
+    model.train()
+
+    def step(i: int) -> None:
+        columns, _ = rows.rows(order[i * batch_size : (i + 1) * batch_size])
+        loss = loss_fn([model.tokenize(c) for c in columns], labels=None)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for i in range(warmup):
+        step(i)
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    args = parser.parse_args()
+    print(header())
+    data = args.data_dir / "nli" / "train_triplets.tsv"
+    print(f"data: {data}, batch {args.batch_size} triplets, {args.warmup} warm-up + {args.steps} timed steps")
+    names = [r[0] for r in RUNS] + ["st Matryoshka2dLoss(MNRL)"]
+    best = dict.fromkeys(names, float("inf"))
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            if name.startswith("st "):
+                seconds = time_peer(data, args.batch_size, args.warmup, args.steps)
+            else:
+                _, method, loss, options = next(run for run in RUNS if run[0] == name)
+                seconds = time_ours(method, loss, options, data, args.batch_size, args.warmup, args.steps)
+            best[name] = min(best[name], seconds)
+            print(f"  round {r + 1}: {name}: {seconds:.3f} s/step", flush=True)
+    plain = best["plain"]
+    print("\n| run | s/step | samples/s | vs plain |")
+    print("|---|---:|---:|---:|")
+    for name in names:
+        print(f"| {name} | {best[name]:.3f} | {args.batch_size / best[name]:.1f} | {best[name] / plain:.2f}x |")
+    ours, peer = best["2dmse + infonce"], best["st Matryoshka2dLoss(MNRL)"]
+    print(f"\nour 2dmse + infonce trains {peer / ours:.2f}x the samples/second of sentence-transformers' "
+          f"Matryoshka2dLoss(MNRL) ({args.batch_size / ours:.1f} vs {args.batch_size / peer:.1f})")
+
+
+if __name__ == "__main__":
+    main()
