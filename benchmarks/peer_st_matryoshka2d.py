@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import header
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 from tqdm.auto import tqdm
 
+from common import header
 from matryoshka2d.backbones import minilm_dir
 from matryoshka2d.data import read_training_data
 from matryoshka2d.views import nested_dims

@@ -26,6 +26,6 @@ run 2dmse-infonce --method 2dmse --loss infonce
 if [ ! -f "$OUT/st-matryoshka2d/peer_run.json" ]; then
   "$BIN/python" benchmarks/peer_st_matryoshka2d.py --data "$TRIPLETS" --output "$OUT/st-matryoshka2d"
 fi
-run separate-1-64 --method separate --layer 1 --dim 64 --loss angle
 run separate-2-128 --method separate --layer 2 --dim 128 --loss angle
+run separate-1-64 --method separate --layer 1 --dim 64 --loss angle
 run separate-3-128 --method separate --layer 3 --dim 128 --loss angle

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import DEFAULT_DATA, header
 
-from matryoshka2d.train import Trainer, TrainConfig
+from common import DEFAULT_DATA, header
+from matryoshka2d.train import TrainConfig, Trainer
 
 RUNS = [
     ("plain", "plain", "angle", {}),

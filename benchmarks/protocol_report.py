@@ -1,0 +1,77 @@
+"""Score every model of the training protocol on the STS grid and print the comparison table.
+
+    python benchmarks/protocol_report.py [--runs runs/protocol] [--data-dir ../shared/data]
+
+For RAW (untouched minilm-l6) and each trained folder under --runs, runs `matryoshka2d eval sts` once
+(results cached in <run>/sts/results.json) and prints: the 7-set average at the last layer and full width,
+the shallow average (ESE's ≺Avg: layers 1..N-1 at full width) and the cells (1,64), (2,128), (3,128).
+A separately trained model has only its own layers, so it reports only the cells it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from common import DEFAULT_DATA, header
+
+CELLS = [(1, 64), (2, 128), (3, 128)]
+ORDER = ["raw", "plain", "mrl", "2dmse", "ese", "starbucks", "2dmse-infonce", "st-matryoshka2d",
+         "separate-1-64", "separate-2-128", "separate-3-128"]
+
+
+def scored(model: str, out: Path, data_dir: Path) -> dict:
+    results = out / "results.json"
+    if not results.is_file():
+        cmd = [str(Path(sys.executable).parent / "matryoshka2d"), "eval", "sts", "--model", model,
+               "--data-dir", str(data_dir), "--output", str(out), "--quiet"]
+        print("running:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    return json.loads(results.read_text())
+
+
+def describe(run: Path) -> str:
+    meta_file = run / "matryoshka2d.json"
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        return f"{meta['method']['method']} + {meta['loss']}, {meta['steps']} steps"
+    peer = run / "peer_run.json"
+    if peer.is_file():
+        info = json.loads(peer.read_text())
+        return f"{info['peer']}, {info['steps']} steps"
+    return "untouched backbone"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=Path, default=Path("runs/protocol"))
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    args = parser.parse_args()
+    print(header())
+    runs = {"raw": ("minilm-l6", args.runs / "raw")}
+    for name in ORDER[1:]:
+        run = args.runs / name
+        if (run / "matryoshka2d.json").is_file() or (run / "peer_run.json").is_file():
+            runs[name] = (str(run), run)
+    rows = []
+    for name, (model, run) in runs.items():
+        result = scored(model, run / "sts", args.data_dir)
+        avg = {(r["layer"], r["dim"]): r["spearman"] for r in result["average"]}
+        summary = result["summary"]
+        last = max(n for n, _ in avg)
+        full = (last, max(d for _, d in avg))
+        rows.append((name, describe(run), avg.get(full) if last == 6 else None,
+                     summary.get("shallow_average") if last == 6 else None, [avg.get(c) for c in CELLS]))
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print("\n| model | training | avg (6,384) | shallow avg (1-5, 384) | " + " | ".join(f"({n},{d})" for n, d in CELLS)
+          + " |")
+    print("|---|---|---:|---:|" + "---:|" * len(CELLS))
+    for name, what, full, shallow, cells in rows:
+        print(f"| {name} | {what} | {fmt(full)} | {fmt(shallow)} | " + " | ".join(fmt(v) for v in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
