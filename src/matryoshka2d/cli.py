@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli")
+COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "matryoshka2d.compress_cli")
 
 
 def _encoder(args):

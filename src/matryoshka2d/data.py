@@ -4,6 +4,9 @@ The kind is read from the header (TSV) or the keys (JSONL, HF datasets):
 - triplets: anchor, positive, negative
 - NLI pairs: premise, hypothesis, label   (or sentence1, sentence2, label with entailment/neutral/contradiction)
 - scored pairs: sentence1, sentence2, score   (STS-B / SICK train)
+- sentences: plain text, one sentence per line (.txt), for unsupervised objectives (SimCSE, SMAE). Such data
+  has two identical columns, so that a batch encodes every sentence twice (two dropout masks, as SimCSE does).
+  `read_training_data(..., sentences=True)` reads any file as sentences (every distinct text of a TSV).
 Several sources can be given; they must be of one kind. A malformed row stops the run with file and line.
 """
 
@@ -25,6 +28,8 @@ KINDS = {
     "nli": (("premise", "hypothesis"), "label"),
     "scored": (("sentence1", "sentence2"), "score"),
 }
+# Columns that hold text, for reading any TSV as plain sentences (classification sets have `sentence`).
+TEXT_COLUMNS = ("anchor", "positive", "negative", "premise", "hypothesis", "sentence1", "sentence2", "sentence", "text")
 
 
 class DataError(ValueError):
@@ -172,12 +177,19 @@ def _read_hub(name: str):
     return _read_records(records(), name)
 
 
+def _is_plain_text(path: Path) -> bool:
+    return path.name.lower().endswith((".txt", ".txt.gz"))
+
+
 def read_source(source: str) -> tuple[str, list[list[str]], list]:
     path = Path(source).expanduser()
     if path.is_file():
         name = path.name.lower()
         if name.endswith((".jsonl", ".jsonl.gz", ".json")):
             return _read_jsonl(path)
+        if _is_plain_text(path):
+            sentences = read_sentences(path)
+            return "sentences", [sentences, list(sentences)], []
         return _read_tsv(path)
     if path.exists():
         raise DataError(f"{source}: is a directory; give the training files themselves")
@@ -186,13 +198,17 @@ def read_source(source: str) -> tuple[str, list[list[str]], list]:
     raise DataError(f"{source}: no such file")
 
 
-def read_training_data(sources: list[str]) -> TrainingData:
-    """Read and concatenate several sources of the same kind."""
+def read_training_data(sources: list[str], sentences: bool = False) -> TrainingData:
+    """Read and concatenate several sources of the same kind (with `sentences`, every source as sentences)."""
     if not sources:
         raise DataError("no training data given")
     data: TrainingData | None = None
     for source in sources:
-        kind, columns, labels = read_source(str(source))
+        if sentences:
+            texts = read_sentences(Path(str(source)).expanduser())
+            kind, columns, labels = "sentences", [texts, list(texts)], []
+        else:
+            kind, columns, labels = read_source(str(source))
         if not columns or not columns[0]:
             raise DataError(f"{source}: no rows after the header")
         if data is None:
@@ -211,16 +227,57 @@ def read_training_data(sources: list[str]) -> TrainingData:
 
 
 def read_sentences(path: str | Path) -> list[str]:
-    """Plain sentences for unsupervised objectives and reducers: one per line of a text file, or the first
-    text column of a TSV with a header (every distinct text of every text column for pair/triplet files)."""
+    """Plain sentences for unsupervised objectives and reducers: one per line of a text file (blank lines
+    skipped), or, for a TSV with a header or a JSONL file, every distinct text of its text fields
+    (anchor/positive/negative, premise/hypothesis, sentence1/sentence2, sentence or text) in file order, row by
+    row."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    if path.suffix in {".tsv", ".gz"}:
-        _kind, columns, _ = _read_tsv(path)
-        return list(dict.fromkeys(t for col in columns for t in col))
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    out = [line for line in lines if line]
+    opener = gzip.open if path.suffix == ".gz" else open
+    if path.name.lower().endswith((".tsv", ".tsv.gz")):
+        out = list(dict.fromkeys(_tsv_texts(path, opener)))
+    elif path.name.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
+        out = list(dict.fromkeys(_jsonl_texts(path, opener)))
+    else:
+        with opener(path, "rt", encoding="utf-8") as f:
+            out = [line.strip() for line in f if line.strip()]
     if not out:
         raise DataError(f"{path}: no sentences")
     return out
+
+
+def _jsonl_texts(path: Path, opener):
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object")
+            for name in TEXT_COLUMNS:
+                value = record.get(name)
+                if isinstance(value, str) and value.strip():
+                    yield value.strip()
+
+
+def _tsv_texts(path: Path, opener):
+    with opener(path, "rt", encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, None)
+        if not header:
+            raise DataError(f"{path}: empty file (expected a header line)")
+        names = [h.strip().lower() for h in header]
+        positions = [i for i, name in enumerate(names) if name in TEXT_COLUMNS]
+        if not positions:
+            raise DataError(f"{path}:1: no text column in {header}; expected one of {', '.join(TEXT_COLUMNS)}")
+        for line_no, row in enumerate(reader, start=2):
+            if len(row) != len(header):
+                raise DataError(f"{path}:{line_no}: {len(row)} fields, expected {len(header)} ({', '.join(header)})")
+            for pos in positions:
+                text = row[pos].strip()
+                if text:
+                    yield text

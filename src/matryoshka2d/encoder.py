@@ -3,6 +3,10 @@
 An exit at layer n really stops there: the layer stack is cut to n layers for the call, so layers above n
 never run. Each requested layer is read with a forward hook on that layer, so one pass up to the deepest
 requested layer yields every cell of a (layer, dim) grid.
+
+A model may carry a pooler head (a sentence-transformers Dense module, see matryoshka2d.pooler): it is applied
+after pooling at every exit, and its output is the embedding. `hidden_size` is then the head's output size d
+(the width of the embeddings every cell slices), while `transformer_size` stays the transformer's width D.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -29,6 +34,7 @@ from matryoshka2d.backbones import (
     read_sentence_config,
     resolve,
 )
+from matryoshka2d.pooler import PoolerHead, load_pooler
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -130,6 +136,7 @@ class ElasticEncoder(nn.Module):
         # Feed only what the model's forward takes (DistilBERT and decoders have no token_type_ids).
         accepted = inspect.signature(transformer.forward).parameters
         self._input_names = [n for n in tokenizer.model_input_names if n in accepted]
+        self.head: PoolerHead | None = load_pooler(location, self.transformer_size) if location else None
         self.to(torch.device(device) if device is not None else default_device())
         self.model.eval()
 
@@ -140,8 +147,31 @@ class ElasticEncoder(nn.Module):
         return len(layer_stack(self.model))
 
     @property
-    def hidden_size(self) -> int:
+    def transformer_size(self) -> int:
+        """The transformer's hidden width D (what pooling produces, before any pooler head)."""
         return int(self.model.config.hidden_size)
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the sentence embeddings: the pooler head's output size if there is one, else D."""
+        return self.head.out_features if self.head is not None else self.transformer_size
+
+    def set_pooler(self, head: PoolerHead | None) -> PoolerHead | None:
+        """Put a pooler head on (or take it off with None); returns the head that was there before."""
+        if head is not None and head.in_features != self.transformer_size:
+            raise BackboneError(
+                f"a pooler taking {head.in_features} numbers does not fit {self.name}, whose pooled vectors have "
+                f"{self.transformer_size}"
+            )
+        previous = self.head
+        self.head = head.to(self.device) if head is not None else None
+        return previous
+
+    def add_pooler(self, dim: int, seed: int = 0) -> PoolerHead:
+        """A fresh D -> dim tanh head (BERT's pooler initialisation), put on the encoder and returned."""
+        head = PoolerHead.fresh(self.transformer_size, dim, seed=seed)
+        self.set_pooler(head)
+        return self.head
 
     @property
     def device(self) -> torch.device:
@@ -154,9 +184,11 @@ class ElasticEncoder(nn.Module):
             "architecture": self.model.config.model_type,
             "layers": self.num_layers,
             "hidden_size": self.hidden_size,
+            "transformer_size": self.transformer_size,
+            "pooler": self.head.describe() if self.head is not None else None,
             "pooling": self.pooling,
             "max_length": self.max_length,
-            "parameters": count_parameters(self.model),
+            "parameters": count_parameters(self),  # the transformer and the pooler head
         }
 
     def check_layer(self, layer: int | None) -> int:
@@ -192,7 +224,18 @@ class ElasticEncoder(nn.Module):
         return {k: v.to(self.device) for k, v in batch.items() if k in self._input_names}
 
     def forward(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """Pooled sentence vectors (B, hidden) after each requested layer; runs max(layers) layers only."""
+        """Sentence vectors (B, hidden_size) after each requested layer: pooled, then through the pooler head if
+        the model has one; runs max(layers) layers only."""
+        mask = features["attention_mask"]
+        out = {}
+        for n, hidden in self.token_states(features, layers).items():
+            pooled = pool(hidden, mask, self.pooling)
+            out[n] = self.head(pooled) if self.head is not None else pooled
+        return out
+
+    def token_states(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
+        """Token states (B, T, D) after each requested layer (the final norm applied, for decoders); runs
+        max(layers) layers only."""
         wanted = sorted({self.check_layer(int(n)) for n in layers})
         if not wanted:
             raise BackboneError("forward() needs at least one layer")
@@ -212,20 +255,20 @@ class ElasticEncoder(nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
-        mask = features["attention_mask"]
         out = {}
         for n in wanted:
             hidden = captured[n]
             if self._final_norm is not None:
                 hidden = self._final_norm(hidden)
-            out[n] = pool(hidden, mask, self.pooling)
+            out[n] = hidden
         return out
 
     # ---- saving -----------------------------------------------------------------------------------------
 
     def save(self, path: str | Path, keep_layers: int | None = None, metadata: dict | None = None) -> Path:
-        """Write a sentence-transformers folder (safetensors weights, tokenizer, pooling config) that loads with
-        `SentenceTransformer(path)`, `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)`.
+        """Write a sentence-transformers folder (safetensors weights, tokenizer, pooling config, and the pooler
+        head as a Dense module if there is one) that loads with `SentenceTransformer(path)`,
+        `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)`.
 
         `keep_layers` cuts the saved model to its first layers (the layers above are not written at all).
         `metadata` (method, training config, ...) goes to matryoshka2d.json.
@@ -247,12 +290,18 @@ class ElasticEncoder(nn.Module):
             self.pooling, "pooling_mode_lasttoken"
         )
         (out / "1_Pooling").mkdir(exist_ok=True)
-        pool_cfg = {"word_embedding_dimension": self.hidden_size, pooling_key: True}
+        pool_cfg = {"word_embedding_dimension": self.transformer_size, pooling_key: True}
         (out / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg, indent=2))
         modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         ]
+        stale = out / "2_Dense"
+        if stale.is_dir():
+            shutil.rmtree(stale)  # a head from an earlier save into this folder must not survive
+        if self.head is not None:
+            self.head.save(out / "2_Dense")
+            modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
         (out / "modules.json").write_text(json.dumps(modules, indent=2))
         (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": self.max_length}, indent=2))
         if metadata is not None:
@@ -302,7 +351,8 @@ class ElasticEncoder(nn.Module):
     def pooled_states(
         self, texts: Sequence[str], layers: Iterable[int], batch_size: int = 64, show_progress: bool = False
     ) -> dict[int, np.ndarray]:
-        """Full-width pooled vectors per layer, (len(texts), hidden) each; duplicates are encoded once."""
+        """Full-width sentence vectors per layer (pooled, then through the pooler head if any), (len(texts),
+        hidden_size) each; duplicates are encoded once."""
         texts = check_texts(texts)
         layers = sorted({self.check_layer(n) for n in layers})
         if batch_size < 1:

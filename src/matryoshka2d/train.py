@@ -45,6 +45,7 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 5e-5  # 2DMSE sec. 4 and ESE sec. 4 (BERT-based models)
     warmup_ratio: float = 0.1
+    lr_schedule: str = "linear"  # linear warm-up, then "linear" or "cosine" decay to 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     seed: int = 42
@@ -58,6 +59,8 @@ class TrainConfig:
     method_options: dict = field(default_factory=dict)
     loss_options: dict = field(default_factory=dict)
     device: str | None = None
+    pooler_dim: int | None = None  # put a D -> d tanh pooler head on the encoder (dimensionality paper, sec. 3)
+    freeze_encoder: bool = False  # train only the pooler head (and the loss's own parameters): two-step, step 2
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
@@ -82,14 +85,15 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.out = Path(config.output)
+        if config.lr_schedule not in ("linear", "cosine"):
+            raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
         self.encoder = ElasticEncoder(
             config.model, pooling=config.pooling, max_length=config.max_length, device=config.device
         )
-        self.method: Method = make_method(
-            config.method, self.encoder.num_layers, self.encoder.hidden_size, **config.method_options
-        )
-        self.task_loss = make_task_loss(config.loss, **config.loss_options)
-        self.data: TrainingData = read_training_data(config.data)
+        self._prepare_pooler()
+        self.method = self.build_method()
+        self.task_loss = self.build_task_loss()
+        self.data: TrainingData = self.read_data()
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
@@ -100,13 +104,50 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
 
+    # ---- what is trained, on what (subclasses such as the SMAE pre-trainer replace these) ---------------
+
+    def build_method(self) -> Method:
+        return make_method(
+            self.config.method, self.encoder.num_layers, self.encoder.hidden_size, **self.config.method_options
+        )
+
+    def build_task_loss(self) -> torch.nn.Module:
+        return make_task_loss(self.config.loss, **self.config.loss_options)
+
+    def read_data(self) -> TrainingData:
+        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences."""
+        wants_sentences = bool(getattr(self.task_loss, "needs_sentences", False))
+        data = read_training_data(self.config.data, sentences=wants_sentences)
+        if data.kind == "sentences" and not wants_sentences:
+            raise ValueError(
+                f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
+                f"(--loss simcse), not '{self.config.loss}'"
+            )
+        return data
+
+    def _prepare_pooler(self) -> None:
+        """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze."""
+        dim = self.config.pooler_dim
+        if dim is not None:
+            head = self.encoder.head
+            if head is None or head.out_features != dim:
+                if head is not None:
+                    print(f"replacing the model's {head.describe()} head by a fresh {dim}-dim pooler")
+                self.encoder.add_pooler(dim, seed=self.config.seed)
+        if self.config.freeze_encoder:
+            if self.encoder.head is None:
+                raise ValueError("freeze_encoder trains only the pooler head: give pooler_dim or a model with one")
+            for p in self.encoder.model.parameters():
+                p.requires_grad_(False)
+
     def _lr_factory(self, warmup: int):
-        total = self.total_steps
+        total, cosine = self.total_steps, self.config.lr_schedule == "cosine"
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / (warmup + 1)
-            return max(0.0, (total - step) / max(1, total - warmup))
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress)) if cosine else max(0.0, 1.0 - progress)
 
         return factor
 
@@ -209,7 +250,8 @@ class Trainer:
             return False
         saved = json.loads((checkpoint / "config.json").read_text())
         mine = dataclasses.asdict(self.config)
-        differ = [k for k in ("model", "method", "loss", "batch_size", "seed", "data") if saved.get(k) != mine.get(k)]
+        keys = ("model", "method", "loss", "batch_size", "seed", "data", "pooler_dim", "freeze_encoder")
+        differ = [k for k in keys if saved.get(k) != mine.get(k)]
         if differ:
             raise ValueError(f"cannot resume from {checkpoint}: the run differs in {', '.join(differ)}")
         state = torch.load(checkpoint / "state.pt", map_location=self.encoder.device, weights_only=False)

@@ -4,9 +4,16 @@ from matryoshka2d.losses.angle import AnglELoss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.losses.cosent import CoSENTLoss
 from matryoshka2d.losses.infonce import InfoNCELoss
+from matryoshka2d.losses.simcse import SimCSELoss
 from matryoshka2d.losses.softmax import SoftmaxLoss
 
-TASK_LOSSES = {"angle": AnglELoss, "cosent": CoSENTLoss, "infonce": InfoNCELoss, "softmax": SoftmaxLoss}
+TASK_LOSSES = {
+    "angle": AnglELoss,
+    "cosent": CoSENTLoss,
+    "infonce": InfoNCELoss,
+    "softmax": SoftmaxLoss,
+    "simcse": SimCSELoss,
+}
 
 
 def make_task_loss(name: str, **kwargs):
@@ -15,4 +22,13 @@ def make_task_loss(name: str, **kwargs):
     return TASK_LOSSES[name](**kwargs)
 
 
-__all__ = ["TASK_LOSSES", "AnglELoss", "CoSENTLoss", "EmbeddedBatch", "InfoNCELoss", "SoftmaxLoss", "make_task_loss"]
+__all__ = [
+    "TASK_LOSSES",
+    "AnglELoss",
+    "CoSENTLoss",
+    "EmbeddedBatch",
+    "InfoNCELoss",
+    "SimCSELoss",
+    "SoftmaxLoss",
+    "make_task_loss",
+]

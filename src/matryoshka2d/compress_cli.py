@@ -1,0 +1,206 @@
+"""`matryoshka2d two-step` (pooler compression, Algorithm 1 of the dimensionality paper) and
+`matryoshka2d pretrain --method smae` (Starbucks masked-autoencoder pre-training)."""
+
+from __future__ import annotations
+
+import json
+
+from matryoshka2d.losses import TASK_LOSSES
+from matryoshka2d.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
+from matryoshka2d.train_cli import _options
+from matryoshka2d.views import parse_cells
+
+
+def parse_dims(text: str, flag: str) -> list[int]:
+    """'384,256,128' -> [384, 256, 128]; the error names the flag and the bad item."""
+    out = []
+    for part in str(text).replace(" ", ",").split(","):
+        if not part.strip():
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise ValueError(f"{flag}: '{part}' is not an integer (write e.g. 384,128,32)") from None
+    if not out:
+        raise ValueError(f"{flag}: no dims in '{text}'")
+    return out
+
+
+def _train_values(args, keys) -> dict:
+    values = {}
+    for key in keys:
+        value = getattr(args, key, None)
+        if value is not None:
+            values[key] = value
+    return values
+
+
+def cmd_two_step(args) -> int:
+    from matryoshka2d.two_step import TwoStepConfig, run_two_step
+
+    train = _train_values(
+        args,
+        (
+            "pooling",
+            "device",
+            "steps",
+            "epochs",
+            "batch_size",
+            "lr",
+            "warmup_ratio",
+            "seed",
+            "max_length",
+            "save_steps",
+        ),
+    )
+    loss_options = _options(args.loss_option, "--loss-option")
+    if loss_options:
+        train["loss_options"] = loss_options
+    config = TwoStepConfig(
+        data=args.data,
+        output=args.output,
+        target_dims=parse_dims(args.target_dim, "--target-dim"),
+        candidate_dims=parse_dims(args.candidate_dims, "--candidate-dims") if args.candidate_dims else None,
+        model=args.model,
+        loss=args.loss,
+        validation_file=args.validation_file,
+        report_file=args.report_file,
+        pooler_steps=args.pooler_steps,
+        pooler_lr=args.pooler_lr,
+        train=train,
+    )
+    result = run_two_step(config, progress=not args.quiet)
+    for row in result["targets"]:
+        stages = ", ".join(f"{k} {row[k]['report']:.2f}" for k in ("end_to_end", "after_step1", "after_step2"))
+        print(f"d={row['dim']} (opt={result['opt']}) on {result['report_file']}: {stages}")
+    print(f"report -> {args.output}/two_step.md, {args.output}/two_step.json")
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    from matryoshka2d.smae import pretrain
+    from matryoshka2d.train import TrainConfig
+
+    # Defaults of the SMAE paper, sec. 4.1: AdamW lr 1e-4, weight decay 0.05, cosine schedule, warm-up 0.05.
+    values = {
+        "model": args.model,
+        "method": args.method,
+        "loss": "mlm+mae",
+        "data": args.data,
+        "output": args.output,
+        "lr": 1e-4,
+        "weight_decay": 0.05,
+        "lr_schedule": "cosine",
+        "warmup_ratio": 0.05,
+    }
+    values.update(
+        _train_values(
+            args,
+            (
+                "pooling",
+                "device",
+                "steps",
+                "epochs",
+                "batch_size",
+                "lr",
+                "weight_decay",
+                "lr_schedule",
+                "warmup_ratio",
+                "seed",
+                "max_length",
+                "save_steps",
+                "eval_steps",
+                "eval_file",
+            ),
+        )
+    )
+    options = {
+        "encoder_mask_ratio": args.encoder_mask_ratio if args.encoder_mask_ratio is not None else ENCODER_MASK_RATIO,
+        "decoder_mask_ratio": args.decoder_mask_ratio if args.decoder_mask_ratio is not None else DECODER_MASK_RATIO,
+        "bottleneck": args.bottleneck,
+    }
+    if args.sizes:
+        options["sizes"] = [list(c) for c in parse_cells(args.sizes)]
+    values["method_options"] = options
+    out = pretrain(TrainConfig.from_dict(values), resume=args.resume, progress=not args.quiet)
+    meta = json.loads((out / "matryoshka2d.json").read_text())
+    print(f"pre-trained encoder saved to {out} ({meta['steps']} steps; decoder and MLM head discarded)")
+    return 0
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser(
+        "two-step",
+        help="pooler compression to d dims with two-step training (dimensionality paper, Algorithm 1)",
+        description="Train the encoder with a D->d tanh pooler for every candidate d', pick the encoder that is "
+        "best alone on the validation set, put the target pooler on it and fine-tune only the pooler. Writes "
+        "two_step.json and two_step.md (the paper's Table 1/2) and the models of every stage.",
+    )
+    model_args(p)
+    p.add_argument("--target-dim", required=True, help="pooler output size d, or several: 128,64,32,16,8")
+    p.add_argument(
+        "--candidate-dims",
+        help="pooler sizes whose encoders compete, e.g. 384,256,128,64,32 "
+        "(default: 8, 16, 32, ... below the hidden size, and the hidden size)",
+    )
+    p.add_argument(
+        "--data", nargs="+", required=True, help="training files (sentences for simcse; NLI pairs for softmax)"
+    )
+    p.add_argument(
+        "--loss",
+        choices=list(TASK_LOSSES),
+        default="simcse",
+        help="default simcse (Table 1); softmax on NLI pairs is Table 2",
+    )
+    p.add_argument("--output", required=True, help="folder for every run, the final models and the report")
+    p.add_argument("--steps", type=int, help="optimizer steps of each step-1 run (default: one epoch)")
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-ratio", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
+    p.add_argument("--pooler-steps", type=int, help="steps of the step-2 pooler fine-tuning (default: as step 1)")
+    p.add_argument("--pooler-lr", type=float, help="learning rate of step 2 (default: as step 1)")
+    p.add_argument("--validation-file", help="STS file that selects encoder_opt (default: STS-B dev)")
+    p.add_argument("--report-file", help="STS file of the report (default: STS-B test)")
+    p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. temperature=0.05")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_two_step)
+
+    p = sub.add_parser(
+        "pretrain",
+        help="SMAE pre-training of a backbone (Starbucks sec. 3.2); resumable like train",
+        description="Masked-LM pre-training of the encoder at a list of (layer, dim) sizes plus a one-layer "
+        "decoder that reconstructs a more heavily masked copy from the size's sentence vector. Saves the "
+        "encoder only; fine-tune it with `matryoshka2d train --model OUTPUT`.",
+    )
+    model_args(p)
+    p.add_argument("--method", choices=["smae"], default="smae")
+    p.add_argument("--data", nargs="+", required=True, help="corpus: text files, one sentence per line (or TSVs)")
+    p.add_argument("--output", required=True, help="folder for the pre-trained encoder, logs and checkpoints")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--batch-size", type=int, help="default 32 (the paper: 512)")
+    p.add_argument("--lr", type=float, help="default 1e-4 (paper sec. 4.1)")
+    p.add_argument("--weight-decay", type=float, help="default 0.05 (paper sec. 4.1)")
+    p.add_argument("--lr-schedule", choices=["cosine", "linear"], help="default cosine (paper sec. 4.1)")
+    p.add_argument("--warmup-ratio", type=float, help="default 0.05 (paper sec. 4.1)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--sizes", help="(layer,dim) list, e.g. 1:32,2:64,6:384 (default: the Starbucks SRL sizes)")
+    p.add_argument("--encoder-mask-ratio", type=float, help=f"alpha_e (default {ENCODER_MASK_RATIO})")
+    p.add_argument("--decoder-mask-ratio", type=float, help=f"alpha_d (default {DECODER_MASK_RATIO})")
+    p.add_argument(
+        "--bottleneck",
+        choices=["pooled", "cls"],
+        default="pooled",
+        help="decoder input vector: the model's pooled sentence vector (default) or the [CLS] state",
+    )
+    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
+    p.add_argument("--eval-steps", type=int, help="STS-B dev check every N steps (and at the end)")
+    p.add_argument("--eval-file", help="STS file for that check (default STS-B dev, skipped if absent)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_pretrain)

@@ -1,0 +1,159 @@
+"""A pooler head that compresses a sentence vector from D to d numbers: fully connected D -> d, then tanh.
+
+Wang et al., "On the Dimensionality of Sentence Embeddings", sec. 3 and Figure 1: BERT/RoBERTa's pooler is a
+fully connected D x D layer with a tanh on top of the pooled [CLS] state; changing its output size to d makes
+it a compressor whose output is the sentence embedding. Here the head sits on whatever pooling the model uses
+(mean for minilm-l6, cls for BERT-style CLS models) and after any layer exit, so `encode(layer=n)` gives the
+head applied to layer n's pooled vector.
+
+On disk the head is a sentence-transformers `Dense` module folder (e.g. `2_Dense/`): `config.json` with
+in_features, out_features, bias and activation_function, and `model.safetensors` holding `linear.weight`
+(d x D) and `linear.bias` (d). That is the format `sentence_transformers.base.modules.dense.Dense.save` writes in
+sentence-transformers 6.2, so `SentenceTransformer(path)` loads the same head and gives the same embeddings.
+
+A fresh head is initialised as BERT initialises its pooler (weights ~ N(0, 0.02), bias 0; `initializer_range`
+of the BERT/RoBERTa configs), from a seeded generator so that runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from matryoshka2d.backbones import BackboneError
+
+# The activations a Dense module may declare that we reproduce exactly (class paths as sentence-transformers
+# writes them with `fullname(...)`).
+ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": nn.Tanh,
+    "torch.nn.modules.linear.Identity": nn.Identity,
+}
+TANH = "torch.nn.modules.activation.Tanh"
+
+
+class PoolerHead(nn.Module):
+    """y = tanh(W x + b), W of shape (d, D): the dimensionality paper's pooler with output size d."""
+
+    def __init__(self, in_features: int, out_features: int, activation: str = TANH, bias: bool = True):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise BackboneError(
+                f"pooler activation '{activation}' is not supported; supported: {', '.join(sorted(ACTIVATIONS))}"
+            )
+        self.in_features, self.out_features, self.activation_name = in_features, out_features, activation
+        self.linear = nn.Linear(in_features, out_features, bias=bias)
+        self.activation = ACTIVATIONS[activation]()
+
+    @classmethod
+    def fresh(cls, in_features: int, out_features: int, seed: int = 0, std: float = 0.02) -> PoolerHead:
+        check_pooler_dim(out_features, in_features)
+        head = cls(in_features, out_features)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            head.linear.weight.normal_(0.0, std, generator=generator)
+            head.linear.bias.zero_()
+        return head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(x.to(self.linear.weight.dtype)))
+
+    def describe(self) -> str:
+        act = self.activation_name.rsplit(".", 1)[-1].lower()
+        return f"dense {self.in_features}->{self.out_features} {act}"
+
+    # ---- the sentence-transformers Dense folder ---------------------------------------------------------
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": self.linear.bias is not None,
+            "activation_function": self.activation_name,
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        tensors = {"linear.weight": self.linear.weight.detach().float().cpu().contiguous()}
+        if self.linear.bias is not None:
+            tensors["linear.bias"] = self.linear.bias.detach().float().cpu().contiguous()
+        save_file(tensors, str(out / "model.safetensors"))
+        return out
+
+    @classmethod
+    def load(cls, folder: str | Path) -> PoolerHead:
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise BackboneError(f"{folder}: a Dense module folder needs config.json")
+        config = json.loads(config_file.read_text())
+        missing = [k for k in ("in_features", "out_features") if k not in config]
+        if missing:
+            raise BackboneError(f"{config_file}: missing {', '.join(missing)}")
+        weights = folder / "model.safetensors"
+        if not weights.is_file():
+            found = sorted(p.name for p in folder.iterdir() if p.suffix in {".bin", ".pt", ".pth"})
+            hint = f" (found {', '.join(found)}; convert it to safetensors)" if found else ""
+            raise BackboneError(f"Missing weights: {folder} has no model.safetensors{hint}")
+        head = cls(
+            int(config["in_features"]),
+            int(config["out_features"]),
+            activation=config.get("activation_function", TANH),
+            bias=bool(config.get("bias", True)),
+        )
+        if config.get("use_residual"):
+            raise BackboneError(f"{config_file}: Dense modules with use_residual are not supported")
+        state = load_file(str(weights))
+        try:
+            head.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise BackboneError(f"{weights}: not the weights of a {head.describe()} layer ({exc})") from None
+        return head
+
+
+def check_pooler_dim(dim, hidden: int) -> int:
+    """A pooler output size must be a positive integer no larger than the hidden size it compresses."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise BackboneError(f"pooler dim must be an integer, got {dim!r}")
+    dim = int(dim)
+    if not 1 <= dim <= hidden:
+        raise BackboneError(
+            f"pooler dim {dim} is out of range: the head compresses the model's {hidden} hidden numbers to 1..{hidden}"
+        )
+    return dim
+
+
+def dense_module_dirs(model_dir: str | Path) -> list[Path]:
+    """The Dense module folders a sentence-transformers modules.json lists, in order."""
+    root = Path(model_dir)
+    modules_file = root / "modules.json"
+    if not modules_file.is_file():
+        return []
+    return [
+        root / m.get("path", "") for m in json.loads(modules_file.read_text()) if m.get("type", "").endswith("Dense")
+    ]
+
+
+def load_pooler(model_dir: str | Path | None, hidden: int) -> PoolerHead | None:
+    """The model folder's Dense head, if it has one (one head at most; its input must be the hidden size)."""
+    if model_dir is None:
+        return None
+    dirs = dense_module_dirs(model_dir)
+    if not dirs:
+        return None
+    if len(dirs) > 1:
+        names = ", ".join(p.name for p in dirs)
+        raise BackboneError(f"{model_dir}: modules.json lists {len(dirs)} Dense modules ({names}); one is supported")
+    head = PoolerHead.load(dirs[0])
+    if head.in_features != hidden:
+        raise BackboneError(
+            f"{dirs[0]}: the Dense module takes {head.in_features} numbers but the model's pooled vectors have {hidden}"
+        )
+    return head

@@ -1,0 +1,430 @@
+"""SMAE: Starbucks Masked Autoencoding pre-training (Zhuang et al., "Starbucks", sec. 3.2, eqs. 6-9).
+
+The backbone is the encoder; a small decoder (one transformer layer) shares its embeddings and its MLM head.
+Every step masks a batch of sentences twice (eq. 6): the encoder input with ratio alpha_e, the decoder input
+with a higher ratio alpha_d. For each (layer n, dim d) of a fixed list, the Starbucks SRL list by default
+(matryoshka2d.methods.starbucks.default_sizes, the same sizes SRL fine-tuning uses):
+- encoder MLM (eq. 8, first term): the MLM head predicts the encoder-masked tokens from the first d numbers of
+  every token state of layer n;
+- decoder MAE (eq. 8, second term): the decoder input's first position (the [CLS] slot) is replaced by
+  h = P[:d] x (eq. 7), where x is the first d numbers of layer n's sentence vector and P[:d] the first d rows of
+  the projection matrix P; the one-layer decoder then predicts the decoder-masked tokens;
+and the loss is summed over the list (eq. 9).
+
+Readings of points the paper leaves to its code (github.com/ielab/Starbucks, smae/):
+- P is the MLM head's transform (dense D x D, activation, LayerNorm): "the same projection is used to compute
+  the masked token logits for the MLM head" (sec. 3.2). Its first d input rows map a d-dim vector to D, for the
+  decoder's first position and for the encoder MLM logits at width d alike, as the authors' code does.
+- Masking ratios: the equations of our copy of the paper lost their numbers; only "alpha_d is larger than
+  alpha_e" survives in the text. The defaults are the authors' released pre-training command
+  (smae/README.md: --mlm_probability 0.2 --decoder_mlm_probability 0.4): alpha_e = 0.2, alpha_d = 0.4.
+  Masking is by whole words (their DataCollatorForWholeWordMask), the encoder's masked words a subset of the
+  decoder's, and BERT's 80/10/10 replacement ([MASK] / random token / unchanged) for each input. Budgets are
+  round(ratio x real tokens), at least one, where real tokens exclude [CLS]/[SEP]/padding.
+- The vector fed to the decoder: the paper uses the [CLS] embedding because its models are CLS-pooled. We use
+  the model's own sentence vector (its pooling, mean for minilm-l6), so that pre-training shapes the vector
+  fine-tuning will use; `bottleneck="cls"` takes the [CLS] token state as in the paper.
+- Loss: eq. 8 adds the two MLM losses and eq. 9 sums over sizes; the authors' code takes the mean of both
+  instead, a constant factor (2 x number of sizes) that AdamW mostly absorbs. We follow the paper: the sum.
+- The decoder layer starts as a copy of the backbone's first layer (the authors keep layer 1 of the pretrained
+  BERT as the decoder); the embeddings and the MLM head are shared, not copied.
+- The MLM head: our short-name backbones are loaded with AutoModel, and all-MiniLM-L6-v2's folder holds no MLM
+  head weights at all, so the head (transform + output bias, output weights tied to the word embeddings) is
+  initialised fresh (BERT's initialisation: N(0, initializer_range), LayerNorm 1/0, bias 0). If a model
+  folder does hold MLM head weights (a BertForMaskedLM / RobertaForMaskedLM / MPNetForMaskedLM /
+  DistilBertForMaskedLM save), they are loaded instead; `config()` records which.
+- Optimisation defaults (sec. 4.1): AdamW, lr 1e-4, weight decay 0.05, cosine schedule, warm-up ratio 0.05;
+  the paper's batch is 512, ours 32 by default (CPU); set --batch-size to match the paper.
+
+After pre-training only the encoder is saved (the decoder and MLM head are discarded, sec. 3.2); the folder is
+an ordinary model for `matryoshka2d train --model DIR`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from matryoshka2d.backbones import layer_stack
+from matryoshka2d.encoder import ElasticEncoder, pool
+from matryoshka2d.methods.starbucks import default_sizes
+
+ENCODER_MASK_RATIO = 0.2  # alpha_e: the authors' smae/README.md command, --mlm_probability 0.2
+DECODER_MASK_RATIO = 0.4  # alpha_d: the same command, --decoder_mlm_probability 0.4
+MLM_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "electra", "mpnet", "distilbert")
+IGNORE = -100  # label of positions that are not predicted (torch's cross_entropy ignore_index)
+
+# Where masked-LM checkpoints keep their head: (transform dense, transform norm, output bias) key prefixes.
+MLM_HEAD_KEYS = (
+    ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.bias"),  # BERT
+    ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias"),  # RoBERTa, XLM-R, MPNet
+    ("vocab_transform", "vocab_layer_norm", "vocab_projector.bias"),  # DistilBERT
+)
+
+
+class SMAEError(ValueError):
+    """SMAE cannot run with this model or these settings; the message says why."""
+
+
+# ---- masking (eq. 6) ----------------------------------------------------------------------------------
+
+
+@dataclass
+class MaskedBatch:
+    encoder_ids: torch.Tensor  # (B, T) encoder input with alpha_e of the words masked
+    encoder_labels: torch.Tensor  # (B, T) original ids at encoder-masked positions, IGNORE elsewhere
+    decoder_ids: torch.Tensor
+    decoder_labels: torch.Tensor
+    attention_mask: torch.Tensor
+    extra: dict  # other model inputs (token_type_ids)
+
+    def to(self, device) -> MaskedBatch:
+        move = {k: v.to(device) for k, v in self.extra.items()}
+        return MaskedBatch(
+            self.encoder_ids.to(device),
+            self.encoder_labels.to(device),
+            self.decoder_ids.to(device),
+            self.decoder_labels.to(device),
+            self.attention_mask.to(device),
+            move,
+        )
+
+
+def word_groups(word_ids: list[int | None], special: list[int]) -> list[list[int]]:
+    """Token positions grouped by the word they belong to; special tokens and padding belong to none."""
+    groups: dict[int, list[int]] = {}
+    for position, (word, is_special) in enumerate(zip(word_ids, special, strict=True)):
+        if is_special or word is None:
+            continue
+        groups.setdefault(word, []).append(position)
+    return list(groups.values())
+
+
+def choose_masked(
+    groups: list[list[int]], encoder_ratio: float, decoder_ratio: float, rng: np.random.Generator
+) -> tuple[list[int], list[int]]:
+    """Whole-word masks: (encoder positions, decoder positions), encoder's a subset of decoder's (as the
+    authors' MaeDataCollatorForWholeWordMask). Budgets: round(ratio x tokens), at least 1 token."""
+    tokens = sum(len(g) for g in groups)
+    if tokens == 0:
+        return [], []
+    budget_e = max(1, round(tokens * encoder_ratio))
+    budget_d = max(1, round(tokens * decoder_ratio))
+    encoder, decoder = [], []
+    for index in rng.permutation(len(groups)):
+        group = groups[index]
+        if len(decoder) + len(group) <= budget_d:
+            decoder.extend(group)
+            if len(encoder) + len(group) <= budget_e:
+                encoder.extend(group)
+        if len(decoder) >= budget_d:
+            break
+    return sorted(encoder), sorted(decoder)
+
+
+def corrupt(ids: torch.Tensor, positions: list[list[int]], mask_id: int, vocab_size: int, rng: np.random.Generator):
+    """BERT's replacement at the chosen positions: 80 % [MASK], 10 % a random token, 10 % unchanged."""
+    inputs, labels = ids.clone(), torch.full_like(ids, IGNORE)
+    for row, chosen in enumerate(positions):
+        for position in chosen:
+            labels[row, position] = ids[row, position]
+            draw = rng.random()
+            if draw < 0.8:
+                inputs[row, position] = mask_id
+            elif draw < 0.9:
+                inputs[row, position] = int(rng.integers(vocab_size))
+    return inputs, labels
+
+
+def mask_batch(
+    tokenizer,
+    texts: list[str],
+    max_length: int,
+    encoder_ratio: float,
+    decoder_ratio: float,
+    rng: np.random.Generator,
+    input_names: list[str] | None = None,
+) -> MaskedBatch:
+    """Tokenize a batch and mask it twice (eq. 6): alpha_e of the words for the encoder, alpha_d for the decoder."""
+    encoded = tokenizer(
+        list(texts),
+        padding=True,
+        truncation=True,
+        max_length=max_length,
+        return_special_tokens_mask=True,
+        return_tensors="pt",
+    )
+    ids, special = encoded["input_ids"], encoded["special_tokens_mask"].tolist()
+    pad = encoded["attention_mask"].eq(0).tolist()
+    encoder_rows, decoder_rows = [], []
+    for row in range(len(texts)):
+        if getattr(encoded, "is_fast", False) or getattr(tokenizer, "is_fast", False):
+            words = encoded.word_ids(row)
+        else:  # slow tokenizers have no word ids: every token is its own word
+            words = list(range(ids.shape[1]))
+        flags = [int(s or p) for s, p in zip(special[row], pad[row], strict=True)]
+        enc, dec = choose_masked(word_groups(words, flags), encoder_ratio, decoder_ratio, rng)
+        encoder_rows.append(enc)
+        decoder_rows.append(dec)
+    vocab = len(tokenizer)
+    encoder_ids, encoder_labels = corrupt(ids, encoder_rows, tokenizer.mask_token_id, vocab, rng)
+    decoder_ids, decoder_labels = corrupt(ids, decoder_rows, tokenizer.mask_token_id, vocab, rng)
+    names = input_names or list(encoded.keys())
+    extra = {k: encoded[k] for k in names if k not in ("input_ids", "attention_mask") and k in encoded}
+    extra.pop("special_tokens_mask", None)
+    return MaskedBatch(encoder_ids, encoder_labels, decoder_ids, decoder_labels, encoded["attention_mask"], extra)
+
+
+# ---- the MLM head with its projection P --------------------------------------------------------------
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: transform (dense D x D, activation, LayerNorm), then logits tied to the word embeddings.
+
+    `project(x)` with x of width d <= D uses the first d input rows of the dense layer: SMAE's P[:d] (eq. 7).
+    """
+
+    def __init__(self, hidden: int, vocab_size: int, activation: str = "gelu", eps: float = 1e-12):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.dense = nn.Linear(hidden, hidden)
+        self.activation = ACT2FN[activation]
+        self.norm = nn.LayerNorm(hidden, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def reset(self, std: float, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.dense.weight.normal_(0.0, std, generator=generator)
+            self.dense.bias.zero_()
+            self.norm.weight.fill_(1.0)
+            self.norm.bias.zero_()
+            self.bias.zero_()
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        return self.norm(self.activation(F.linear(x, self.dense.weight[:, :d], self.dense.bias)))
+
+    def logits(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.project(x), word_embeddings, self.bias)
+
+
+def load_mlm_head(head: MLMHead, model_dir: str | None) -> str | None:
+    """Fill the head from a masked-LM checkpoint's weights if the folder has them; returns where they came from."""
+    if not model_dir or not Path(model_dir).is_dir():
+        return None
+    from safetensors import safe_open
+
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            keys = set(f.keys())
+            for dense, norm, bias in MLM_HEAD_KEYS:
+                names = [f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias", bias]
+                if all(n in keys for n in names):
+                    tensors = [f.get_tensor(n) for n in names]
+                    targets = [head.dense.weight, head.dense.bias, head.norm.weight, head.norm.bias, head.bias]
+                    if any(t.shape != p.shape for t, p in zip(tensors, targets, strict=True)):
+                        continue
+                    with torch.no_grad():
+                        for t, p in zip(tensors, targets, strict=True):
+                            p.copy_(t)
+                    return f"{file.name}:{dense}"
+    return None
+
+
+# ---- the objective ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def swapped_stack(model: nn.Module, layers: nn.ModuleList):
+    """Run `model` with its layer stack replaced by `layers` (the decoder), restoring it afterwards."""
+    stack = layer_stack(model)
+    parent, name = next((m, n) for m in model.modules() for n, c in m.named_children() if c is stack)
+    setattr(parent, name, layers)
+    try:
+        yield
+    finally:
+        setattr(parent, name, stack)
+
+
+class SMAEObjective(nn.Module):
+    """Decoder + MLM head + the SMAE loss over a list of (layer, dim) sizes. Holds no reference to the encoder's
+    parameters (the encoder is passed to each call), so the optimizer and checkpoints see each weight once."""
+
+    name = "smae"
+
+    def __init__(
+        self,
+        encoder: ElasticEncoder,
+        sizes: list[tuple[int, int]] | None = None,
+        encoder_mask_ratio: float = ENCODER_MASK_RATIO,
+        decoder_mask_ratio: float = DECODER_MASK_RATIO,
+        bottleneck: str = "pooled",
+        seed: int = 0,
+    ):
+        super().__init__()
+        model = encoder.model
+        arch = getattr(model.config, "model_type", "")
+        if arch not in MLM_ARCHITECTURES:
+            raise SMAEError(
+                f"SMAE pre-trains a bidirectional masked-LM encoder ({', '.join(MLM_ARCHITECTURES)}); "
+                f"{encoder.name} is '{arch}'"
+            )
+        if encoder.tokenizer.mask_token_id is None:
+            raise SMAEError(f"{encoder.name}: the tokenizer has no mask token, so nothing can be masked")
+        if not isinstance(getattr(model, "embeddings", None), nn.Module):
+            raise SMAEError(f"{encoder.name}: no `embeddings` module to share with the decoder")
+        if encoder.head is not None:
+            raise SMAEError(
+                f"{encoder.name} has a pooler head ({encoder.head.describe()}); SMAE pre-trains the transformer "
+                "alone: pre-train the model without it"
+            )
+        for what, ratio in (("encoder_mask_ratio", encoder_mask_ratio), ("decoder_mask_ratio", decoder_mask_ratio)):
+            if not 0 < ratio < 1:
+                raise SMAEError(f"smae: {what} must be between 0 and 1 (exclusive), got {ratio}")
+        if bottleneck not in ("pooled", "cls"):
+            raise SMAEError(f"smae: bottleneck must be 'pooled' or 'cls', got '{bottleneck}'")
+        num_layers, width = encoder.num_layers, encoder.transformer_size
+        self.sizes = sorted(tuple(int(v) for v in s) for s in (sizes or default_sizes(num_layers, width)))
+        for layer, dim in self.sizes:
+            if not (1 <= layer <= num_layers and 1 <= dim <= width):
+                raise SMAEError(f"smae size ({layer},{dim}) is outside the model's {num_layers} layers x {width} dims")
+        self.encoder_mask_ratio, self.decoder_mask_ratio = encoder_mask_ratio, decoder_mask_ratio
+        self.bottleneck = bottleneck
+        self.decoder = nn.ModuleList([copy.deepcopy(layer_stack(model)[0])])
+        config = model.config
+        self.mlm_head = MLMHead(
+            width,
+            model.get_input_embeddings().weight.shape[0],
+            getattr(config, "hidden_act", None) or getattr(config, "activation", "gelu"),
+            getattr(config, "layer_norm_eps", 1e-12),
+        )
+        self.mlm_head.reset(getattr(config, "initializer_range", 0.02), seed)
+        loaded = load_mlm_head(self.mlm_head, encoder.location)
+        self.head_source = f"loaded from {loaded}" if loaded else "fresh (the model folder has no MLM head weights)"
+        self.to(encoder.device)
+
+    def mask(self, encoder: ElasticEncoder, texts: list[str], rng: np.random.Generator) -> MaskedBatch:
+        batch = mask_batch(
+            encoder.tokenizer,
+            texts,
+            encoder.max_length,
+            self.encoder_mask_ratio,
+            self.decoder_mask_ratio,
+            rng,
+            encoder._input_names,
+        )
+        return batch.to(encoder.device)
+
+    def sentence_vector(self, encoder: ElasticEncoder, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return states[:, 0] if self.bottleneck == "cls" else pool(states, mask, encoder.pooling)
+
+    def encoder_loss(self, encoder: ElasticEncoder, states: torch.Tensor, dim: int, batch: MaskedBatch):
+        """Eq. 8, first term: predict the encoder-masked tokens from the first `dim` numbers of each token state."""
+        chosen = batch.encoder_labels != IGNORE
+        if not chosen.any():
+            return states.sum() * 0.0
+        word = encoder.model.get_input_embeddings().weight
+        logits = self.mlm_head.logits(states[chosen][:, :dim], word)
+        return F.cross_entropy(logits.float(), batch.encoder_labels[chosen])
+
+    def decoder_loss(self, encoder: ElasticEncoder, vector: torch.Tensor, dim: int, batch: MaskedBatch):
+        """Eq. 7-8: the decoder's first position gets P[:dim] vector[:, :dim]; it predicts the decoder-masked
+        tokens. Numbers of `vector` beyond `dim` are never read."""
+        first = self.mlm_head.project(vector[:, :dim])
+        model = encoder.model
+        self.decoder.train(model.training)  # dropout in the decoder exactly when the encoder has it
+
+        def replace_first(_module, _args, output):
+            return torch.cat([first[:, None].to(output.dtype), output[:, 1:]], dim=1)
+
+        handle = model.embeddings.register_forward_hook(replace_first)
+        try:
+            with swapped_stack(model, self.decoder):
+                hidden = model(
+                    input_ids=batch.decoder_ids, attention_mask=batch.attention_mask, **batch.extra
+                ).last_hidden_state
+        finally:
+            handle.remove()
+        chosen = batch.decoder_labels != IGNORE
+        if not chosen.any():
+            return hidden.sum() * 0.0
+        word = model.get_input_embeddings().weight
+        return F.cross_entropy(self.mlm_head.logits(hidden[chosen], word).float(), batch.decoder_labels[chosen])
+
+    def loss(self, encoder: ElasticEncoder, batch: MaskedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Eq. 9: the sum over sizes of the encoder MLM loss and the decoder MAE loss."""
+        features = {"input_ids": batch.encoder_ids, "attention_mask": batch.attention_mask, **batch.extra}
+        states = encoder.token_states(features, {n for n, _ in self.sizes})
+        total, parts = None, {}
+        for n, d in self.sizes:
+            mlm = self.encoder_loss(encoder, states[n], d, batch)
+            mae = self.decoder_loss(encoder, self.sentence_vector(encoder, states[n], batch.attention_mask), d, batch)
+            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = float(mlm.detach()), float(mae.detach())
+            total = mlm + mae if total is None else total + mlm + mae
+        return total, parts
+
+    def config(self) -> dict:
+        return {
+            "method": self.name,
+            "sizes": [list(s) for s in self.sizes],
+            "encoder_mask_ratio": self.encoder_mask_ratio,
+            "decoder_mask_ratio": self.decoder_mask_ratio,
+            "bottleneck": self.bottleneck,
+            "decoder_layers": len(self.decoder),
+            "mlm_head": self.head_source,
+        }
+
+
+# ---- the run: the Trainer's loop, checkpoints and resume, with SMAE's objective ---------------------------
+
+
+def pretrain_trainer(config):
+    """A Trainer (matryoshka2d.train) whose step is the SMAE loss; same checkpoints, same exact resume."""
+    from matryoshka2d.data import read_training_data
+    from matryoshka2d.train import Trainer
+
+    class SMAETrainer(Trainer):
+        def build_method(self):
+            return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
+
+        def build_task_loss(self):
+            return nn.Module()  # SMAE has no sentence-embedding loss; the objective holds its own terms
+
+        def read_data(self):
+            return read_training_data(self.config.data, sentences=True)
+
+        def compute_loss(self, step: int):
+            torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer does
+            texts = self.data.rows(self.batch_indices(step))[0][0]
+            batch = self.method.mask(self.encoder, texts, np.random.default_rng([self.config.seed, step, 2]))
+            return self.method.loss(self.encoder, batch)
+
+        def evaluate(self) -> dict:
+            """STS-B dev at the full model, as a check of the sentence vector; skipped if there is no file."""
+            from matryoshka2d.paths import data_dir
+
+            if self.config.eval_file is None:
+                try:
+                    default = data_dir() / "sts" / "raw" / "stsb_dev.tsv"
+                except FileNotFoundError:
+                    default = None
+                if default is None or not default.is_file():
+                    return {"step": self.step, "eval": None, "spearman": None, "note": "no STS dev file"}
+            return super().evaluate()
+
+    if config.method != "smae":
+        raise SMAEError(f"pretrain: unknown method '{config.method}'; the only pre-training method is smae")
+    return SMAETrainer(config)
+
+
+def pretrain(config, resume: bool = False, progress: bool = True) -> Path:
+    return pretrain_trainer(config).run(resume=resume, progress=progress)
