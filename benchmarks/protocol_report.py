@@ -19,15 +19,36 @@ from pathlib import Path
 from common import DEFAULT_DATA, header
 
 CELLS = [(1, 64), (2, 128), (3, 128)]
-ORDER = ["raw", "plain", "mrl", "2dmse", "ese", "starbucks", "2dmse-infonce", "st-matryoshka2d",
-         "separate-1-64", "separate-2-128", "separate-3-128"]
+ORDER = [
+    "raw",
+    "plain",
+    "mrl",
+    "2dmse",
+    "ese",
+    "starbucks",
+    "2dmse-infonce",
+    "st-matryoshka2d",
+    "separate-1-64",
+    "separate-2-128",
+    "separate-3-128",
+]
 
 
 def scored(model: str, out: Path, data_dir: Path) -> dict:
     results = out / "results.json"
     if not results.is_file():
-        cmd = [str(Path(sys.executable).parent / "matryoshka2d"), "eval", "sts", "--model", model,
-               "--data-dir", str(data_dir), "--output", str(out), "--quiet"]
+        cmd = [
+            str(Path(sys.executable).parent / "matryoshka2d"),
+            "eval",
+            "sts",
+            "--model",
+            model,
+            "--data-dir",
+            str(data_dir),
+            "--output",
+            str(out),
+            "--quiet",
+        ]
         print("running:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
     return json.loads(results.read_text())
@@ -49,13 +70,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=Path, default=Path("runs/protocol"))
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR", help="more trained folders to score")
     args = parser.parse_args()
     print(header())
     runs = {"raw": ("minilm-l6", args.runs / "raw")}
-    for name in ORDER[1:]:
-        run = args.runs / name
-        if (run / "matryoshka2d.json").is_file() or (run / "peer_run.json").is_file():
-            runs[name] = (str(run), run)
+    found = [
+        p for p in sorted(args.runs.iterdir()) if (p / "matryoshka2d.json").is_file() or (p / "peer_run.json").is_file()
+    ]
+    found.sort(key=lambda p: ORDER.index(p.name) if p.name in ORDER else len(ORDER))
+    for run in found:
+        runs[run.name] = (str(run), run)
+    for item in args.also:
+        name, _, folder = item.partition("=")
+        runs[name] = (folder, Path(folder))
     rows = []
     for name, (model, run) in runs.items():
         result = scored(model, run / "sts", args.data_dir)
@@ -63,11 +90,21 @@ def main() -> None:
         summary = result["summary"]
         last = max(n for n, _ in avg)
         full = (last, max(d for _, d in avg))
-        rows.append((name, describe(run), avg.get(full) if last == 6 else None,
-                     summary.get("shallow_average") if last == 6 else None, [avg.get(c) for c in CELLS]))
+        rows.append(
+            (
+                name,
+                describe(run),
+                avg.get(full) if last == 6 else None,
+                summary.get("shallow_average") if last == 6 else None,
+                [avg.get(c) for c in CELLS],
+            )
+        )
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    print("\n| model | training | avg (6,384) | shallow avg (1-5, 384) | " + " | ".join(f"({n},{d})" for n, d in CELLS)
-          + " |")
+    print(
+        "\n| model | training | avg (6,384) | shallow avg (1-5, 384) | "
+        + " | ".join(f"({n},{d})" for n, d in CELLS)
+        + " |"
+    )
     print("|---|---|---:|---:|" + "---:|" * len(CELLS))
     for name, what, full, shallow, cells in rows:
         print(f"| {name} | {what} | {fmt(full)} | {fmt(shallow)} | " + " | ".join(fmt(v) for v in cells) + " |")

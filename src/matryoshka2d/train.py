@@ -251,7 +251,9 @@ class Trainer:
         saved = json.loads((checkpoint / "config.json").read_text())
         mine = dataclasses.asdict(self.config)
         keys = ("model", "method", "loss", "batch_size", "seed", "data", "pooler_dim", "freeze_encoder")
-        differ = [k for k in keys if saved.get(k) != mine.get(k)]
+        # A checkpoint written before an option existed holds that option's default.
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        differ = [k for k in keys if saved.get(k, defaults.get(k)) != mine.get(k)]
         if differ:
             raise ValueError(f"cannot resume from {checkpoint}: the run differs in {', '.join(differ)}")
         state = torch.load(checkpoint / "state.pt", map_location=self.encoder.device, weights_only=False)
