@@ -1,0 +1,1 @@
+"""Evaluation of every (layer, dim) cell: STS, classification, retrieval; tables and heatmaps."""

@@ -1,0 +1,167 @@
+"""`matryoshka2d eval sts|classification|retrieval` and `matryoshka2d report`.
+
+Each eval command builds the default cell embedder (one encoder pass per dataset, widths by slicing), runs
+the evaluator and writes results.json, results.md, results.csv and heatmap.png into --output.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _embedder(args, default_cells=None) -> EncoderCells:
+    """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults)."""
+    from matryoshka2d.encoder import ElasticEncoder
+
+    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    layers, dims = parse_ints(args.layers, "layers"), parse_ints(args.dims, "dims")
+    if default_cells is not None:
+        default_layers, default_dims = default_cells(encoder.num_layers, encoder.hidden_size)
+        layers, dims = layers or default_layers, dims or default_dims
+    return EncoderCells(encoder, layers, dims, batch_size=args.batch_size, show_progress=not args.quiet)
+
+
+def _finish(result: dict, output: str) -> int:
+    from matryoshka2d.evaluate.results import write_outputs
+
+    paths = write_outputs(result, output)
+    summary = result.get("summary", {})
+    if summary.get("average") is not None:
+        layer, dim = summary["cell"]
+        line = f"{result['task']} {result['metric']}: {summary['average']:.2f} at layer {layer}, dim {dim}"
+        if "shallow_average" in summary:
+            line += f"; shallow average (layers {summary['shallow_layers']}): {summary['shallow_average']:.2f}"
+        print(line)
+    print(f"{len(result['scores'])} scores in {result['seconds']['total']:.1f} s -> {', '.join(map(str, paths))}")
+    return 0
+
+
+def cmd_sts(args) -> int:
+    from matryoshka2d.evaluate.sts import evaluate_sts
+    from matryoshka2d.paths import data_dir
+
+    root = data_dir(args.data_dir)
+    embedder = _embedder(args)
+    if args.reducer:  # post-hoc PCA / Isomap / LLE cells instead of truncated ones (matryoshka2d.reducers)
+        from matryoshka2d.reducers import reducer_cells
+
+        dims = parse_ints(args.dims, "dims")
+        embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, args.reducer_samples, _log)
+    result = evaluate_sts(embedder, root, variant=args.variant, datasets=args.datasets, log=_log)
+    return _finish(result, args.output)
+
+
+def cmd_classification(args) -> int:
+    from matryoshka2d.evaluate.classification import default_cells, evaluate_classification
+    from matryoshka2d.paths import data_dir
+
+    directory = Path(args.classification_dir) if args.classification_dir else data_dir(args.data_dir) / "classification"
+    embedder = _embedder(args, default_cells)
+    result = evaluate_classification(
+        embedder, directory, datasets=args.datasets, label_column=args.label_column, folds=args.folds, log=_log
+    )
+    return _finish(result, args.output)
+
+
+def pick_split(directory: Path, split: str | None) -> str:
+    """--split, else 'test' when the folder has it, else the folder's only qrels file."""
+    if split:
+        return split
+    available = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
+    if "test" in available:
+        return "test"
+    if len(available) == 1:
+        return available[0]
+    raise ValueError(f"{directory / 'qrels'}: pass --split (qrels files: {', '.join(available) or 'none'})")
+
+
+def cmd_retrieval(args) -> int:
+    from matryoshka2d.evaluate.retrieval import evaluate_retrieval
+    from matryoshka2d.paths import data_dir
+
+    dirs = [Path(d) for d in args.dataset_dir] if args.dataset_dir else [data_dir(args.data_dir) / "retrieval/scifact"]
+    splits = {pick_split(d, args.split) for d in dirs}
+    if len(splits) > 1:
+        raise ValueError(f"the dataset folders would use different splits ({', '.join(sorted(splits))}); pass --split")
+    split = splits.pop()
+    _log(f"retrieval split: {split}")
+    result = evaluate_retrieval(_embedder(args), dirs, split=split, log=_log)
+    return _finish(result, args.output)
+
+
+def cmd_report(args) -> int:
+    from matryoshka2d.evaluate.report import write_report
+
+    paths = write_report(args.results, args.output, names=args.names)
+    print(f"report -> {', '.join(map(str, paths))}")
+    return 0
+
+
+def _common(p, model_args) -> None:
+    model_args(p)
+    p.add_argument("--layers", nargs="+", help="layers to evaluate: 1 2 3, 1,2,3 or 1-6")
+    p.add_argument("--dims", nargs="+", help="leading dims to evaluate: 64 128 384, or 64,128,384")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-length", type=int, help="truncate texts to this many tokens (default: the model's)")
+    p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
+    p.add_argument("--output", required=True, help="directory for results.json/.md/.csv and heatmap.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser("eval", help="evaluate every (layer, dim) cell: sts, classification, retrieval")
+    esub = p.add_subparsers(dest="task", required=True)
+
+    p = esub.add_parser(
+        "sts",
+        help="Spearman x 100 of cosine vs gold on STS12-16, STS-B, SICK-R",
+        description="Default cells: every layer x dims 8, 16, 32, ... doubling, and the hidden size.",
+    )
+    _common(p, model_args)
+    p.add_argument("--variant", choices=["raw", "senteval_tok"], default="raw", help="text as released or tokenised")
+    p.add_argument("--datasets", nargs="+", help="subset of sts12 sts13 sts14 sts15 sts16 stsb sickr")
+    p.add_argument(
+        "--reducer",
+        choices=["pca", "isomap", "lle"],
+        help="reduce each layer's full vector to --dims with a reducer fitted on a corpus (default dims: those "
+        "below the hidden size)",
+    )
+    p.add_argument("--reducer-corpus", help="sentences to fit it on (default: DATA/nli/train_triplets.tsv)")
+    p.add_argument("--reducer-samples", type=int, default=2000, help="first N distinct corpus sentences (2000)")
+    p.set_defaults(func=cmd_sts)
+
+    p = esub.add_parser(
+        "classification",
+        help="SentEval-style logistic regression accuracy per cell",
+        description="Default cells: layers at each quarter of the depth (minilm-l6: 2, 3, 4, 6) x dims 32, 128 and "
+        "the hidden size. Every <name>_{train,dev,test}.tsv or <name>_all.tsv set in the directory is evaluated.",
+    )
+    _common(p, model_args)
+    p.add_argument("--classification-dir", help="folder of <name>_<split>.tsv files (default: DATA/classification)")
+    p.add_argument("--datasets", nargs="+", help="names to evaluate (default: all found), e.g. sst2 trec mrpc")
+    p.add_argument("--label-column", default="label", help="column holding the class (TREC: label or fine_label)")
+    p.add_argument("--folds", type=int, default=10, help="k of the k-fold cross-validation (SentEval test: 10)")
+    p.set_defaults(func=cmd_classification)
+
+    p = esub.add_parser(
+        "retrieval",
+        help="nDCG@10, MRR@10, Recall@100 on BEIR-layout folders",
+        description="Default cells: every layer x dims 8, 16, 32, ... doubling, and the hidden size.",
+    )
+    _common(p, model_args)
+    p.add_argument("--dataset-dir", nargs="+", help="BEIR folders (default: DATA/retrieval/scifact)")
+    p.add_argument("--split", help="qrels/<split>.tsv (default: test, or the folder's only split)")
+    p.set_defaults(func=cmd_retrieval)
+
+    p = sub.add_parser("report", help="put results side by side: markdown table and difference heatmaps")
+    p.add_argument("results", nargs="+", help="result directories or results.json files (first = baseline)")
+    p.add_argument("--output", required=True, help="directory for report.md and diff_*.png")
+    p.add_argument("--names", nargs="+", help="a short name per result (default: model names)")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,128 @@
+"""The (layer, dim) grid and the "cell embedder" every evaluator works through.
+
+Evaluators never call a model directly. They hand a list of distinct texts to a CellEmbedder and get back one
+array per (layer, dim) cell. The default embedder runs the encoder once up to the deepest requested layer and
+slices widths from the pooled states, so a whole grid costs about one full-depth encoding. Anything else that
+can produce cells, such as a post-hoc PCA reducer fitted on a corpus or a trained pooler head, plugs into the
+same evaluators by implementing the three methods of the protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+Cell = tuple[int, int]
+
+
+@runtime_checkable
+class CellEmbedder(Protocol):
+    """Anything that turns distinct texts into one array per (layer, dim) cell."""
+
+    def cells(self) -> list[Cell]:
+        """The cells this embedder produces, sorted by layer then dim."""
+        ...
+
+    def embed(self, texts: Sequence[str]) -> dict[Cell, np.ndarray]:
+        """Arrays of shape (len(texts), dim), row i for texts[i]; texts are already distinct."""
+        ...
+
+    def info(self) -> dict:
+        """What to record about the model: at least 'model', 'layers' (depth) and 'hidden_size' (full width)."""
+        ...
+
+
+def default_dims(hidden_size: int, start: int = 8) -> list[int]:
+    """8, 16, 32, ... doubling while below the hidden size, then the hidden size itself (384 -> 8..256, 384)."""
+    dims, d = [], start
+    while d < hidden_size:
+        dims.append(d)
+        d *= 2
+    return [*dims, hidden_size]
+
+
+def check_cells(layers: Iterable[int], dims: Iterable[int], num_layers: int, hidden_size: int) -> tuple[list, list]:
+    """Sorted, de-duplicated layers and dims, each in range; the error says the valid range."""
+    layers, dims = sorted(set(layers)), sorted(set(dims))
+    if not layers or not dims:
+        raise ValueError("need at least one layer and one dim")
+    bad = [n for n in layers if not 1 <= n <= num_layers]
+    if bad:
+        raise ValueError(f"layers {bad} out of range: the model has layers 1..{num_layers}")
+    bad = [d for d in dims if not 1 <= d <= hidden_size]
+    if bad:
+        raise ValueError(f"dims {bad} out of range: the model's embeddings have 1..{hidden_size} numbers")
+    return layers, dims
+
+
+class EncoderCells:
+    """The default CellEmbedder: one ElasticEncoder pass per call, every requested layer, widths by slicing.
+
+    The returned arrays are views into the full-width pooled states, so a grid of many dims costs no more
+    memory than one array per layer.
+    """
+
+    def __init__(
+        self,
+        encoder,
+        layers: Iterable[int] | None = None,
+        dims: Iterable[int] | None = None,
+        batch_size: int = 64,
+        show_progress: bool = False,
+    ):
+        self.encoder = encoder
+        self.layers, self.dims = check_cells(
+            layers or range(1, encoder.num_layers + 1),
+            dims or default_dims(encoder.hidden_size),
+            encoder.num_layers,
+            encoder.hidden_size,
+        )
+        self.batch_size = batch_size
+        self.show_progress = show_progress
+
+    def cells(self) -> list[Cell]:
+        return [(n, d) for n in self.layers for d in self.dims]
+
+    def embed(self, texts: Sequence[str]) -> dict[Cell, np.ndarray]:
+        pooled = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress)
+        return {(n, d): pooled[n][:, :d] for n in self.layers for d in self.dims}
+
+    def info(self) -> dict:
+        return {**self.encoder.info(), "batch_size": self.batch_size}
+
+
+def embed_distinct(embedder: CellEmbedder, texts: Sequence[str]) -> tuple[dict[Cell, np.ndarray], dict[str, int]]:
+    """Embed each distinct text once; return the cell arrays and the row of every text in them."""
+    rows: dict[str, int] = {}
+    for t in texts:
+        rows.setdefault(t, len(rows))
+    return embedder.embed(list(rows)), rows
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1 (float32); an all-zero row stays zero instead of becoming NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def parse_ints(values: Sequence[str] | None, what: str) -> list[int] | None:
+    """Accept '--layers 1 2 3', '--layers 1,2,3' or '--layers 1-6'; None stays None (use the default)."""
+    if not values:
+        return None
+    out: list[int] = []
+    for value in values:
+        for part in str(value).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                if "-" in part[1:]:
+                    lo, hi = part.split("-", 1)
+                    out.extend(range(int(lo), int(hi) + 1))
+                else:
+                    out.append(int(part))
+            except ValueError:
+                raise ValueError(f"--{what}: '{part}' is not an integer or a range like 1-6") from None
+    return out

@@ -1,0 +1,65 @@
+"""Annotated layer x dim heatmaps, drawn with matplotlib's Agg canvas (no display, no global pyplot state)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from matryoshka2d.evaluate.grid import Cell
+
+
+def heatmap(
+    values: dict[Cell, float],
+    layers: list[int],
+    dims: list[int],
+    path: str | Path,
+    title: str,
+    label: str,
+    diverging: bool = False,
+) -> Path:
+    """Save a PNG with layers as rows (layer 1 at the bottom, like a stack) and dims as columns.
+
+    Every cell carries its number. A diverging map (for differences) is centred on zero, so red and blue mean
+    worse and better whatever the range. Missing cells are left blank.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    grid = np.full((len(layers), len(dims)), np.nan)
+    for i, n in enumerate(layers):
+        for j, d in enumerate(dims):
+            grid[i, j] = values.get((n, d), np.nan)
+    finite = grid[np.isfinite(grid)]
+    if diverging:
+        span = float(np.abs(finite).max()) if finite.size else 1.0
+        cmap, vmin, vmax = "RdBu", -(span or 1.0), span or 1.0
+    else:
+        cmap = "viridis"
+        vmin = float(finite.min()) if finite.size else 0.0
+        vmax = float(finite.max()) if finite.size else 1.0
+    fig = Figure(figsize=(1.0 + 0.85 * len(dims), 1.2 + 0.5 * len(layers)), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, origin="lower", aspect="auto")
+    ax.set_xticks(range(len(dims)), [str(d) for d in dims])
+    ax.set_yticks(range(len(layers)), [str(n) for n in layers])
+    ax.set_xlabel("dim (first k numbers)")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
+    mid = (vmin + vmax) / 2
+    for i in range(len(layers)):
+        for j in range(len(dims)):
+            v = grid[i, j]
+            if math.isnan(v):
+                continue
+            strong = abs(v) > 0.6 * vmax if diverging else v <= mid  # dark background: white text
+            colour = "white" if strong else "black"
+            text = f"{v:+.1f}" if diverging else f"{v:.1f}"
+            ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=7)
+    fig.colorbar(image, ax=ax, label=label, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path

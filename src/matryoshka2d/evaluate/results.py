@@ -1,0 +1,215 @@
+"""One result format for every evaluator, and its four outputs: results.json, results.md, results.csv, heatmap.png.
+
+A result is a plain JSON-able dict, so that `matryoshka2d report` (and anyone else) can read it back without
+this package. `scores` holds one row per (dataset, layer, dim) with every metric of that row; `average` is the
+primary metric averaged over datasets for each cell, the number the tables and heatmaps show.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from matryoshka2d.evaluate.grid import Cell
+
+TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
+
+
+def provenance() -> dict:
+    """When, where and how a result was made: date, exact command, machine, software and load."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}",
+        "software": f"Python {platform.python_version()}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}",
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def cell_average(scores: list[dict], metric: str) -> dict[Cell, float]:
+    """Mean of `metric` over the datasets that report it, per (layer, dim)."""
+    sums: dict[Cell, list[float]] = {}
+    for row in scores:
+        if metric in row:
+            sums.setdefault((row["layer"], row["dim"]), []).append(row[metric])
+    return {cell: float(np.mean(v)) for cell, v in sums.items()}
+
+
+def summarize(scores: list[dict], metric: str, num_layers: int) -> dict:
+    """The two headline numbers of the ESE paper's tables.
+
+    `average`: the dataset average at the deepest evaluated layer and widest evaluated dim (the full model when
+    the grid includes it). `shallow_average` (ESE's ≺Avg): the mean over layers 1..N-1 that were evaluated of
+    the dataset average at that widest dim, where N is the model's depth.
+    """
+    avg = cell_average(scores, metric)
+    if not avg:
+        return {}
+    top_layer = max(n for n, _ in avg)
+    top_dim = max(d for _, d in avg)
+    out = {"metric": metric, "cell": [top_layer, top_dim], "average": avg.get((top_layer, top_dim))}
+    shallow = sorted(n for n, d in avg if d == top_dim and n < num_layers)
+    if shallow:
+        out["shallow_layers"] = shallow
+        out["shallow_average"] = float(np.mean([avg[(n, top_dim)] for n in shallow]))
+    return out
+
+
+def finish(result: dict) -> dict:
+    """Fill the derived parts of a result (averages per metric and the summary) from its scores."""
+    scores = result["scores"]
+    result["average"] = []
+    for layer, dim in sorted({(r["layer"], r["dim"]) for r in scores}):
+        row = {"layer": layer, "dim": dim}
+        for metric in result["metrics"]:
+            value = cell_average([r for r in scores if (r["layer"], r["dim"]) == (layer, dim)], metric)
+            if value:
+                row[metric] = value[(layer, dim)]
+        result["average"].append(row)
+    result["summary"] = summarize(scores, result["metric"], int(result["model"].get("layers", 0)))
+    if "provenance" in result:
+        result["provenance"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return result
+
+
+def grid_of(rows: list[dict], metric: str) -> dict[Cell, float]:
+    return {(r["layer"], r["dim"]): r[metric] for r in rows if metric in r}
+
+
+def markdown_grid(values: dict[Cell, float], layers: list[int], dims: list[int], digits: int = 2) -> str:
+    """A markdown table with layers as rows and dims as columns."""
+    lines = ["| layer \\ dim | " + " | ".join(str(d) for d in dims) + " |", "|---:" * (len(dims) + 1) + "|"]
+    for n in layers:
+        cells = [f"{values[(n, d)]:.{digits}f}" if (n, d) in values else "" for d in dims]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_per_dataset(result: dict, dim: int) -> str:
+    """Rows: layers; columns: each dataset's metrics at one dim, then the average of the primary metric."""
+    columns = [(ds, m) for ds in result["datasets"] for m in result["metrics"] if _has(result, ds, m)]
+    primary = result["metric"]
+    heads = [ds if m == primary else f"{ds} {m}" for ds, m in columns]
+    lines = ["| layer | " + " | ".join(heads) + f" | avg {primary} |", "|---:" * (len(columns) + 2) + "|"]
+    index = {(r["dataset"], r["layer"], r["dim"]): r for r in result["scores"]}
+    avg = grid_of(result["average"], primary)
+    for n in result["layers"]:
+        cells = []
+        for ds, m in columns:
+            row = index.get((ds, n, dim), {})
+            cells.append(f"{row[m]:.2f}" if m in row else "")
+        mean = f"{avg[(n, dim)]:.2f}" if (n, dim) in avg else ""
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {mean} |")
+    return "\n".join(lines)
+
+
+def _has(result: dict, dataset: str, metric: str) -> bool:
+    return any(r["dataset"] == dataset and metric in r for r in result["scores"])
+
+
+def to_markdown(result: dict) -> str:
+    title = TITLES.get(result["task"], result["task"])
+    model, prov = result["model"], result.get("provenance", {})
+    n_sets = len(result["datasets"])
+    lines = [
+        f"# {title} grid: {model.get('model')} ({result['metric']} x 100)",
+        "",
+        f"- model: {model.get('model')} ({model.get('layers')} layers x {model.get('hidden_size')}, "
+        f"pooling {model.get('pooling')}, max_length {model.get('max_length')})",
+        f"- datasets: {', '.join(result['datasets'])}",
+        *[f"- {k}: {v}" for k, v in result.get("settings", {}).items() if not isinstance(v, (dict, list))],
+        f"- date: {prov.get('date')}; machine: {prov.get('machine')}; {prov.get('software')}",
+        f"- load average at start / end: {prov.get('load_average_at_start')} / {prov.get('load_average_at_end')}; "
+        f"time taken: "
+        f"{result.get('seconds', {}).get('total', 0):.1f} s",
+        f"- command: `{prov.get('command')}`",
+    ]
+    summary = result.get("summary", {})
+    if summary.get("average") is not None:
+        layer, dim = summary["cell"]
+        lines.append(f"- average at layer {layer}, dim {dim}: **{summary['average']:.2f}**")
+    if "shallow_average" in summary:
+        lines.append(
+            f"- shallow average (layers {_span(summary['shallow_layers'])}, dim {summary['cell'][1]}): "
+            f"**{summary['shallow_average']:.2f}**"
+        )
+    for metric in result["metrics"]:
+        values = grid_of(result["average"], metric)
+        if not values:
+            continue
+        what = f"average over {n_sets} datasets" if n_sets > 1 else result["datasets"][0]
+        lines += ["", f"## {metric}: {what} (rows: layer, columns: dim)", ""]
+        lines.append(markdown_grid(values, result["layers"], result["dims"]))
+    full = max(result["dims"])
+    lines += ["", f"## Per dataset at dim {full}", "", markdown_per_dataset(result, full), ""]
+    return "\n".join(lines)
+
+
+def _span(layers: list[int]) -> str:
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))
+
+
+def write_outputs(result: dict, out_dir: str | Path) -> list[Path]:
+    """Write results.json, results.md, results.csv and heatmap.png into out_dir (created if needed)."""
+    from matryoshka2d.evaluate.plots import heatmap
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md", out / "results.csv", out / "heatmap.png"]
+    paths[0].write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    paths[1].write_text(to_markdown(result), encoding="utf-8")
+    with paths[2].open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["dataset", "layer", "dim", *result["metrics"]])
+        for row in result["scores"]:
+            writer.writerow([row["dataset"], row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result["metrics"])])
+        for row in result["average"]:
+            writer.writerow(["average", row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result["metrics"])])
+    metric = result["metric"]
+    n_sets = len(result["datasets"])
+    title = f"{result['model'].get('model')}: {TITLES.get(result['task'], result['task'])} {metric} x 100"
+    title += f", average of {n_sets} datasets" if n_sets > 1 else f", {result['datasets'][0]}"
+    heatmap(grid_of(result["average"], metric), result["layers"], result["dims"], paths[3], title, metric)
+    return paths
+
+
+def _fmt(value) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
+def load_result(path: str | Path) -> dict:
+    """Read a results.json, or the results.json inside a directory; the error says what was expected."""
+    path = Path(path)
+    file = path / "results.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no results.json (give a result directory or its results.json)")
+    try:
+        result = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} line {exc.lineno}: not valid JSON ({exc.msg})") from exc
+    missing = [k for k in ("task", "metric", "average", "layers", "dims") if k not in result]
+    if missing:
+        raise ValueError(f"{file}: not a matryoshka2d result (missing {', '.join(missing)})")
+    return result

@@ -1,0 +1,224 @@
+"""Retrieval in the BEIR layout: exact inner-product search on unit vectors, nDCG@10, MRR@10 and Recall@100.
+
+A dataset folder holds `corpus.jsonl` (or `corpus.jsonl.gz`) with `_id, title, text`, `queries.jsonl` with
+`_id, text`, and `qrels/<split>.tsv` with `query-id, corpus-id, score`. As in BEIR and sentence-transformers,
+a document is embedded as `title + " " + text` (stripped), truncated to the encoder's max_length tokens
+(256 for minilm-l6, 384 for mpnet-base: longer abstracts are cut, as they are in BEIR's own numbers); only
+queries with at least one relevant document (score > 0) are evaluated, and a document whose id equals the
+query's id is never returned (BEIR's ignore_identical_ids). Corpus and queries are embedded once for all cells;
+search is an exact matrix product per cell, in chunks of queries.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct, unit_rows
+from matryoshka2d.evaluate.io import DataFormatError, read_jsonl, read_tsv
+from matryoshka2d.evaluate.results import finish, provenance
+
+METRICS = ("ndcg@10", "mrr@10", "recall@100")
+DEPTH = 100  # the deepest rank any metric looks at
+
+
+@dataclass
+class BeirSet:
+    """A corpus, the evaluated queries and their graded relevance judgements (qrels)."""
+
+    name: str
+    directory: Path
+    split: str
+    doc_ids: list[str]
+    doc_texts: list[str]
+    query_ids: list[str]
+    query_texts: list[str]
+    qrels: list[dict[int, int]]  # per evaluated query: document index -> relevance (> 0 only)
+    unknown_docs: int  # qrels rows naming a document the corpus does not have (never retrievable)
+
+
+def corpus_file(directory: Path) -> Path:
+    for name in ("corpus.jsonl", "corpus.jsonl.gz"):
+        if (directory / name).is_file():
+            return directory / name
+    raise DataFormatError(f"{directory}: no corpus.jsonl or corpus.jsonl.gz")
+
+
+def _read_records(path: Path, need_title: bool) -> tuple[list[str], list[str]]:
+    ids, texts, seen = [], [], {}
+    for line, obj in read_jsonl(path):
+        if "_id" not in obj:
+            raise DataFormatError(f"{path} line {line}: no '_id' field")
+        if not isinstance(obj.get("text"), str):
+            raise DataFormatError(f"{path} line {line}: no 'text' string field")
+        key = str(obj["_id"])
+        if key in seen:
+            raise DataFormatError(f"{path} line {line}: _id {key!r} already used on line {seen[key]}")
+        seen[key] = line
+        text = obj["text"]
+        if need_title:
+            title = obj.get("title") or ""
+            text = (f"{title} {text}" if title else text).strip()
+        ids.append(key)
+        texts.append(text)
+    if not ids:
+        raise DataFormatError(f"{path}: empty file")
+    return ids, texts
+
+
+def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
+    """Read and cross-check a BEIR folder; unknown query ids in the qrels are an error naming the line."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataFormatError(f"{directory}: dataset directory not found")
+    doc_ids, doc_texts = _read_records(corpus_file(directory), need_title=True)
+    all_qids, all_qtexts = _read_records(directory / "queries.jsonl", need_title=False)
+    qrels_path = directory / "qrels" / f"{split}.tsv"
+    if not qrels_path.is_file():
+        have = sorted(p.stem for p in (directory / "qrels").glob("*.tsv")) if (directory / "qrels").is_dir() else []
+        raise DataFormatError(f"{qrels_path}: file not found (splits here: {', '.join(have) or 'none'}; see --split)")
+    table = read_tsv(qrels_path, required=("query-id", "corpus-id", "score"))
+    doc_index = {d: i for i, d in enumerate(doc_ids)}
+    query_index = {q: i for i, q in enumerate(all_qids)}
+    judged: dict[int, dict[int, int]] = {}
+    unknown_docs = 0
+    qi, di, si = table.column("query-id"), table.column("corpus-id"), table.column("score")
+    for line, row in table.rows:
+        try:
+            score = int(row[si])
+        except ValueError:
+            raise DataFormatError(f"{qrels_path} line {line}: score {row[si]!r} is not an integer") from None
+        if row[qi] not in query_index:
+            raise DataFormatError(f"{qrels_path} line {line}: query-id {row[qi]!r} is not in queries.jsonl")
+        if row[di] not in doc_index:
+            unknown_docs += 1
+            continue
+        if score > 0:
+            judged.setdefault(query_index[row[qi]], {})[doc_index[row[di]]] = score
+    if not judged:
+        raise DataFormatError(f"{qrels_path}: no query has a relevant document (score > 0) in the corpus")
+    order = sorted(judged)
+    return BeirSet(
+        name=directory.name,
+        directory=directory,
+        split=split,
+        doc_ids=doc_ids,
+        doc_texts=doc_texts,
+        query_ids=[all_qids[i] for i in order],
+        query_texts=[all_qtexts[i] for i in order],
+        qrels=[judged[i] for i in order],
+        unknown_docs=unknown_docs,
+    )
+
+
+def search(queries: np.ndarray, docs: np.ndarray, k: int, exclude: np.ndarray | None = None, chunk: int = 512):
+    """Indices of the k highest inner products per query, best first (ties: lower document index first).
+
+    `exclude[i]` is a document index query i must not get back, or -1. Ranks that only an excluded document
+    could fill (a corpus smaller than k) hold -1.
+    """
+    n_docs = docs.shape[0]
+    k = min(k, n_docs)
+    out = np.empty((queries.shape[0], k), dtype=np.int64)
+    for start in range(0, queries.shape[0], chunk):
+        scores = queries[start : start + chunk] @ docs.T
+        if exclude is not None:
+            rows = np.nonzero(exclude[start : start + chunk] >= 0)[0]
+            scores[rows, exclude[start : start + chunk][rows]] = -np.inf
+        if k < n_docs:
+            top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        else:
+            top = np.broadcast_to(np.arange(n_docs), scores.shape)
+        top_scores = np.take_along_axis(scores, top, axis=1)
+        order = np.lexsort((top, -top_scores), axis=1)
+        ranked = np.take_along_axis(top, order, axis=1)
+        ranked[np.take_along_axis(top_scores, order, axis=1) == -np.inf] = -1
+        out[start : start + chunk] = ranked
+    return out
+
+
+def rank_metrics(ranking: np.ndarray, qrels: list[dict[int, int]]) -> dict[str, float]:
+    """Mean nDCG@10 (graded gain, log2 discount, as trec_eval), MRR@10 and Recall@100, x 100."""
+    discount = 1.0 / np.log2(np.arange(2, 12))
+    ndcg, mrr, recall = [], [], []
+    for ranked, rel in zip(ranking, qrels, strict=True):
+        gains = np.array([rel.get(int(d), 0) for d in ranked[:DEPTH]], dtype=np.float64)
+        ideal = np.sort(np.fromiter(rel.values(), dtype=np.float64))[::-1][:10]
+        top = gains[:10]
+        ndcg.append(float(top @ discount[: len(top)]) / float(ideal @ discount[: len(ideal)]))
+        hits = np.nonzero(top > 0)[0]
+        mrr.append(1.0 / (hits[0] + 1) if hits.size else 0.0)
+        recall.append(float(np.count_nonzero(gains > 0)) / len(rel))
+    return {
+        "ndcg@10": 100 * float(np.mean(ndcg)),
+        "mrr@10": 100 * float(np.mean(mrr)),
+        "recall@100": 100 * float(np.mean(recall)),
+    }
+
+
+def evaluate_retrieval(
+    embedder: CellEmbedder,
+    directories: Sequence[str | Path],
+    split: str = "test",
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Evaluate every cell of `embedder` on each BEIR folder; return a result dict (see results.py)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    sets = [load_beir(d, split) for d in directories]  # read and check everything before encoding
+    names = [s.name for s in sets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two dataset folders share a name: {names}")
+    started, start = provenance(), time.perf_counter()  # the load average is the one at the start
+    encode_seconds, scores, described = 0.0, [], {}
+    for ds in sets:
+        t0 = time.perf_counter()
+        doc_cells, doc_rows = embed_distinct(embedder, ds.doc_texts)
+        query_cells, query_rows = embed_distinct(embedder, ds.query_texts)
+        encode_seconds += time.perf_counter() - t0
+        log(
+            f"{ds.name}: {len(ds.doc_ids)} documents, {len(ds.query_ids)} queries embedded in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+        doc_of = np.array([doc_rows[t] for t in ds.doc_texts])
+        query_of = np.array([query_rows[t] for t in ds.query_texts])
+        position = {d: i for i, d in enumerate(ds.doc_ids)}
+        exclude = np.array([position.get(q, -1) for q in ds.query_ids])
+        for cell in doc_cells:
+            docs = unit_rows(doc_cells[cell])[doc_of]
+            queries = unit_rows(query_cells[cell])[query_of]
+            row = rank_metrics(search(queries, docs, DEPTH, exclude), ds.qrels)
+            scores.append({"dataset": ds.name, "layer": cell[0], "dim": cell[1], **row})
+        described[ds.name] = {
+            "directory": str(ds.directory.resolve()),
+            "split": split,
+            "documents": len(ds.doc_ids),
+            "queries": len(ds.query_ids),
+            "qrels_unknown_documents": ds.unknown_docs,
+        }
+        if ds.unknown_docs:
+            log(f"{ds.name}: warning: {ds.unknown_docs} qrels rows name documents missing from the corpus")
+    cell_list = embedder.cells()
+    result = {
+        "task": "retrieval",
+        "metric": "ndcg@10",
+        "metrics": list(METRICS),
+        "datasets": names,
+        "layers": sorted({n for n, _ in cell_list}),
+        "dims": sorted({d for _, d in cell_list}),
+        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
+        "model": embedder.info(),
+        "settings": {
+            "split": split,
+            "search": "exact inner product on L2-normalised vectors (cosine), numpy",
+            "document_text": 'title + " " + text, truncated to the model max_length tokens',
+            "datasets": described,
+        },
+        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
+        "provenance": started,
+    }
+    return finish(result)

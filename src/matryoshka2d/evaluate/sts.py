@@ -1,0 +1,126 @@
+"""STS: Spearman correlation x 100 between cosine similarity and gold scores, for every (layer, dim) cell.
+
+This is SentEval's "all" setting, the one the 2DMSE and ESE papers report: one correlation over the whole file
+(STS12-16 are not averaged per subset), and the test split of STS-B and SICK-R. Each dataset's distinct
+sentences are embedded once, for all cells together.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+
+from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct, unit_rows
+from matryoshka2d.evaluate.io import DataFormatError, read_tsv
+from matryoshka2d.evaluate.results import finish, provenance
+
+STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
+VARIANTS = ("raw", "senteval_tok")
+# SentEval's SICK-R is the original, untokenised text, so senteval_tok has no copy of it: read it from raw.
+FALLBACK = {"senteval_tok": "raw"}
+
+
+@dataclass
+class PairSet:
+    """Sentence pairs with a gold similarity score, read from one TSV file."""
+
+    name: str
+    path: Path
+    sentences1: list[str]
+    sentences2: list[str]
+    gold: np.ndarray
+
+
+def sts_file(data_dir: Path, variant: str, name: str) -> Path:
+    """Where `<name>_test.tsv` of a variant lives (SICK-R for senteval_tok falls back to raw, as SentEval)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown STS variant '{variant}'; choose one of {', '.join(VARIANTS)}")
+    path = Path(data_dir) / "sts" / variant / f"{name}_test.tsv"
+    if not path.is_file() and variant in FALLBACK:
+        other = Path(data_dir) / "sts" / FALLBACK[variant] / f"{name}_test.tsv"
+        if other.is_file():
+            return other
+    if not path.is_file():
+        raise DataFormatError(f"{path}: file not found (STS set '{name}', variant {variant}; see --datasets)")
+    return path
+
+
+def load_pairs(path: str | Path, name: str | None = None) -> PairSet:
+    """Read sentence1, sentence2, score (other columns ignored); the gold scores must not all be equal."""
+    table = read_tsv(path, required=("sentence1", "sentence2", "score"))
+    gold = np.asarray(table.floats("score"), dtype=np.float64)
+    if np.ptp(gold) == 0:
+        raise DataFormatError(f"{table.path}: every score is {gold[0]}; a correlation needs varying gold scores")
+    return PairSet(name or table.path.stem, table.path, table.strings("sentence1"), table.strings("sentence2"), gold)
+
+
+def spearman_x100(gold: np.ndarray, predicted: np.ndarray) -> float:
+    """Spearman's rho x 100 (ties get average ranks, as scipy and SentEval do)."""
+    return float(spearmanr(gold, predicted).statistic * 100)
+
+
+def score_cells(cells: dict[Cell, np.ndarray], rows: dict[str, int], pairs: PairSet) -> dict[Cell, float]:
+    """Spearman x 100 of the cosine of each pair against gold, for each cell."""
+    i1 = np.fromiter((rows[s] for s in pairs.sentences1), dtype=np.int64, count=len(pairs.sentences1))
+    i2 = np.fromiter((rows[s] for s in pairs.sentences2), dtype=np.int64, count=len(pairs.sentences2))
+    out = {}
+    for cell, x in cells.items():
+        unit = unit_rows(x)
+        cosine = np.einsum("ij,ij->i", unit[i1], unit[i2])
+        out[cell] = spearman_x100(pairs.gold, cosine)
+    return out
+
+
+def evaluate_sts(
+    embedder: CellEmbedder,
+    data_dir: str | Path,
+    variant: str = "raw",
+    datasets: Sequence[str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Evaluate every cell of `embedder` on the STS sets; return a result dict (see results.py)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    names = list(datasets or STS_SETS)
+    files = {name: sts_file(Path(data_dir), variant, name) for name in names}  # fail before any encoding
+    sets = {name: load_pairs(path, name) for name, path in files.items()}
+    started, start = provenance(), time.perf_counter()  # the load average is the one at the start
+    encode_seconds = 0.0
+    scores = []
+    for name, pairs in sets.items():
+        t0 = time.perf_counter()
+        cells, rows = embed_distinct(embedder, pairs.sentences1 + pairs.sentences2)
+        encode_seconds += time.perf_counter() - t0
+        per_cell = score_cells(cells, rows, pairs)
+        scores += [{"dataset": name, "layer": n, "dim": d, "spearman": v} for (n, d), v in per_cell.items()]
+        best = max(per_cell)  # deepest layer, widest dim
+        log(
+            f"{name}: {len(pairs.gold)} pairs, {len(rows)} distinct sentences; layer {best[0]} dim {best[1]}: "
+            f"{per_cell[best]:.2f}"
+        )
+    cells_list = embedder.cells()
+    result = {
+        "task": "sts",
+        "metric": "spearman",
+        "metrics": ["spearman"],
+        "datasets": names,
+        "layers": sorted({n for n, _ in cells_list}),
+        "dims": sorted({d for _, d in cells_list}),
+        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
+        "model": embedder.info(),
+        "settings": {
+            "data_dir": str(Path(data_dir).resolve()),
+            "variant": variant,
+            "similarity": "cosine",
+            "correlation": "Spearman x 100 over the whole file (SentEval 'all')",
+            "files": {name: str(path) for name, path in files.items()},
+        },
+        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
+        "provenance": started,
+    }
+    return finish(result)
