@@ -201,7 +201,10 @@ def test_matches_sentence_transformers_evaluator_on_stsb(minilm):
     from matryoshka2d.backbones import minilm_dir
     from matryoshka2d.paths import data_dir
 
-    root = data_dir()
+    try:
+        root = data_dir()
+    except FileNotFoundError as exc:  # the shared data lives beside the checkout, not in it
+        pytest.skip(f"shared STS data not available here: {exc}")
     ours = evaluate_sts(EncoderCells(minilm, layers=[6], dims=[384]), root, datasets=["stsb"], log=lambda m: None)
     pairs = load_pairs(root / "sts" / "raw" / "stsb_test.tsv")
     model = SentenceTransformer(str(minilm_dir()), device="cpu")
