@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from matryoshka2d.views import nested_dims
+
 Cell = tuple[int, int]
 
 
@@ -36,11 +38,7 @@ class CellEmbedder(Protocol):
 
 def default_dims(hidden_size: int, start: int = 8) -> list[int]:
     """8, 16, 32, ... doubling while below the hidden size, then the hidden size itself (384 -> 8..256, 384)."""
-    dims, d = [], start
-    while d < hidden_size:
-        dims.append(d)
-        d *= 2
-    return [*dims, hidden_size]
+    return nested_dims(hidden_size, start)
 
 
 def check_cells(layers: Iterable[int], dims: Iterable[int], num_layers: int, hidden_size: int) -> tuple[list, list]:
