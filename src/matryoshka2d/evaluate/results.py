@@ -130,7 +130,6 @@ def _has(result: dict, dataset: str, metric: str) -> bool:
 def to_markdown(result: dict) -> str:
     title = TITLES.get(result["task"], result["task"])
     model, prov = result["model"], result.get("provenance", {})
-    n_sets = len(result["datasets"])
     lines = [
         f"# {title} grid: {model.get('model')} ({result['metric']} x 100)",
         "",
@@ -157,7 +156,8 @@ def to_markdown(result: dict) -> str:
         values = grid_of(result["average"], metric)
         if not values:
             continue
-        what = f"average over {n_sets} datasets" if n_sets > 1 else result["datasets"][0]
+        having = [ds for ds in result["datasets"] if _has(result, ds, metric)]
+        what = f"average over {len(having)} datasets" if len(having) > 1 else having[0]
         lines += ["", f"## {metric}: {what} (rows: layer, columns: dim)", ""]
         lines.append(markdown_grid(values, result["layers"], result["dims"]))
     full = max(result["dims"])
