@@ -18,16 +18,22 @@ from pathlib import Path
 
 from common import DEFAULT_DATA, header
 
-CELLS = [(1, 64), (2, 128), (3, 128)]
+CELLS = [(1, 64), (2, 128), (3, 128), (6, 64)]
 ORDER = [
     "raw",
     "plain",
+    "plain-old-angle",
     "mrl",
     "2dmse",
-    "ese",
-    "starbucks",
     "2dmse-infonce",
     "st-matryoshka2d",
+    "st-recipe",
+    "ese",
+    "ese-compress-scaled",
+    "ese-compress-paper",
+    "ese-angle-emb",
+    "starbucks",
+    "starbucks-paper",
     "separate-1-64",
     "separate-2-128",
     "separate-3-128",

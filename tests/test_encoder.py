@@ -136,3 +136,12 @@ def test_minilm_reads_pooling_and_length_from_its_config(minilm):
     info = minilm.info()
     assert (info["layers"], info["hidden_size"], info["pooling"], info["max_length"]) == (6, 384, "mean", 256)
     assert info["parameters"] > 20_000_000
+
+
+def test_layer_zero_is_the_embedding_output(tiny_bert):
+    features = tiny_bert.tokenize(["a red cat", "the dog sleeps on the mat"])
+    with torch.no_grad():
+        states = tiny_bert.token_states(features, [0, 2])
+        reference = tiny_bert.model(**features, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(states[0], reference[0])
+    torch.testing.assert_close(states[2], reference[2])

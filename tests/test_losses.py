@@ -65,16 +65,55 @@ def test_angle_score_is_one_for_equal_directions_and_scale_free():
     assert angle_scores(u, w).item() < 1.0
 
 
-def test_angle_loss_terms_and_weights():
+def test_angle_loss_on_triplets_is_angle_emb_format_c():
+    """angle-emb 0.6.1 AngleLoss, format C: (ibn + cln) / 2 + 0.02 * angle ranking (tau 20), no CoSENT."""
     torch.manual_seed(0)
-    batch = EmbeddedBatch([torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)], "triplets")
-    cos_only = AnglELoss(cosine_weight=1, ibn_weight=0, angle_weight=0)(batch)
+    a, p, n = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    batch = EmbeddedBatch([a, p, n], "triplets")
+    target = torch.arange(4)
+    ibn = F.cross_entropy(F.normalize(a, dim=-1) @ F.normalize(p, dim=-1).T * 20, target)
+    cln = F.cross_entropy(F.normalize(a, dim=-1) @ F.normalize(torch.cat([p, n]), dim=-1).T * 20, target)
+    scores = angle_scores(torch.cat([a, a]), torch.cat([p, n])) * 20
+    angle = ranking(scores, [1.0] * 4 + [0.0] * 4)
+    assert AnglELoss()(batch).item() == pytest.approx(((ibn + cln) / 2 + 0.02 * angle).item(), rel=1e-5)
+    # CoSENT only when asked for, and then exactly CoSENT on the (a, p, 1), (a, n, 0) pairs
+    cos_only = AnglELoss(cosine_weight=1, ibn_weight=0, cln_weight=0, angle_weight=0)(batch)
     assert cos_only.item() == pytest.approx(CoSENTLoss()(batch).item(), rel=1e-6)
-    ibn_only = AnglELoss(cosine_weight=0, ibn_weight=1, angle_weight=0)(batch)
-    assert ibn_only.item() == pytest.approx(InfoNCELoss()(batch).item(), rel=1e-6)
-    full = AnglELoss()(batch)
-    angle_only = AnglELoss(cosine_weight=0, ibn_weight=0, angle_weight=1)(batch)
-    assert full.item() == pytest.approx((cos_only + ibn_only + angle_only).item(), rel=1e-5)
+    assert AnglELoss().describe("triplets").startswith("(in-batch 1 + with hard negatives 1) / 2, CoSENT 0, angle 0.02")
+
+
+def ranking(scores, labels):
+    """CoSENT's log(1 + sum over wrongly-ordered-able pairs of exp(s_i - s_j)), written out."""
+    terms = [0.0]
+    for i, li in enumerate(labels):
+        for j, lj in enumerate(labels):
+            if li < lj:
+                terms.append(float(scores[i] - scores[j]))
+    return torch.logsumexp(torch.tensor(terms), dim=0)
+
+
+def test_angle_loss_on_nli_pairs_uses_symmetric_in_batch_negatives_of_entailed_pairs():
+    torch.manual_seed(1)
+    u, v = torch.randn(3, 6), torch.randn(3, 6)
+    labels = torch.tensor([0, 2, 0])  # entailment, contradiction, entailment
+    batch = EmbeddedBatch([u, v], "nli", labels)
+    texts = F.normalize(torch.cat([u, v]), dim=-1)
+    logits = texts @ texts.T * 20 - torch.eye(6) * 1e12
+    partner = [3, 4, 5, 0, 1, 2]
+    rows = [F.cross_entropy(logits[i : i + 1], torch.tensor([partner[i]])) for i in (0, 2, 3, 5)]
+    ibn = torch.stack(rows).sum() / 6  # the mean over all 2B rows, rows without a positive counting 0
+    angle = ranking(angle_scores(u, v) * 20, [2.0, 0.0, 2.0])
+    assert AnglELoss()(batch).item() == pytest.approx((ibn + 0.02 * angle).item(), rel=1e-5)
+
+
+def test_angle_loss_on_scored_pairs_keeps_cosent():
+    torch.manual_seed(2)
+    u, v = torch.randn(4, 6), torch.randn(4, 6)
+    batch = scored(u, v, [4.5, 1.0, 3.2, 0.0])
+    expected = CoSENTLoss()(batch) + 0.02 * ranking(angle_scores(u, v) * 20, [4.5, 1.0, 3.2, 0.0])
+    assert AnglELoss()(batch).item() == pytest.approx(expected.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="not sentences data"):
+        AnglELoss()(EmbeddedBatch([u, u], "sentences"))
 
 
 def test_softmax_loss_hand_computed():

@@ -5,10 +5,12 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from matryoshka2d.losses.align import feature_kl
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
-from matryoshka2d.methods.ese import pca_target
+from matryoshka2d.methods.ese import pca_target, pca_targets
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.views import View, nested_dims, parse_cells
 
@@ -74,13 +76,68 @@ def test_ese_compress_target_and_terms():
     a = torch.softmax(x.T @ x / 4.0, dim=-1)
     u, s, _ = torch.linalg.svd(a)
     torch.testing.assert_close(target, x @ u[:, :4] @ torch.diag(s[:4]))
-    method = make_method("ese", 3, 16, k=4)
+    method = make_method("ese", 3, 16, k=4, beta=1.0, compress_target="dependency")
     states = {
         i: EmbeddedBatch([torch.randn(5, 16, requires_grad=True)] * 2, "scored", torch.ones(5)) for i in (1, 2, 3)
     }
     total, parts = method.loss(method.plan(None), states, lambda batch: batch.columns[0].sum() * 0)
     assert {"compress1", "compress2", "compress3"} <= set(parts)
     total.backward()
+
+
+def test_ese_scaled_target_keeps_the_direction_and_takes_the_size_of_the_first_k():
+    torch.manual_seed(0)
+    xs = [torch.randn(10, 16), 3 * torch.randn(10, 16)]
+    plain, scaled = pca_targets(xs, 4), pca_targets(xs, 4, scaled=True)
+    for x, p, s in zip(xs, plain, scaled, strict=True):
+        torch.testing.assert_close(s.norm(dim=-1), x[:, :4].norm(dim=-1))
+        torch.testing.assert_close(F.normalize(s, dim=-1), F.normalize(p, dim=-1))
+    # one batched SVD gives what one SVD per layer gives
+    torch.testing.assert_close(plain[1], pca_target(xs[1], 4))
+
+
+def test_ese_angle_emb_reading_indexes_from_the_embedding_output_and_averages_the_shallow_sum():
+    method = make_method("ese", 6, 64, k=16, layers="angle-emb", shallow_mean=True, beta=0.0)
+    assert method.shallow == [0, 1, 2, 3, 4]
+    weights = [1 / (1 + math.log(1 + i)) for i in range(5)]
+    assert method.layer_weights().tolist() == pytest.approx(weights, rel=1e-6)
+    assert views(method) == [(6, 64), (0, 16), (1, 16), (2, 16), (3, 16), (4, 16), (6, 16)]
+    states = {i: EmbeddedBatch([torch.randn(4, 64)] * 2, "scored", torch.ones(4)) for i in range(0, 7)}
+    total, _ = method.loss(method.plan(None), states, lambda batch: torch.tensor(1.0))
+    assert total.item() == pytest.approx(2 + sum(weights) / 5, rel=1e-6)
+    with pytest.raises(ValueError, match="layers must be one of paper, angle-emb"):
+        make_method("ese", 6, 64, k=16, layers="hidden")
+
+
+def test_2dmse_reference_options():
+    method = make_method("2dmse", 6, 64, shallow_weighting="inverse", kl="features", kl_widths="full", kl_factor="T")
+    plan = method.plan(np.random.default_rng(3))
+    n = plan.info["n"]
+    assert [v.weight for v in plan.views] == pytest.approx([1.0, 1 / n, 1.0, 1 / n])
+    student = torch.randn(4, 64, requires_grad=True)
+    teacher = torch.randn(4, 64, requires_grad=True)
+    states = {layer: EmbeddedBatch([teacher, teacher], "scored", torch.ones(4)) for layer in range(1, 7)}
+    states[n] = EmbeddedBatch([student, student], "scored", torch.ones(4))
+    kl, parts = method.extra_loss(plan, states)
+    expected = feature_kl(torch.cat([student, student]), torch.cat([teacher, teacher]), 0.3, "T")
+    assert kl.item() == pytest.approx(expected.item(), rel=1e-6) and "kl" in parts
+    kl.backward()
+    assert teacher.grad is None  # detached by default, as sentence-transformers since PR #3757
+    with pytest.raises(ValueError, match="kl_factor must be one of T2, T, 1"):
+        make_method("2dmse", 6, 64, kl_factor="T3")
+
+
+def test_starbucks_feature_kl_as_the_authors_code():
+    method = make_method(
+        "starbucks", 2, 8, sizes=[(1, 4), (2, 8)], kl="features", kl_factor="T", kl_detach=False, kl_scale_logits=False
+    )
+    student, teacher = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    states = {1: EmbeddedBatch([student], "scored"), 2: EmbeddedBatch([teacher], "scored")}
+    kl, _ = method.extra_loss(method.plan(None), states)
+    expected = F.kl_div(F.log_softmax(student[:, :4], -1), F.softmax(teacher[:, :4], -1), reduction="batchmean") * 0.3
+    assert kl.item() == pytest.approx(expected.item(), rel=1e-5)
+    kl.backward()
+    assert teacher.grad is not None and teacher.grad.abs().sum() > 0  # their teacher is not detached
 
 
 def test_ese_dynamic_weights_are_learned_and_keep_their_sum():

@@ -212,3 +212,57 @@ def test_resume_reads_a_checkpoint_written_before_newer_options(tiny_dir, triple
         saved.write_text(json.dumps(values))
     again = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=3, save_steps=1))
     assert again.resume() and again.step == 2
+
+
+def test_without_a_loss_the_run_picks_the_one_for_its_kind_of_data_and_says_so(
+    tiny_dir, triplets, sts_dev, tmp_path, capsys
+):
+    trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path / "t", loss=None, steps=1))
+    assert trainer.loss_name == "angle"
+    assert "loss: angle (default for triplets data" in capsys.readouterr().out
+    scored = Trainer(config(tiny_dir, sts_dev, sts_dev, tmp_path / "s", loss=None, steps=1))
+    assert scored.loss_name == "angle" and scored.data.kind == "scored"
+    assert "default for scored data" in capsys.readouterr().out
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("red cat runs\nold dog sleeps\nblue bird eats\n")
+    plain_text = Trainer(config(tiny_dir, sentences, sts_dev, tmp_path / "u", loss=None, steps=1))
+    assert plain_text.loss_name == "simcse"
+    out = plain_text.run(progress=False)
+    assert json.loads((out / "matryoshka2d.json").read_text())["loss"] == "simcse"
+
+
+def test_cli_train_preset_applies_its_recipe_and_flags_override_it(tiny_dir, triplets, sts_dev, tmp_path, capsys):
+    args = ["train", "--preset", "ese-angle-emb", "--model", str(tiny_dir), "--pooling", "mean"]
+    args += ["--data", str(triplets), "--output", str(tmp_path / "o"), "--steps", "2", "--batch-size", "8"]
+    args += ["--eval-file", str(sts_dev), "--method-option", "k=16"]
+    assert main(args) == 0
+    assert "preset ese-angle-emb: SeanLee97/AnglE" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "o" / "matryoshka2d.json").read_text())
+    method = meta["method"]
+    assert method["layers"] == "angle-emb" and method["shallow_mean"] is True and method["beta"] == 1.0
+    assert method["k"] == 16 and method["kl_factor"] == "T" and meta["loss"] == "angle"
+
+
+def test_every_preset_builds_its_method_and_loss_and_cites_a_source():
+    from matryoshka2d import presets
+    from matryoshka2d.losses import make_task_loss
+    from matryoshka2d.methods import make_method
+
+    names = presets.available()
+    assert {"2dmse-paper", "ese-paper", "ese-angle-emb", "starbucks-paper", "st-matryoshka2d"} <= set(names)
+    for name in names:
+        options = presets.load(name)
+        TrainConfig.from_dict({**options, "data": ["x.tsv"], "output": "o"})  # only known training options
+        make_method(options["method"], 6, 384, **options.get("method_options", {}))
+        make_task_loss(options["loss"], **options.get("loss_options", {}))
+        assert len(presets.source(name)) > 80
+    with pytest.raises(ValueError, match="unknown preset 'ese'; choose one of 2dmse-paper"):
+        presets.load("ese")
+
+
+def test_cli_train_help_lists_presets_and_default_losses(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "  st-matryoshka2d " in out and "  starbucks-paper " in out
+    assert "default loss per kind of training data" in out and "  triplets   angle:" in out

@@ -236,8 +236,12 @@ class ElasticEncoder(nn.Module):
     def token_states(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
         """Token states (B, T, D) after each requested layer (the final norm applied, for decoders); runs
         max(layers) layers only."""
-        wanted = sorted({self.check_layer(int(n)) for n in layers})
-        if not wanted:
+        layers = {int(n) for n in layers}
+        # Layer 0 is the embedding output (the input of the first layer): the shallowest exit of angle-emb's ESE,
+        # which counts hidden_states[0]; no public cell uses it, so only training code asks for it.
+        embedding_output = 0 in layers
+        wanted = sorted({self.check_layer(n) for n in layers - {0}})
+        if not wanted and not embedding_output:
             raise BackboneError("forward() needs at least one layer")
         stack = layer_stack(self.model)
         captured: dict[int, torch.Tensor] = {}
@@ -248,9 +252,15 @@ class ElasticEncoder(nn.Module):
 
             return hook
 
+        def keep_input(_module, args, kwargs):
+            captured[0] = args[0] if args else kwargs["hidden_states"]
+
         handles = [stack[n - 1].register_forward_hook(keep(n)) for n in wanted]
+        if embedding_output:
+            handles.append(stack[0].register_forward_pre_hook(keep_input, with_kwargs=True))
+            wanted = [0, *wanted]
         try:
-            with truncated_stack(self.model, wanted[-1]):
+            with truncated_stack(self.model, max(wanted[-1], 1)):
                 self.model(**features)
         finally:
             for handle in handles:

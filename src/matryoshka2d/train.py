@@ -32,6 +32,15 @@ from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, make_method
 
+# The loss a run uses when none is given, per kind of training data (matryoshka2d.data). AnglE's terms depend
+# on the kind too (losses/angle.py): angle-emb 0.6.1's format C for triplets, format A for labelled pairs.
+DEFAULT_LOSSES = {
+    "triplets": ("angle", "AnglE as angle-emb trains triplets: in-batch negatives with and without hard negatives"),
+    "nli": ("angle", "AnglE as angle-emb trains labelled pairs: in-batch negatives over entailed pairs"),
+    "scored": ("angle", "AnglE for similarity scores: CoSENT on the scores plus the angle term"),
+    "sentences": ("simcse", "unsupervised SimCSE: plain sentences, dropout as the only noise"),
+}
+
 
 @dataclass
 class TrainConfig:
@@ -39,7 +48,7 @@ class TrainConfig:
     output: str
     model: str = "minilm-l6"
     method: str = "plain"
-    loss: str = "angle"
+    loss: str | None = None  # None: the default loss for the kind of training data (DEFAULT_LOSSES)
     steps: int | None = None  # None: `epochs` passes over the data
     epochs: float = 1.0
     batch_size: int = 32
@@ -92,6 +101,7 @@ class Trainer:
         )
         self._prepare_pooler()
         self.method = self.build_method()
+        self.loss_name = config.loss or self.default_loss()
         self.task_loss = self.build_task_loss()
         self.data: TrainingData = self.read_data()
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
@@ -111,8 +121,15 @@ class Trainer:
             self.config.method, self.encoder.num_layers, self.encoder.hidden_size, **self.config.method_options
         )
 
+    def default_loss(self) -> str:
+        """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
+        kind = read_training_data(self.config.data).kind
+        name, why = DEFAULT_LOSSES[kind]
+        print(f"loss: {name} (default for {kind} data: {why}; --loss to choose another)")
+        return name
+
     def build_task_loss(self) -> torch.nn.Module:
-        return make_task_loss(self.config.loss, **self.config.loss_options)
+        return make_task_loss(self.loss_name, **self.config.loss_options)
 
     def read_data(self) -> TrainingData:
         """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences."""
@@ -121,7 +138,7 @@ class Trainer:
         if data.kind == "sentences" and not wants_sentences:
             raise ValueError(
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
-                f"(--loss simcse), not '{self.config.loss}'"
+                f"(--loss simcse), not '{self.loss_name}'"
             )
         return data
 
@@ -232,7 +249,8 @@ class Trainer:
             },
             tmp / "state.pt",
         )
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        saved = {**dataclasses.asdict(self.config), "loss": self.loss_name}  # the loss the run uses, even by default
+        (tmp / "config.json").write_text(json.dumps(saved, indent=2))
         with open(tmp / "state.pt", "rb") as f:
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
@@ -250,7 +268,7 @@ class Trainer:
         if checkpoint is None:
             return False
         saved = json.loads((checkpoint / "config.json").read_text())
-        mine = dataclasses.asdict(self.config)
+        mine = {**dataclasses.asdict(self.config), "loss": self.loss_name}
         keys = ("model", "method", "loss", "batch_size", "seed", "data", "pooler_dim", "freeze_encoder")
         # A checkpoint written before an option existed holds that option's default.
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -299,7 +317,8 @@ class Trainer:
         steps_run = self.step - first_step
         metadata = {
             "method": self.method.config(),
-            "loss": self.config.loss,
+            "loss": self.loss_name,
+            "loss_terms": self.task_loss.describe(self.data.kind) if hasattr(self.task_loss, "describe") else None,
             "training": dataclasses.asdict(self.config),
             "examples": len(self.data),
             "data_kind": self.data.kind,

@@ -7,15 +7,25 @@ from pathlib import Path
 
 import yaml
 
+from matryoshka2d import presets
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.methods import METHODS
-from matryoshka2d.train import TrainConfig, train
+from matryoshka2d.train import DEFAULT_LOSSES, TrainConfig, train
 from matryoshka2d.views import parse_cells
 
 
 def _method_help() -> str:
     lines = [f"  {name:<10} {cls.summary}" for name, cls in METHODS.items()]
-    return "methods:\n" + "\n".join(lines)
+    recipes = [f"  {name:<16} {description}" for name, description in presets.available().items()]
+    losses = [f"  {kind:<10} {name}: {why}" for kind, (name, why) in DEFAULT_LOSSES.items()]
+    return (
+        "methods:\n"
+        + "\n".join(lines)
+        + "\n\npresets (--preset NAME; sources in src/matryoshka2d/presets/NAME.yaml):\n"
+        + "\n".join(recipes)
+        + "\n\ndefault loss per kind of training data (without --loss):\n"
+        + "\n".join(losses)
+    )
 
 
 def _options(values: list[str] | None, flag: str) -> dict:
@@ -31,6 +41,9 @@ def _options(values: list[str] | None, flag: str) -> dict:
 
 def cmd_train(args) -> int:
     values: dict = {}
+    if args.preset:
+        values.update(presets.load(args.preset))
+        print(f"preset {args.preset}: {presets.source(args.preset)}")
     if args.config:
         path = Path(args.config)
         if not path.is_file():
@@ -38,6 +51,9 @@ def cmd_train(args) -> int:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of training options")
+        for key in ("method_options", "loss_options"):  # a config refines a preset's options, key by key
+            if isinstance(loaded.get(key), dict) and isinstance(values.get(key), dict):
+                loaded[key] = {**values[key], **loaded[key]}
         values.update(loaded)
     for key in (
         "model",
@@ -63,8 +79,10 @@ def cmd_train(args) -> int:
             values[key] = value
     if args.eval_cell:
         values["eval_cell"] = list(parse_cells(args.eval_cell)[0])
-    values.setdefault("method_options", {}).update(_options(args.method_option, "--method-option"))
-    values.setdefault("loss_options", {}).update(_options(args.loss_option, "--loss-option"))
+    values["method_options"] = dict(values.get("method_options") or {})
+    values["loss_options"] = dict(values.get("loss_options") or {})
+    values["method_options"].update(_options(args.method_option, "--method-option"))
+    values["loss_options"].update(_options(args.loss_option, "--loss-option"))
     if args.sizes:
         values["method_options"]["sizes"] = [list(c) for c in parse_cells(args.sizes)]
     if args.layer or args.dim:
@@ -88,7 +106,8 @@ def register(sub, model_args) -> None:
     p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
     p.add_argument("--device")
     p.add_argument("--method", choices=list(METHODS), help="training method (see above; default plain)")
-    p.add_argument("--loss", choices=list(TASK_LOSSES), help="task loss (default angle)")
+    p.add_argument("--loss", choices=list(TASK_LOSSES), help="task loss (default: by kind of data, see above)")
+    p.add_argument("--preset", choices=list(presets.available()), help="a paper's or reference code's recipe")
     p.add_argument("--data", nargs="+", help="training files (TSV/JSONL: triplets, NLI pairs or scored pairs)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
     p.add_argument("--epochs", type=float)
