@@ -266,3 +266,44 @@ def test_cli_train_help_lists_presets_and_default_losses(capsys):
     out = capsys.readouterr().out
     assert "  st-matryoshka2d " in out and "  starbucks-paper " in out
     assert "default loss per kind of training data" in out and "  triplets   angle:" in out
+
+
+def test_a_few_steps_of_the_default_loss_on_nli_triplets_do_not_pull_unrelated_sentences_together(tmp_path):
+    """Issue 8: CoSENT on triplets read as 0/1 pairs (the old default) sent the mean cosine of unrelated sentences
+    from 0.075 to 0.880 in 60 steps. The default loss on triplets must keep them apart (measured 0.069 -> 0.090
+    with these settings, 2026-11-23)."""
+    from matryoshka2d.paths import data_dir
+
+    source = data_dir() / "nli" / "train_triplets.tsv"
+    if not source.is_file():
+        pytest.skip(f"shared NLI triplets not available here: {source}")
+    lines = source.read_text(encoding="utf-8").splitlines()
+    train_file = tmp_path / "triplets.tsv"
+    train_file.write_text("\n".join(lines[:321]) + "\n", encoding="utf-8")
+    unrelated = [line.split("\t")[0] for line in lines[5000:5030]]  # anchors of other rows: unrelated to each other
+
+    def mean_cosine(encoder):
+        v = encoder.encode(unrelated, normalize=True)
+        return float((v @ v.T).sum() - len(v)) / (len(v) * (len(v) - 1))
+
+    cfg = TrainConfig(
+        data=[str(train_file)],
+        output=str(tmp_path / "o"),
+        model="minilm-l6",
+        steps=20,
+        batch_size=16,
+        lr=1e-4,
+        max_length=32,
+        warmup_ratio=0.0,
+        save_steps=0,
+        device="cpu",
+    )
+    trainer = Trainer(cfg)
+    assert trainer.loss_name == "angle"
+    trainer.encoder.eval()
+    before = mean_cosine(trainer.encoder)
+    for _ in range(cfg.steps):
+        trainer.train_step()
+    trainer.encoder.eval()
+    after = mean_cosine(trainer.encoder)
+    assert after < before + 0.1 and after < 0.3, (before, after)
