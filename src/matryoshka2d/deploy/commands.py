@@ -30,14 +30,18 @@ def cmd_serve(args) -> int:
     from matryoshka2d.deploy.server import ServerLimits, serve
     from matryoshka2d.encoder import ElasticEncoder
 
-    for name in ("max_batch", "max_inputs"):
+    for name in ("max_batch", "max_inputs", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
     limits = ServerLimits(
-        max_inputs=args.max_inputs, truncate=args.truncate, max_batch=args.max_batch, max_wait=args.max_wait_ms / 1000
+        max_inputs=args.max_inputs,
+        max_body_bytes=args.max_body_bytes,
+        truncate=args.truncate,
+        max_batch=args.max_batch,
+        max_wait=args.max_wait_ms / 1000,
     )
     name = args.served_name or args.model
     print(
@@ -87,6 +91,7 @@ def register(sub, model_args) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="texts per model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

@@ -117,9 +117,15 @@ def export_cell(
         report = ExportReport(
             output, layer, dim, normalize, count_parameters(cut.model), count_parameters(encoder.model)
         )
-        if cut.head is not None:
-            report.parameters_kept += count_parameters(cut.head)
-            report.notes.append(f"(head kept: {cut.head.describe()})")
+        if encoder.head is not None:
+            report.parameters_kept += count_parameters(encoder.head)
+            report.parameters_full += count_parameters(encoder.head)
+            report.notes.append(f"(pooler head kept: {encoder.head.describe()})")
+        if dim < encoder.hidden_size:
+            report.notes.append(
+                f"(the first {dim} numbers are kept by a {dim}x{encoder.hidden_size} identity Dense module, "
+                "not counted as parameters)"
+            )
         expected = encoder.encode(CHECK_SENTENCES, layer=layer, dim=dim, normalize=normalize)
         report.checks["sentence-transformers vs encode()"] = _check_sentence_transformers(staging, expected)
         report.files["torch weights (model.safetensors)"] = (staging / "model.safetensors").stat().st_size

@@ -166,6 +166,9 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
+    # Read the shape once: while the worker thread runs a cell, the encoder's layer stack is temporarily cut to
+    # that cell's depth, so asking the encoder for its depth from this thread could see the cut stack.
+    num_layers, hidden_size, max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
     counter = copy.deepcopy(encoder.tokenizer)  # token counting in the event loop, apart from the model thread
     created = int(time.time())
     batcher = MicroBatcher(encoder, limits.max_batch, limits.max_wait)
@@ -198,11 +201,10 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
             "object": "model",
             "created": created,
             "owned_by": "matryoshka2d",
-            "layers": list(range(1, encoder.num_layers + 1)),
-            "dimensions": encoder.hidden_size,
-            "cells": "any (layer, dimensions) with 1 <= layer <= "
-            f"{encoder.num_layers} and 1 <= dimensions <= {encoder.hidden_size}",
-            "max_input_tokens": encoder.max_length,
+            "layers": list(range(1, num_layers + 1)),
+            "dimensions": hidden_size,
+            "cells": f"any (layer, dimensions) with 1 <= layer <= {num_layers} and 1 <= dimensions <= {hidden_size}",
+            "max_input_tokens": max_length,
             "truncates_long_inputs": limits.truncate,
             "max_inputs_per_request": limits.max_inputs,
             "pooling": encoder.pooling,
@@ -251,17 +253,17 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
             raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
         texts, layer, dim, encoding = validate(body)
         lengths = [len(ids) for ids in counter(texts, add_special_tokens=True, verbose=False)["input_ids"]]
-        too_long = [i for i, n in enumerate(lengths) if n > encoder.max_length]
+        too_long = [i for i, n in enumerate(lengths) if n > max_length]
         if too_long and not limits.truncate:
             i = too_long[0]
             raise ApiError(
                 400,
-                f"input[{i}] has {lengths[i]} tokens; this model's maximum input length is {encoder.max_length} "
+                f"input[{i}] has {lengths[i]} tokens; this model's maximum input length is {max_length} "
                 f"tokens ({len(too_long)} input(s) too long). Shorten it (the server runs without --truncate)",
                 "input",
                 "context_length_exceeded",
             )
-        used = [min(n, encoder.max_length) for n in lengths]
+        used = [min(n, max_length) for n in lengths]
         vectors = (await batcher.encode(texts, layer))[:, :dim]
         vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         vectors = vectors.astype("<f4", copy=False)
@@ -320,10 +322,8 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
                 )
             if text == "":
                 raise ApiError(400, f"input[{i}] is empty; every input must contain text", "input", "empty_input")
-        layer = _check_int(body, "layer", 1, encoder.num_layers, f"{model_id} has {encoder.num_layers} layers; layer")
-        dim = _check_int(
-            body, "dimensions", 1, encoder.hidden_size, f"{model_id} has {encoder.hidden_size} dimensions; dimensions"
-        )
+        layer = _check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
+        dim = _check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
         encoding = body.get("encoding_format", "float")
         if encoding is None:
             encoding = "float"
@@ -342,7 +342,7 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
                 unknown[0],
                 "unknown_parameter",
             )
-        return texts, layer or encoder.num_layers, dim or encoder.hidden_size, encoding
+        return texts, layer or num_layers, dim or hidden_size, encoding
 
     return app
 
