@@ -7,8 +7,9 @@ Starts the server as a subprocess on a free port of 127.0.0.1 (nothing else is r
 for /health, then for each cell sends `requests` requests of `texts-per-request` distinct STS sentences from
 `clients` threads (one keep-alive connection each). Next to each cell it measures offline throughput: the same
 texts through `ElasticEncoder.encode` (batch 64) in this process while the server is idle, so the ratio
-served/offline is taken side by side on the same machine. RSS of the server process is read from /proc before
-the first request (after one warm-up request per cell) and after the last.
+served/offline is taken side by side on the same machine. RSS of the server process is read from /proc right
+after loading, after an uncounted warm-up load of `--warmup-requests` requests per cell, and after the last
+request.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="requests per cell")
     parser.add_argument("--texts-per-request", type=int, default=8)
     parser.add_argument("--cells", nargs="+", default=["3,128", "6,384"], help="layer,dim pairs")
+    parser.add_argument("--warmup-requests", type=int, default=100, help="per cell, before RSS is read")
     parser.add_argument("--server-args", default="", help="extra arguments for `matryoshka2d serve`")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     args = parser.parse_args()
@@ -184,6 +186,11 @@ def main() -> None:
             )
             warm.getresponse().read()
         warm.close()
+        rss_loaded = rss_mb(server.pid)
+        # A warm-up load (the first `--warmup-requests` batches at each cell, not counted): allocator pools and
+        # kernel caches fill up to their working size here, so that growth under the measured load means a leak.
+        for layer, dim in cells:
+            run_load(port, batches[: args.warmup_requests], layer, dim, args.clients, stop_at)
         rss_before = rss_mb(server.pid)
         from matryoshka2d.encoder import ElasticEncoder
 
@@ -211,8 +218,9 @@ def main() -> None:
         if r["first_error"]:
             print(f"  first error at ({layer},{dim}): {r['first_error']}")
     print(
-        f"\nserver RSS: {rss_before:.0f} MB before the load (after warm-up), {rss_after:.0f} MB after "
-        f"({rss_after - rss_before:+.0f} MB)"
+        f"\nserver RSS: {rss_loaded:.0f} MB with the model loaded, {rss_before:.0f} MB after the warm-up load, "
+        f"{rss_after:.0f} MB after the measured load ({rss_after - rss_before:+.0f} MB over the measured load, "
+        f"{rss_after - rss_loaded:+.0f} MB since loading)"
     )
 
 

@@ -30,7 +30,7 @@ def cmd_serve(args) -> int:
     from matryoshka2d.deploy.server import ServerLimits, serve
     from matryoshka2d.encoder import ElasticEncoder
 
-    for name in ("max_batch", "max_inputs", "max_body_bytes"):
+    for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
@@ -41,6 +41,7 @@ def cmd_serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         truncate=args.truncate,
         max_batch=args.max_batch,
+        batch_size=args.batch_size,
         max_wait=args.max_wait_ms / 1000,
     )
     name = args.served_name or args.model
@@ -88,7 +89,8 @@ def register(sub, model_args) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", help="the model id clients send (default: --model as given)")
-    p.add_argument("--max-batch", type=int, default=64, help="texts per model call")
+    p.add_argument("--max-batch", type=int, default=256, help="texts collected from requests for one model call")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass within a model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")

@@ -11,7 +11,8 @@ equal `ElasticEncoder.encode(texts, layer=layer, dim=dimensions, normalize=True)
 
 Requests are micro-batched: one worker thread runs the model; texts that arrive while it is busy, or within
 `max_wait` of the first, go into the next batch (up to `max_batch` texts; a larger request is one batch on its
-own), grouped by layer so that an exit at layer n still runs n layers. Errors have OpenAI's shape:
+own), grouped by layer so that an exit at layer n still runs n layers; the model call sorts its texts by length
+and runs them `batch_size` at a time, as offline `encode` does. Errors have OpenAI's shape:
 {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -40,7 +41,8 @@ class ServerLimits:
     max_inputs: int = 2048  # texts per request (OpenAI's limit)
     max_body_bytes: int = 8 * 1024 * 1024  # request body
     truncate: bool = False  # texts over the model's max_length: False -> 400, True -> cut to max_length
-    max_batch: int = 64  # texts per model call
+    max_batch: int = 256  # texts collected for one model call (sorted by length there, then run in batches)
+    batch_size: int = 64  # texts per forward pass within a model call
     max_wait: float = 0.005  # seconds the first request of a batch waits for company
 
 
@@ -72,8 +74,8 @@ class _Job:
 class MicroBatcher:
     """Collects concurrent requests into batches for one model worker thread."""
 
-    def __init__(self, encoder: ElasticEncoder, max_batch: int, max_wait: float):
-        self.encoder, self.max_batch, self.max_wait = encoder, max_batch, max_wait
+    def __init__(self, encoder: ElasticEncoder, max_batch: int, max_wait: float, batch_size: int = 64):
+        self.encoder, self.max_batch, self.max_wait, self.batch_size = encoder, max_batch, max_wait, batch_size
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="matryoshka2d-model")
         self.batches = 0
@@ -139,7 +141,7 @@ class MicroBatcher:
                 self.batches += 1
 
     def _encode(self, texts: list[str], layer: int) -> np.ndarray:
-        return self.encoder.pooled_states(texts, [layer], batch_size=self.max_batch)[layer]
+        return self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size)[layer]
 
 
 def _error_response(error: ApiError):
@@ -171,7 +173,7 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
     num_layers, hidden_size, max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
     counter = copy.deepcopy(encoder.tokenizer)  # token counting in the event loop, apart from the model thread
     created = int(time.time())
-    batcher = MicroBatcher(encoder, limits.max_batch, limits.max_wait)
+    batcher = MicroBatcher(encoder, limits.max_batch, limits.max_wait, limits.batch_size)
 
     @asynccontextmanager
     async def lifespan(_app):
