@@ -213,7 +213,8 @@ class CellGraph(nn.Module):
 
 def export_onnx(cut: ElasticEncoder, path: Path) -> Path:
     """torch.onnx export of a cut encoder (its full depth is the cell's depth), batch and length dynamic."""
-    cut.model.config.use_cache = False if hasattr(cut.model.config, "use_cache") else None
+    if hasattr(cut.model.config, "use_cache"):
+        cut.model.config.use_cache = False  # decoders: no key/value cache outputs in the graph
     path.parent.mkdir(parents=True, exist_ok=True)
     names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in cut._input_names]
     sample = cut.tokenize(["a first short sentence", "and a second, slightly longer sentence here"])
@@ -230,6 +231,7 @@ def export_onnx(cut: ElasticEncoder, path: Path) -> Path:
             dynamic_shapes=shapes,
             dynamo=True,
             external_data=False,
+            verbose=False,
         )
     program.save(str(path))
     return path
