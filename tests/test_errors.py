@@ -61,14 +61,21 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
         ElasticEncoder.from_modules(GPT2Model(GPT2Config(n_layer=2, n_embd=32, n_head=2)), tokenizer)
 
 
-def test_unsupported_sentence_pooling_config(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    "pool_cfg",
+    [
+        {"word_embedding_dimension": 32, "pooling_mode_max_tokens": True},  # sentence-transformers < 5.4
+        {"embedding_dimension": 32, "pooling_mode": "max"},  # sentence-transformers >= 5.4
+    ],
+)
+def test_unsupported_sentence_pooling_config(tmp_path, tokenizer, pool_cfg):
     tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(tmp_path)
     (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
     (tmp_path / "modules.json").write_text(
         json.dumps([{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
     )
-    with pytest.raises(BackboneError, match="pooling_mode_max_tokens.*not supported"):
+    with pytest.raises(BackboneError, match=r"1_Pooling/config.json: pooling mode 'max' is not supported"):
         ElasticEncoder(str(tmp_path))
 
 

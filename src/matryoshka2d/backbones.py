@@ -136,47 +136,95 @@ def resolve(name_or_path: str) -> tuple[str, str]:
     return name_or_path, name_or_path
 
 
+# sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
+# pooling_mode_*_token flags) -> ours.
+ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last-token"}
+OUR_TO_ST_POOLING = {ours: theirs for theirs, ours in ST_POOLING.items()}
+
+
 @dataclass
 class SentenceConfig:
-    """What a sentence-transformers folder says about pooling, length, normalisation and a dense head."""
+    """What a sentence-transformers folder says about pooling, length, normalisation and a dense head.
+
+    `dense` is the folder's sentence-transformers Dense module, loaded by sentence-transformers itself.
+    """
 
     pooling: str | None = None
     max_length: int | None = None
     normalize: bool = False
     pooler_dir: str | None = None
+    dense: nn.Module | None = None
     extra: dict = field(default_factory=dict)
 
 
-def read_sentence_config(model_dir: str) -> SentenceConfig:
-    root = Path(model_dir)
+def read_sentence_config(model_dir: str | None, trust_remote_code: bool = False) -> SentenceConfig:
+    """Read a sentence-transformers folder's modules through sentence-transformers' own module classes.
+
+    Each module that modules.json lists is resolved and loaded by the installed sentence-transformers (so every
+    config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
+    except the Transformer, whose weights `load_transformer` loads; only its settings (max_seq_length) are read.
+    A plain Hugging Face folder (no modules.json) gives an empty config.
+    """
     cfg = SentenceConfig()
+    if model_dir is None:
+        return cfg
+    root = Path(model_dir)
     if not root.is_dir():
         return cfg
-    bert_cfg = root / "sentence_bert_config.json"
-    if bert_cfg.is_file():
-        cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
     modules_file = root / "modules.json"
     if not modules_file.is_file():
+        bert_cfg = root / "sentence_bert_config.json"
+        if bert_cfg.is_file():
+            cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
         return cfg
-    for module in json.loads(modules_file.read_text()):
-        kind = module.get("type", "")
-        if kind.endswith("Pooling"):
-            pool_cfg_file = root / module.get("path", "") / "config.json"
-            if pool_cfg_file.is_file():
-                pool_cfg = json.loads(pool_cfg_file.read_text())
-                if pool_cfg.get("pooling_mode_mean_tokens"):
-                    cfg.pooling = "mean"
-                elif pool_cfg.get("pooling_mode_cls_token"):
-                    cfg.pooling = "cls"
-                elif pool_cfg.get("pooling_mode_lasttoken"):
-                    cfg.pooling = "last-token"
-                else:
-                    modes = [k for k, v in pool_cfg.items() if k.startswith("pooling_mode") and v]
-                    raise BackboneError(f"{pool_cfg_file}: pooling {modes} is not supported; use {POOLING_MODES}")
-        elif kind.endswith("Normalize"):
-            cfg.normalize = True
-        elif kind.endswith("Dense"):
-            cfg.pooler_dir = str(root / module.get("path", ""))
+    from sentence_transformers.util.misc import import_module_class
+
+    try:
+        modules = json.loads(modules_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
+    dense_dirs = []
+    for i, module in enumerate(modules):
+        kind, sub = module.get("type", ""), module.get("path", "")
+        where = f"{modules_file} entry {i} ({kind or 'no type'}, path '{sub}')"
+        try:
+            module_class = import_module_class(kind, str(root), trust_remote_code=trust_remote_code)
+        except Exception as exc:
+            raise BackboneError(f"{where}: sentence-transformers cannot resolve this module ({exc})") from None
+        name = module_class.__name__
+        try:
+            if name == "Transformer":
+                cfg.max_length = module_class.load_config(str(root), subfolder=sub).get("max_seq_length")
+            elif name == "Pooling":
+                pooling = module_class.load(str(root), subfolder=sub)
+                mode = pooling.pooling_mode
+                if mode not in ST_POOLING:
+                    raise BackboneError(
+                        f"{root / sub / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
+                        f"supports {', '.join(ST_POOLING)} (its names: {', '.join(POOLING_MODES)})"
+                    )
+                cfg.pooling = ST_POOLING[mode]
+            elif name == "Normalize":
+                cfg.normalize = True
+            elif name == "Dense":
+                if cfg.normalize:
+                    raise BackboneError(f"{where}: a Dense module after Normalize is not supported")
+                cfg.dense = module_class.load(str(root), subfolder=sub, trust_remote_code=trust_remote_code)
+                cfg.pooler_dir = str(root / sub)
+                dense_dirs.append(sub)
+            else:
+                raise BackboneError(
+                    f"{where}: module {name} is not supported; matryoshka2d reads Transformer, Pooling, Dense "
+                    "and Normalize"
+                )
+        except BackboneError:
+            raise
+        except Exception as exc:
+            raise BackboneError(f"{where}: sentence-transformers could not load it ({exc})") from None
+    if len(dense_dirs) > 1:
+        raise BackboneError(
+            f"{modules_file}: lists {len(dense_dirs)} Dense modules ({', '.join(dense_dirs)}); one is supported"
+        )
     return cfg
 
 

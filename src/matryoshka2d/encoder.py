@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import re
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from matryoshka2d.backbones import (
+    OUR_TO_ST_POOLING,
     POOLING_MODES,
     BackboneError,
     count_parameters,
@@ -34,7 +36,7 @@ from matryoshka2d.backbones import (
     read_sentence_config,
     resolve,
 )
-from matryoshka2d.pooler import PoolerHead, load_pooler
+from matryoshka2d.pooler import ACTIVATIONS, PoolerHead
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -93,7 +95,8 @@ class ElasticEncoder(nn.Module):
         super().__init__()
         location, display = resolve(model)
         transformer, tokenizer = load_transformer(location, display, trust_remote_code=trust_remote_code)
-        self._setup(transformer, tokenizer, location, display, pooling, max_length, device)
+        sentence_cfg = read_sentence_config(location, trust_remote_code=trust_remote_code)
+        self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
 
     @classmethod
     def from_modules(
@@ -108,11 +111,10 @@ class ElasticEncoder(nn.Module):
         """Wrap an already built transformer (tiny test models, or a model being trained)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(transformer, tokenizer, None, name, pooling, max_length, device)
+        self._setup(transformer, tokenizer, None, name, pooling, max_length, device, None)
         return self
 
-    def _setup(self, transformer, tokenizer, location, display, pooling, max_length, device):
-        sentence_cfg = read_sentence_config(location) if location else None
+    def _setup(self, transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg):
         chosen = pooling or (sentence_cfg.pooling if sentence_cfg else None)
         if chosen is None:
             raise BackboneError(
@@ -136,7 +138,12 @@ class ElasticEncoder(nn.Module):
         # Feed only what the model's forward takes (DistilBERT and decoders have no token_type_ids).
         accepted = inspect.signature(transformer.forward).parameters
         self._input_names = [n for n in tokenizer.model_input_names if n in accepted]
-        self.head: PoolerHead | None = load_pooler(location, self.transformer_size) if location else None
+        self.head: PoolerHead | None = None
+        if sentence_cfg is not None and sentence_cfg.dense is not None:
+            self.head = head_from_dense(sentence_cfg.dense, sentence_cfg.pooler_dir, self.transformer_size)
+        # The folder's Normalize module: unit-length vectors after slicing to a cell's dim. encode() keeps its
+        # explicit normalize= argument; save() and export write the module again, after any truncation.
+        self.normalize_output = bool(sentence_cfg.normalize) if sentence_cfg is not None else False
         self.to(torch.device(device) if device is not None else default_device())
         self.model.eval()
 
@@ -187,6 +194,7 @@ class ElasticEncoder(nn.Module):
             "transformer_size": self.transformer_size,
             "pooler": self.head.describe() if self.head is not None else None,
             "pooling": self.pooling,
+            "normalize": self.normalize_output,
             "max_length": self.max_length,
             "parameters": count_parameters(self),  # the transformer and the pooler head
         }
@@ -275,17 +283,37 @@ class ElasticEncoder(nn.Module):
 
     # ---- saving -----------------------------------------------------------------------------------------
 
-    def save(self, path: str | Path, keep_layers: int | None = None, metadata: dict | None = None) -> Path:
-        """Write a sentence-transformers folder (safetensors weights, tokenizer, pooling config, and the pooler
-        head as a Dense module if there is one) that loads with `SentenceTransformer(path)`,
+    def save(
+        self,
+        path: str | Path,
+        keep_layers: int | None = None,
+        metadata: dict | None = None,
+        dim: int | None = None,
+        normalize: bool | None = None,
+    ) -> Path:
+        """Write a sentence-transformers folder that loads with `SentenceTransformer(path)`,
         `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)`.
 
-        `keep_layers` cuts the saved model to its first layers (the layers above are not written at all).
-        `metadata` (method, training config, ...) goes to matryoshka2d.json.
+        sentence-transformers writes the folder itself from its own modules: Transformer (safetensors weights,
+        tokenizer), Pooling, the pooler head as a Dense module if there is one, and Normalize when the model
+        normalizes, plus modules.json and config_sentence_transformers.json. A model card (README.md) follows.
+
+        `keep_layers` cuts the saved model to its first layers (config and weights: the layers above are not
+        written at all). `dim` keeps the first `dim` numbers of each embedding (an identity Dense module, exact,
+        before Normalize, so the folder gives the cell's vectors). `normalize` overrides the model's own
+        Normalize. `metadata` (method, training config, ...) goes to matryoshka2d.json.
+
+        Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
         """
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         n = self.check_layer(keep_layers) if keep_layers else self.num_layers
+        width = self.check_dim(dim) if dim is not None else None
+        normalize = self.normalize_output if normalize is None else bool(normalize)
+        for stale in out.iterdir():
+            # Module folders of an earlier save into this folder (2_Dense, 2_Normalize, ...) must not survive.
+            if stale.is_dir() and re.fullmatch(r"\d+_\w+", stale.name):
+                shutil.rmtree(stale)
         with truncated_stack(self.model, n):
             original = _layer_count_attrs(self.model.config)
             for attr in original:
@@ -296,27 +324,48 @@ class ElasticEncoder(nn.Module):
                 for attr, value in original.items():
                     setattr(self.model.config, attr, value)
         self.tokenizer.save_pretrained(out)
-        pooling_key = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}.get(
-            self.pooling, "pooling_mode_lasttoken"
-        )
-        (out / "1_Pooling").mkdir(exist_ok=True)
-        pool_cfg = {"word_embedding_dimension": self.transformer_size, pooling_key: True}
-        (out / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg, indent=2))
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        ]
-        stale = out / "2_Dense"
-        if stale.is_dir():
-            shutil.rmtree(stale)  # a head from an earlier save into this folder must not survive
-        if self.head is not None:
-            self.head.save(out / "2_Dense")
-            modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
-        (out / "modules.json").write_text(json.dumps(modules, indent=2))
-        (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": self.max_length}, indent=2))
+        model = self._sentence_transformer(out, width, normalize)
+        model.save(str(out), create_model_card=False)
         if metadata is not None:
             (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+        from matryoshka2d.deploy.card import write_model_card
+
+        write_model_card(out, self, layers=n, dim=width, normalize=normalize, metadata=metadata)
         return out
+
+    def _sentence_transformer(self, folder: Path, dim: int | None, normalize: bool):
+        """A SentenceTransformer on the Hugging Face files in `folder`, with this encoder's modules after it."""
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.base.modules import Dense, Normalize, Transformer
+        from sentence_transformers.sentence_transformer.modules import Pooling
+
+        transformer = Transformer(str(folder), max_seq_length=self.max_length)
+        modules = [transformer, Pooling(self.transformer_size, pooling_mode=OUR_TO_ST_POOLING[self.pooling])]
+        if self.head is not None:
+            dense = Dense(
+                self.head.in_features,
+                self.head.out_features,
+                bias=self.head.linear.bias is not None,
+                activation_function=ACTIVATIONS[self.head.activation_name](),
+            )
+            dense.linear.load_state_dict(
+                {k: v.detach().float().cpu() for k, v in self.head.linear.state_dict().items()}
+            )
+            modules.append(dense)
+        if dim is not None and dim < self.hidden_size:
+            # Keep the first `dim` numbers: y = I[:dim] x is exact in floating point (products by 0 and 1).
+            modules.append(
+                Dense(
+                    self.hidden_size,
+                    dim,
+                    bias=False,
+                    activation_function=nn.Identity(),
+                    init_weight=torch.eye(self.hidden_size)[:dim].clone(),
+                )
+            )
+        if normalize:
+            modules.append(Normalize())
+        return SentenceTransformer(modules=modules, device="cpu", similarity_fn_name="cosine")
 
     # ---- inference ------------------------------------------------------------------------------------
 
@@ -389,6 +438,24 @@ class ElasticEncoder(nn.Module):
             finally:
                 self.model.train(was_training)
         return {n: arr[inverse] for n, arr in out.items()}
+
+
+def head_from_dense(dense: nn.Module, where: str | None, hidden: int) -> PoolerHead:
+    """Our PoolerHead from a sentence-transformers Dense module that sentence-transformers loaded."""
+    activation = type(dense.activation_function)
+    name = f"{activation.__module__}.{activation.__qualname__}"
+    if getattr(dense, "use_residual", False):
+        raise BackboneError(f"{where}: Dense modules with use_residual are not supported")
+    if dense.in_features != hidden:
+        raise BackboneError(
+            f"{where}: the Dense module takes {dense.in_features} numbers but the model's pooled vectors have {hidden}"
+        )
+    try:
+        head = PoolerHead(dense.in_features, dense.out_features, activation=name, bias=dense.linear.bias is not None)
+    except BackboneError as exc:
+        raise BackboneError(f"{where}: {exc}") from None
+    head.linear.load_state_dict(dense.linear.state_dict())
+    return head
 
 
 def _layer_count_attrs(config) -> dict[str, int]:

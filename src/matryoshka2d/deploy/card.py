@@ -1,0 +1,142 @@
+"""The model card (README.md) of a saved folder: what the model is, how it was trained, its grid, how to pick a cell.
+
+Everything on the card is read from what the folder and the run know (matryoshka2d.json metadata, any
+results.json an evaluation left in the folder); a field nobody recorded is left out rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CARD_RESULTS_DEPTH = 3  # how deep under the model folder to look for results.json files of `matryoshka2d eval`
+
+
+def find_results(folder: Path) -> list[dict]:
+    """results.json files (the evaluate module's format) saved inside the model folder."""
+    found = []
+    for path in sorted(folder.rglob("results.json")):
+        if len(path.relative_to(folder).parts) > CARD_RESULTS_DEPTH:
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(result, dict) and isinstance(result.get("average"), list) and result.get("metric"):
+            found.append(result)
+    return found
+
+
+def _grid_table(result: dict) -> list[str]:
+    metric = result["metric"]
+    values = {(r["layer"], r["dim"]): r[metric] for r in result["average"] if metric in r}
+    if not values:
+        return []
+    layers = sorted({cell[0] for cell in values})
+    dims = sorted({cell[1] for cell in values})
+    lines = [f"| layer \\ dim | {' | '.join(str(d) for d in dims)} |", "|---" * (len(dims) + 1) + "|"]
+    for layer in layers:
+        row = [f"{values[(layer, d)]:.2f}" if (layer, d) in values else "" for d in dims]
+        lines.append(f"| {layer} | {' | '.join(row)} |")
+    title = result.get("task", result.get("kind", "evaluation"))
+    return [f"### {title}: {metric} (average over datasets)", "", *lines, ""]
+
+
+def model_card(
+    encoder, layers: int, dim: int | None, normalize: bool, metadata: dict | None, results: list[dict]
+) -> str:
+    metadata = metadata or {}
+    width = dim or encoder.hidden_size
+    method = metadata.get("method")
+    method_name = method.get("name") if isinstance(method, dict) else method
+    training = metadata.get("training") if isinstance(metadata.get("training"), dict) else {}
+    lines = [
+        "---",
+        "library_name: sentence-transformers",
+        "pipeline_tag: sentence-similarity",
+        "tags: [sentence-transformers, sentence-similarity, matryoshka2d, 2d-matryoshka]",
+        "---",
+        "",
+        f"# {Path(str(encoder.name)).name} ({layers} layers, {width} dims)",
+        "",
+        "A sentence embedding model from [matryoshka2d](https://pypi.org/project/matryoshka2d/): elastic in depth "
+        "and width, so the first n layers and the first k numbers of its embeddings (a (layer, dim) cell) make a "
+        "smaller, faster model of their own.",
+        "",
+        "## This folder",
+        "",
+        f"- architecture: {encoder.model.config.model_type}, {layers} transformer layers kept "
+        f"(of {encoder.num_layers}), width {encoder.transformer_size}",
+        f"- pooling: {encoder.pooling}"
+        + (f"; pooler head {encoder.head.describe()}" if encoder.head is not None else ""),
+        f"- embedding size: {width}" + (f" (first {width} of {encoder.hidden_size})" if dim else ""),
+        f"- normalized: {'yes, after slicing (unit length)' if normalize else 'no'}",
+        f"- maximum sequence length: {encoder.max_length} tokens (longer texts are truncated)",
+        "",
+    ]
+    if metadata:
+        lines += ["## Training", ""]
+        if method_name:
+            lines.append(
+                f"- method: {method_name}" + (f" (`{json.dumps(method)}`)" if isinstance(method, dict) else "")
+            )
+        if metadata.get("loss"):
+            lines.append(f"- loss: {metadata['loss']}")
+        data = training.get("data") or training.get("train_file") or metadata.get("data")
+        if data:
+            lines.append(
+                f"- data: {data}"
+                + (
+                    f" ({metadata['examples']} {metadata.get('data_kind', '')} examples)"
+                    if metadata.get("examples")
+                    else ""
+                )
+            )
+        if training.get("model"):
+            lines.append(f"- base model: {training['model']}")
+        if metadata.get("steps"):
+            lines.append(f"- steps: {metadata['steps']}")
+        if isinstance(metadata.get("final_eval"), dict):
+            lines.append(f"- final evaluation: `{json.dumps(metadata['final_eval'])}`")
+        lines.append("- everything the run recorded: `matryoshka2d.json`")
+        lines.append("")
+    tables = [line for result in results for line in _grid_table(result)]
+    if tables:
+        lines += ["## Grid", "", *tables]
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        "from sentence_transformers import SentenceTransformer",
+        "",
+        'model = SentenceTransformer("path/to/this/folder")',
+        'vectors = model.encode(["A man is playing a guitar.", "Someone plays music."])',
+        "```",
+        "",
+        "## Picking a cell",
+        "",
+        "Fewer layers run faster (about n/N of the full model's time at layer n) and fewer dims make smaller "
+        "indexes; quality falls off gently along both axes. Read the grid above (or run `matryoshka2d eval sts "
+        "--model THIS_FOLDER`), take the cheapest cell within your quality budget, then check it:",
+        "",
+        "```python",
+        "from matryoshka2d import ElasticEncoder",
+        "",
+        'enc = ElasticEncoder("path/to/this/folder")',
+        "vectors = enc.encode(texts, layer=3, dim=128, normalize=True)",
+        "```",
+        "",
+        "and ship it on its own: `matryoshka2d export --model THIS_FOLDER --layer 3 --dim 128 --output cell/` "
+        "(add `--format onnx --quantize int8` for onnxruntime), or serve every cell at once with "
+        "`matryoshka2d serve --model THIS_FOLDER`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(
+    folder: Path, encoder, layers: int, dim: int | None, normalize: bool, metadata: dict | None
+) -> Path:
+    path = Path(folder) / "README.md"
+    path.write_text(model_card(encoder, layers, dim, normalize, metadata, find_results(Path(folder))), encoding="utf-8")
+    return path

@@ -1,0 +1,99 @@
+"""`matryoshka2d export` and `matryoshka2d serve`: parse arguments, call deploy/, print."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_export(args) -> int:
+    from matryoshka2d.deploy.export import export_cell
+    from matryoshka2d.encoder import ElasticEncoder
+
+    encoder = ElasticEncoder(args.model, pooling=args.pooling, device="cpu")
+    report = export_cell(
+        encoder,
+        args.layer,
+        args.dim,
+        args.output,
+        fmt=args.format,
+        quantize=args.quantize,
+        overwrite=args.overwrite,
+        normalize=args.normalize,
+        sts_file=args.sts_file,
+    )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from matryoshka2d.deploy.server import ServerLimits, serve
+    from matryoshka2d.encoder import ElasticEncoder
+
+    for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_wait_ms < 0:
+        raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
+    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
+    limits = ServerLimits(
+        max_inputs=args.max_inputs,
+        max_body_bytes=args.max_body_bytes,
+        truncate=args.truncate,
+        max_batch=args.max_batch,
+        batch_size=args.batch_size,
+        max_wait=args.max_wait_ms / 1000,
+    )
+    name = args.served_name or args.model
+    print(
+        f"serving {name}: {encoder.num_layers} layers x {encoder.hidden_size} dims on http://{args.host}:{args.port}"
+        f" (POST /v1/embeddings, GET /v1/models, GET /health)",
+        file=sys.stderr,
+    )
+    serve(encoder, name, host=args.host, port=args.port, limits=limits, log_level=args.log_level)
+    return 0
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write one (layer, dim) cell as a standalone model (sentence-transformers folder, ONNX, int8)",
+        description="A folder holding only LAYER layers (config and weights cut), the model's pooling, the first "
+        "DIM numbers and Normalize as the cell does: plain SentenceTransformer(OUTPUT) gives the cell's "
+        "embeddings and AutoModel.from_pretrained(OUTPUT) loads the cut transformer. Prints size on disk and "
+        "parameters kept.",
+    )
+    model_args(p)
+    p.add_argument("--layer", type=int, required=True, help="keep this many transformer layers")
+    p.add_argument("--dim", type=int, required=True, help="keep the first DIM numbers of each embedding")
+    p.add_argument("--output", required=True, help="folder to write (must be empty or absent, see --overwrite)")
+    p.add_argument("--format", choices=["st", "onnx"], default="st", help="onnx adds onnx/cell.onnx (extra [onnx])")
+    p.add_argument("--quantize", choices=["int8"], help="add onnx/cell_int8.onnx (dynamic int8; needs --format onnx)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    p.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalise after slicing (default: as the model does; it has a Normalize module or not)",
+    )
+    p.add_argument("--sts-file", help="STS-B test TSV for the int8 score (default: the shared data's stsb_test.tsv)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible embeddings server; one model serves every (layer, dim) cell",
+        description="POST /v1/embeddings (OpenAI's request plus an optional 'layer'), GET /v1/models, GET /health. "
+        "Concurrent requests are micro-batched in one model worker.",
+    )
+    model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-name", help="the model id clients send (default: --model as given)")
+    p.add_argument("--max-batch", type=int, default=256, help="texts collected from requests for one model call")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass within a model call")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
+    p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,317 @@
+"""Export one (layer, dim) cell as a standalone model: only `layer` layers on disk, pooling, the first `dim`
+numbers, and Normalize as the cell does.
+
+The folder is a sentence-transformers folder written by sentence-transformers (see ElasticEncoder.save): plain
+`SentenceTransformer(folder)` gives the cell's embeddings and `AutoModel.from_pretrained(folder)` loads the cut
+transformer. `--format onnx` adds `onnx/cell.onnx`, the whole cell as one graph (token ids and attention mask in,
+`sentence_embedding` out: transformer, pooling, head, slice, normalize), exported with torch.onnx; `--quantize
+int8` adds `onnx/cell_int8.onnx`, made by onnxruntime's dynamic quantization (int8 weights of the matrix
+multiplications, activations quantized on the fly). Both need the `onnx` extra (onnx, onnxscript, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from matryoshka2d.backbones import count_parameters
+from matryoshka2d.encoder import ElasticEncoder, pool
+
+FORMATS = ("st", "onnx")
+QUANTIZE = ("int8",)
+ONNX_FILE = "onnx/cell.onnx"
+ONNX_INT8_FILE = "onnx/cell_int8.onnx"
+CHECK_SENTENCES = [
+    "A man is playing a guitar.",
+    "Someone plays an instrument on a stage in front of a very large and enthusiastic crowd.",
+    "The market fell.",
+    "Rain.",
+]
+TORCH_ATOL = 1e-5  # sentence-transformers on the exported folder vs ElasticEncoder.encode at the cell
+ONNX_ATOL = 1e-4  # onnxruntime fp32 vs torch
+
+
+class ExportError(ValueError):
+    """An export could not be made as asked; the message says what and where."""
+
+
+@dataclass
+class ExportReport:
+    output: Path
+    layer: int
+    dim: int
+    normalize: bool
+    parameters_kept: int
+    parameters_full: int
+    files: dict[str, int] = field(default_factory=dict)  # part -> bytes on disk
+    checks: dict[str, float] = field(default_factory=dict)  # what was compared -> max abs difference
+    sts: dict[str, float] = field(default_factory=dict)  # STS-B Spearman x 100 per form
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        mb = 1024 * 1024
+        out = [
+            f"exported cell (layer {self.layer}, dim {self.dim}{', normalized' if self.normalize else ''}) "
+            f"to {self.output}",
+            f"parameters kept: {self.parameters_kept:,} of {self.parameters_full:,} "
+            f"({100 * self.parameters_kept / self.parameters_full:.1f}%)",
+        ]
+        out += [f"size on disk, {part}: {size / mb:.1f} MiB" for part, size in self.files.items()]
+        out += [f"check, {what}: max |difference| {diff:.2e}" for what, diff in self.checks.items()]
+        out += [f"STS-B test Spearman x 100, {form}: {score:.2f}" for form, score in self.sts.items()]
+        return out + self.notes
+
+
+def folder_size(path: Path, exclude: str | None = None) -> int:
+    return sum(
+        p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and (not exclude or exclude not in p.parts)
+    )
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"--output {output} is a file; give a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(f"--output {output} is not empty; pass --overwrite to replace its contents")
+
+
+def export_cell(
+    model: str | ElasticEncoder,
+    layer: int,
+    dim: int,
+    output: str | Path,
+    fmt: str = "st",
+    quantize: str | None = None,
+    overwrite: bool = False,
+    normalize: bool | None = None,
+    sts_file: str | Path | None = None,
+) -> ExportReport:
+    """Write the cell to `output` (atomically: a temporary folder beside it, renamed at the end) and check it."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ExportError(f"--quantize {quantize!r} is not supported; choose {', '.join(QUANTIZE)}")
+    if quantize and fmt != "onnx":
+        raise ExportError("--quantize int8 quantizes the ONNX graph; add --format onnx")
+    if fmt == "onnx":
+        require_onnx()
+    output = Path(output)
+    check_output(output, overwrite)
+    encoder = model if isinstance(model, ElasticEncoder) else ElasticEncoder(model, device="cpu")
+    layer, dim = encoder.check_layer(layer), encoder.check_dim(dim)
+    normalize = encoder.normalize_output if normalize is None else normalize
+    metadata = _source_metadata(encoder)
+    metadata["exported_cell"] = {"from": str(encoder.name), "layer": layer, "dim": dim, "normalize": normalize}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
+        staging = Path(tmp) / "cell"
+        encoder.save(staging, keep_layers=layer, dim=dim, normalize=normalize, metadata=metadata)
+        cut = ElasticEncoder(str(staging), device="cpu")
+        report = ExportReport(
+            output, layer, dim, normalize, count_parameters(cut.model), count_parameters(encoder.model)
+        )
+        if encoder.head is not None:
+            report.parameters_kept += count_parameters(encoder.head)
+            report.parameters_full += count_parameters(encoder.head)
+            report.notes.append(f"(pooler head kept: {encoder.head.describe()})")
+        if dim < encoder.hidden_size:
+            report.notes.append(
+                f"(the first {dim} numbers are kept by a {dim}x{encoder.hidden_size} identity Dense module, "
+                "not counted as parameters)"
+            )
+        expected = encoder.encode(CHECK_SENTENCES, layer=layer, dim=dim, normalize=normalize)
+        report.checks["sentence-transformers vs encode()"] = _check_sentence_transformers(staging, expected)
+        report.files["torch weights (model.safetensors)"] = (staging / "model.safetensors").stat().st_size
+        if fmt == "onnx":
+            export_onnx(cut, staging / ONNX_FILE)
+            got = OnnxCellEncoder(staging, ONNX_FILE).encode(CHECK_SENTENCES)
+            report.checks["onnxruntime fp32 vs encode()"] = _check(got, expected, ONNX_ATOL, "ONNX fp32 graph")
+            report.files[f"ONNX fp32 ({ONNX_FILE})"] = (staging / ONNX_FILE).stat().st_size
+        if quantize == "int8":
+            quantize_int8(staging / ONNX_FILE, staging / ONNX_INT8_FILE)
+            report.files[f"ONNX int8 ({ONNX_INT8_FILE})"] = (staging / ONNX_INT8_FILE).stat().st_size
+            _score_int8(encoder, staging, layer, dim, normalize, sts_file, report)
+        report.files["whole folder"] = folder_size(staging)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    full = Path(encoder.location) / "model.safetensors" if encoder.location else None
+    if full is not None and full.is_file():
+        report.files["full model's torch weights, for comparison"] = full.stat().st_size
+    return report
+
+
+def _source_metadata(encoder: ElasticEncoder) -> dict:
+    """The training record of the source folder, so the exported card still says how the model was made."""
+    if encoder.location:
+        record = Path(encoder.location) / "matryoshka2d.json"
+        if record.is_file():
+            try:
+                return json.loads(record.read_text())
+            except json.JSONDecodeError:
+                pass
+    return {}
+
+
+def _check(got: np.ndarray, expected: np.ndarray, atol: float, what: str) -> float:
+    diff = float(np.abs(got - expected).max())
+    if got.shape != expected.shape or not diff <= atol:
+        raise ExportError(
+            f"the exported {what} does not reproduce the cell: shape {got.shape} vs {expected.shape}, "
+            f"max |difference| {diff:.2e} > {atol:g}"
+        )
+    return diff
+
+
+def _check_sentence_transformers(folder: Path, expected: np.ndarray) -> float:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu")
+    return _check(model.encode(CHECK_SENTENCES), expected, TORCH_ATOL, "sentence-transformers folder")
+
+
+# ---- ONNX -----------------------------------------------------------------------------------------------
+
+
+def require_onnx() -> None:
+    missing = []
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ExportError(f"--format onnx needs {', '.join(missing)}, not installed: pip install 'matryoshka2d[onnx]'")
+
+
+class CellGraph(nn.Module):
+    """The whole cell of a cut encoder as one module: transformer (all its layers), pool, head, normalize."""
+
+    def __init__(self, encoder: ElasticEncoder, normalize: bool):
+        super().__init__()
+        self.encoder, self.normalize = encoder, normalize
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        features = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            features["token_type_ids"] = token_type_ids
+        hidden = self.encoder.model(**features).last_hidden_state
+        vectors = pool(hidden, attention_mask, self.encoder.pooling)
+        if self.encoder.head is not None:
+            vectors = self.encoder.head(vectors)
+        if self.normalize:
+            vectors = nn.functional.normalize(vectors, dim=-1)
+        return vectors
+
+
+def export_onnx(cut: ElasticEncoder, path: Path) -> Path:
+    """torch.onnx export of a cut encoder (its full depth is the cell's depth), batch and length dynamic."""
+    if hasattr(cut.model.config, "use_cache"):
+        cut.model.config.use_cache = False  # decoders: no key/value cache outputs in the graph
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in cut._input_names]
+    sample = cut.tokenize(["a first short sentence", "and a second, slightly longer sentence here"])
+    args = tuple(sample[n] for n in names)
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    shapes = {n: {0: batch, 1: length} for n in names}
+    graph = CellGraph(cut, cut.normalize_output).eval()
+    with torch.inference_mode(False), torch.no_grad():
+        program = torch.onnx.export(
+            graph,
+            args,
+            input_names=names,
+            output_names=["sentence_embedding"],
+            dynamic_shapes=shapes,
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )
+    program.save(str(path))
+    return path
+
+
+def quantize_int8(source: Path, target: Path) -> Path:
+    """onnxruntime dynamic quantization: int8 weights, activations quantized at run time."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    prepared = target.with_suffix(".prep.onnx")
+    try:
+        quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8)
+    finally:
+        prepared.unlink(missing_ok=True)
+    return target
+
+
+class OnnxCellEncoder:
+    """Run an exported cell's ONNX graph in onnxruntime: the folder's tokenizer, sorted batches, no torch model."""
+
+    def __init__(self, folder: str | Path, file: str = ONNX_FILE, threads: int | None = None):
+        import onnxruntime as ort
+        from transformers import AutoTokenizer
+
+        from matryoshka2d.backbones import read_sentence_config
+
+        folder = Path(folder)
+        if not (folder / file).is_file():
+            raise ExportError(f"{folder / file}: no such ONNX file; export with --format onnx")
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / file), options, providers=["CPUExecutionProvider"])
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.max_length = read_sentence_config(str(folder)).max_length or self.tokenizer.model_max_length
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        encoded = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        order = np.argsort([-len(x) for x in encoded["input_ids"]], kind="stable")
+        out = None
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            rows = [{k: encoded[k][i] for k in self.inputs if k in encoded} for i in idx]
+            batch = self.tokenizer.pad(rows, return_tensors="np")
+            (vectors,) = self.session.run(None, {k: batch[k].astype(np.int64) for k in self.inputs})
+            if out is None:
+                out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+            out[idx] = vectors
+        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+
+
+def _score_int8(encoder, folder, layer, dim, normalize, sts_file, report: ExportReport) -> None:
+    """STS-B test Spearman of the int8 graph next to fp32 torch at the same cell (if the data can be found)."""
+    from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
+
+    if sts_file is None:
+        from matryoshka2d.paths import data_dir
+
+        try:
+            sts_file = data_dir() / "sts" / "raw" / "stsb_test.tsv"
+        except FileNotFoundError as exc:
+            report.notes.append(f"STS-B score skipped: {exc}; pass --sts-file")
+            return
+    sts_file = Path(sts_file)
+    if not sts_file.is_file():
+        report.notes.append(f"STS-B score skipped: {sts_file} not found; pass --sts-file")
+        return
+    pairs = load_pairs(sts_file, "stsb")
+    texts = sorted(set(pairs.sentences1) | set(pairs.sentences2))
+    row = {t: i for i, t in enumerate(texts)}
+    forms = {
+        "torch fp32": encoder.encode(texts, layer=layer, dim=dim, normalize=True),
+        "ONNX int8": OnnxCellEncoder(folder, ONNX_INT8_FILE).encode(texts),
+    }
+    for form, vectors in forms.items():
+        unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        a = unit[[row[s] for s in pairs.sentences1]]
+        b = unit[[row[s] for s in pairs.sentences2]]
+        report.sts[form] = spearman_x100(pairs.gold, np.einsum("ij,ij->i", a, b))
+    report.notes.append(f"(STS-B: {sts_file}, {len(pairs.gold)} pairs)")
