@@ -30,7 +30,23 @@ def llama_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def triplets(tmp_path_factory):
-    words = "red green blue cat dog bird runs sleeps eats big small old new happy sad".split()
+    words = [
+        "red",
+        "green",
+        "blue",
+        "cat",
+        "dog",
+        "bird",
+        "runs",
+        "sleeps",
+        "eats",
+        "big",
+        "small",
+        "old",
+        "new",
+        "happy",
+        "sad",
+    ]
     rng = np.random.default_rng(0)
     rows = ["anchor\tpositive\tnegative"]
     for _ in range(16):
