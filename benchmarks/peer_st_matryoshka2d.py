@@ -1,7 +1,7 @@
 """Peer run: sentence-transformers' own Matryoshka2dLoss, trained the way our trainer trains.
 
     python benchmarks/peer_st_matryoshka2d.py --data ../shared/data/nli/train_triplets.tsv --output runs/st-2dmse
-        [--steps N] [--batch-size 32] [--base-loss mnrl]
+        [--steps N] [--batch-size 32] [--device cpu|cuda]
 
 Same backbone (minilm-l6), same batches in the same order (our trainer's seeded permutation), same AdamW,
 linear warm-up/decay and clipping; only the loss differs: Matryoshka2dLoss(MultipleNegativesRankingLoss)
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (run our trainer on the same one)")
     args = parser.parse_args()
     print(header())
 
@@ -47,7 +48,7 @@ def main() -> None:
     data = read_training_data(args.data)
     if data.kind != "triplets":
         raise SystemExit("this peer run uses MultipleNegativesRankingLoss on (anchor, positive, negative) triplets")
-    model = SentenceTransformer(str(minilm_dir()), device="cpu")
+    model = SentenceTransformer(str(minilm_dir()), device=args.device)
     hidden = model.get_embedding_dimension()
     loss_fn = Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), sorted(nested_dims(hidden), reverse=True))
     steps_per_epoch = math.ceil(len(data) / args.batch_size)
@@ -65,7 +66,7 @@ def main() -> None:
         order = np.random.default_rng([args.seed, epoch]).permutation(len(data))
         idx = order[position * args.batch_size : (position + 1) * args.batch_size]
         columns, _ = data.rows(idx)
-        features = [model.tokenize(col) for col in columns]
+        features = [{k: v.to(args.device) for k, v in model.tokenize(col).items()} for col in columns]
         loss = loss_fn(features, labels=None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -73,6 +74,8 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         samples += len(idx)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     out = Path(args.output)
     model.save(str(out))
@@ -80,6 +83,7 @@ def main() -> None:
         "peer": "sentence-transformers Matryoshka2dLoss(MultipleNegativesRankingLoss)",
         "steps": total,
         "batch_size": args.batch_size,
+        "device": args.device,
         "seconds": round(seconds, 1),
         "seconds_per_step": round(seconds / total, 4),
         "samples_per_second": round(samples / seconds, 2),

@@ -3,7 +3,7 @@ tokenizing the next batch while the current one runs.
 
 - Precision: torch.autocast in bf16 (the default on a CUDA device that supports it) or fp16 (with a
   GradScaler), or plain fp32 (the default on a CPU). Weights and optimizer state stay fp32 either way.
-- AdamW: fused on CUDA (one kernel for all parameters), torch's default (foreach) elsewhere.
+- AdamW: fused (one kernel over all parameters) on CUDA and on CPU, torch's default elsewhere.
 - Prefetch: a background thread tokenizes step s+1 while step s runs forward and backward. It uses its own
   copy of the tokenizer (a fast tokenizer must not be used by two threads at once) and touches no random
   state, so the seeded order of batches, samples and dropout masks is exactly what it was without it.
@@ -64,7 +64,9 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
 
 
 def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda" or None)
+    # torch has fused AdamW kernels for CUDA and for CPU; elsewhere (mps, ...) leave torch's default.
+    fused = True if device.type in ("cuda", "cpu") else None
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
 
 
 class Prefetcher:
