@@ -111,7 +111,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--only", help="comma-separated run names to time (default: all), e.g. '2dmse + infonce,st'")
+    parser.add_argument(
+        "--only",
+        help="comma-separated run names to time (default: all), by name or first words, e.g. '2dmse + infonce,st'",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda; ours and the peer both run there")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="ours (default: the trainer's)")
     parser.add_argument("--peer-autocast", action="store_true", help="run the peer under the same autocast as ours")
@@ -129,7 +132,7 @@ def main() -> None:
     names = [r[0] for r in RUNS] + ["st Matryoshka2dLoss(MNRL)"]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
-        names = [n for n in names if any(n.startswith(w) for w in wanted)]
+        names = [n for n in names if any(n == w or n.startswith(w + " ") for w in wanted)]
     best = dict.fromkeys(names, float("inf"))
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
