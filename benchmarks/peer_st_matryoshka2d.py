@@ -25,7 +25,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 from tqdm.auto import tqdm
 
-from common import header
+from common import header, to_device
 from matryoshka2d.backbones import minilm_dir
 from matryoshka2d.data import read_training_data
 from matryoshka2d.views import nested_dims
@@ -66,7 +66,7 @@ def main() -> None:
         order = np.random.default_rng([args.seed, epoch]).permutation(len(data))
         idx = order[position * args.batch_size : (position + 1) * args.batch_size]
         columns, _ = data.rows(idx)
-        features = [{k: v.to(args.device) for k, v in model.tokenize(col).items()} for col in columns]
+        features = [to_device(model.tokenize(col), args.device) for col in columns]
         loss = loss_fn(features, labels=None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import DEFAULT_DATA, header
+from common import DEFAULT_DATA, header, to_device
 from matryoshka2d.train import TrainConfig, Trainer
 
 RUNS = [
@@ -86,7 +86,7 @@ def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -
 
     def step(i: int) -> None:
         columns, _ = rows.rows(order[i * batch_size : (i + 1) * batch_size])
-        features = [{k: v.to(device) for k, v in model.tokenize(c).items()} for c in columns]
+        features = [to_device(model.tokenize(c), device) for c in columns]
         with autocast(precision, torch.device(device)):
             loss = loss_fn(features, labels=None)
         loss.backward()
