@@ -135,12 +135,14 @@ def load_adapter(adapter_dir: str | Path, base: str | None = None, device=None):
     if not info_file.is_file():
         raise BackboneError(f"{root} is not a LoRA adapter saved by matryoshka2d train (no {ADAPTER_INFO})")
     info = json.loads(info_file.read_text())
-    encoder = ElasticEncoder(base or info["base_model"], pooling=info["pooling"], max_length=info["max_length"])
+    encoder = ElasticEncoder(
+        base or info["base_model"], pooling=info["pooling"], max_length=info["max_length"], device=device
+    )
     if info.get("bidirectional"):
         set_bidirectional(encoder.model, encoder.name)
     peft_model = PeftModel.from_pretrained(encoder.model, str(root))
     encoder.__dict__["lora_model"] = peft_model
-    encoder.to(encoder.device)
+    encoder.to(encoder.device)  # the adapter's weights are loaded on the CPU
     encoder.eval()
     return encoder
 
