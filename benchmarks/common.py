@@ -49,3 +49,8 @@ def sts_sentences(data_dir: Path, limit: int) -> list[str]:
                 if len(seen) >= limit:
                     return list(seen)[:limit]
     return list(seen)
+
+
+def to_device(features: dict, device: str) -> dict:
+    """sentence-transformers' tokenize() output with its tensors on `device` (other entries left as they are)."""
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in features.items()}

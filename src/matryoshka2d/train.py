@@ -31,6 +31,7 @@ from matryoshka2d.encoder import ElasticEncoder
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, make_method
+from matryoshka2d.throughput import Prefetcher, adamw, autocast, grad_scaler, private_tokenizer, resolve_precision
 
 # The loss a run uses when none is given, per kind of training data (matryoshka2d.data). AnglE's terms depend
 # on the kind too (losses/angle.py): angle-emb 0.6.1's format C for triplets, format A for labelled pairs.
@@ -70,6 +71,18 @@ class TrainConfig:
     device: str | None = None
     pooler_dim: int | None = None  # put a D -> d tanh pooler head on the encoder (dimensionality paper, sec. 3)
     freeze_encoder: bool = False  # train only the pooler head (and the loss's own parameters): two-step, step 2
+    # decoder backbones (ESE sec. 3.1; matryoshka2d.decoders)
+    bidirectional: bool = False  # non-causal attention in a Llama/Qwen2/Mistral backbone, saved with the model
+    lora_r: int | None = None  # train LoRA adapters of this rank (peft) instead of all weights
+    lora_alpha: float | None = None  # default: lora_r
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None  # default: peft's choice for the architecture
+    # throughput (matryoshka2d.throughput)
+    precision: str | None = None  # bf16 | fp16 | fp32; default bf16 on CUDA where supported, else fp32
+    log_every: int = 10  # read the loss back from the device (a host sync) every N steps only
+    gradient_accumulation: int = 1  # split each batch into this many micro-batches (same data, less memory)
+    gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the blocks inside every layer
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
@@ -100,6 +113,7 @@ class Trainer:
             config.model, pooling=config.pooling, max_length=config.max_length, device=config.device
         )
         self._prepare_pooler()
+        self._prepare_decoder()
         self.method = self.build_method()
         self.loss_name = config.loss or self.default_loss()
         self.task_loss = self.build_task_loss()
@@ -108,7 +122,8 @@ class Trainer:
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
         params = [p for m in (self.encoder, self.method, self.task_loss) for p in m.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        self._prepare_throughput()
+        self.optimizer = adamw(params, config.lr, config.weight_decay, self.encoder.device)
         warmup = int(config.warmup_ratio * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factory(warmup))
         self.step = 0
@@ -157,6 +172,47 @@ class Trainer:
             for p in self.encoder.model.parameters():
                 p.requires_grad_(False)
 
+    def _prepare_decoder(self) -> None:
+        """ESE sec. 3.1 for decoder LLMs: bidirectional attention and LoRA (mean pooling is their default)."""
+        from matryoshka2d.decoders import add_lora, set_bidirectional
+
+        cfg = self.config
+        if cfg.bidirectional:
+            set_bidirectional(self.encoder.model, self.encoder.name)
+        if cfg.lora_r is not None:
+            if cfg.freeze_encoder:
+                raise ValueError("lora_r and freeze_encoder exclude each other: LoRA trains adapters in the encoder")
+            add_lora(self.encoder, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
+
+    def _prepare_throughput(self) -> None:
+        cfg, device = self.config, self.encoder.device
+        for name in ("log_every", "gradient_accumulation"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+        if cfg.gradient_accumulation > cfg.batch_size:
+            raise ValueError(
+                f"gradient_accumulation {cfg.gradient_accumulation} splits a batch of {cfg.batch_size} into "
+                "micro-batches; it cannot exceed batch_size"
+            )
+        self.precision = resolve_precision(cfg.precision, device)
+        self.scaler = grad_scaler(self.precision, device)
+        if cfg.gradient_checkpointing:
+            if not getattr(self.encoder.model, "supports_gradient_checkpointing", False):
+                raise ValueError(f"gradient_checkpointing: {self.encoder.name} does not support it")
+            self.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.compile:
+            # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
+            # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
+            from matryoshka2d.backbones import layer_stack
+
+            for layer in layer_stack(self.encoder.model):
+                for block in layer.children():
+                    block.compile(dynamic=True)
+        self._tokenizer = private_tokenizer(self.encoder.tokenizer)
+        self._prefetch = Prefetcher(self.prepare_batch)
+        self._pin = device.type == "cuda"
+        self._lazy_records = False  # run() sets it: records keep device tensors until a logging step
+
     def _lr_factory(self, warmup: int):
         total, cosine = self.total_steps, self.config.lr_schedule == "cosine"
 
@@ -184,17 +240,41 @@ class Trainer:
         order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.data))
         return order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
 
-    def compute_loss(self, step: int) -> tuple[torch.Tensor, dict]:
+    def prepare_batch(self, step: int) -> list[tuple[list[dict], np.ndarray | None]]:
+        """Step's rows, split into `gradient_accumulation` micro-batches, each column tokenized on the CPU
+        (pinned for a fast copy to a GPU). Pure function of the step: safe to run ahead in a thread.
+
+        Each column is tokenized and run on its own, padded to the longest text of that column rather than of
+        the whole batch (premises are much longer than hypotheses): fewer padded tokens, as sentence-transformers
+        does (docs/benchmarks.md, training speed)."""
+        indices = self.batch_indices(step)
+        micro = []
+        for part in np.array_split(indices, min(self.config.gradient_accumulation, len(indices))):
+            columns, labels = self.data.rows(part)
+            features = []
+            for col in columns:
+                batch = self._tokenizer(
+                    list(col), padding=True, truncation=True, max_length=self.encoder.max_length, return_tensors="pt"
+                )
+                tensors = {k: v for k, v in batch.items() if k in self.encoder._input_names}
+                features.append({k: v.pin_memory() for k, v in tensors.items()} if self._pin else tensors)
+            micro.append((features, labels))
+        return micro
+
+    def compute_loss(self, step: int, micro_batch=None) -> tuple[torch.Tensor, dict]:
+        """The loss of one step (or of one micro-batch of it), on the device, and its parts."""
         torch.manual_seed(self.config.seed * 1_000_003 + step)
         plan = self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
-        columns, labels = self.data.rows(self.batch_indices(step))
-        # Each column is tokenized and run on its own, padded to the longest text of that column rather than of
-        # the whole batch (premises are much longer than hypotheses): fewer padded tokens, as sentence-transformers
-        # does (docs/benchmarks.md, training speed).
-        per_column = [self.encoder(self.encoder.tokenize(col), plan.layers) for col in columns]
-        label_tensor = None if labels is None else torch.as_tensor(labels, device=self.encoder.device)
+        features, labels = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        device = self.encoder.device
+        with autocast(self.precision, device):
+            per_column = [
+                self.encoder({k: v.to(device, non_blocking=True) for k, v in f.items()}, plan.layers) for f in features
+            ]
+        # The method's and the task loss's arithmetic (similarities, softmaxes, ESE's PCA) runs in fp32.
+        label_tensor = None if labels is None else torch.as_tensor(labels, device=device)
         states = {
-            layer: EmbeddedBatch([pooled[layer] for pooled in per_column], self.data.kind, label_tensor)
+            layer: EmbeddedBatch([pooled[layer].float() for pooled in per_column], self.data.kind, label_tensor)
             for layer in plan.layers
         }
         loss, parts = self.method.loss(plan, states, self.task_loss)
@@ -202,16 +282,35 @@ class Trainer:
         return loss, parts
 
     def train_step(self) -> dict:
+        """One optimizer step. Inside run() the loss and gradient norm stay on the device (no host sync; the
+        record holds tensors, read back on logging steps only); called directly, the record holds floats."""
         self.encoder.train()
-        loss, parts = self.compute_loss(self.step)
-        loss.backward()
+        step = self.step
+        micro_batches = self._prefetch.get(step, step + 1 if step + 1 < self.total_steps else None)
+        total, parts_sum = None, {}
+        for micro in micro_batches:
+            loss, parts = self.compute_loss(step, micro)
+            loss = loss / len(micro_batches)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            for k, v in parts.items():
+                parts_sum[k] = parts_sum.get(k, 0) + v
+        parts = parts_sum if len(micro_batches) == 1 else {k: v / len(micro_batches) for k, v in parts_sum.items()}
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"step": self.step, "loss": float(loss.detach()), "grad_norm": float(grad_norm), **parts}
+        if not self._lazy_records:
+            return {"step": self.step, "loss": float(total), "grad_norm": float(grad_norm), **parts}
+        return {"step": self.step, "loss": total, "grad_norm": grad_norm, **parts}
 
     # ---- evaluation, checkpoints --------------------------------------------------------------------
 
@@ -244,6 +343,7 @@ class Trainer:
                 "task_loss": self.task_loss.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "step": self.step,
                 "history": self.history,
             },
@@ -281,6 +381,8 @@ class Trainer:
         self.task_loss.load_state_dict(state["task_loss"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.step, self.history = state["step"], state["history"]
         return True
 
@@ -294,12 +396,19 @@ class Trainer:
         start, first_step = time.perf_counter(), self.step
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc=f"{self.config.method}")
         try:
+            every, pending, self._lazy_records = self.config.log_every, [], True
             while self.step < self.total_steps:
-                record = self.train_step()
-                self.history.append({"step": record["step"], "loss": record["loss"]})
-                log.write(json.dumps(record) + "\n")
+                logging = (self.step + 1) % every == 0 or self.step + 1 == self.total_steps
+                pending.append(self.train_step())
                 bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.4f}")
+                if logging or (self.config.save_steps and self.step % self.config.save_steps == 0):
+                    # One host sync for the steps since the last log: their losses were kept on the device.
+                    for record in pending:
+                        record["loss"], record["grad_norm"] = float(record["loss"]), float(record["grad_norm"])
+                        self.history.append({"step": record["step"], "loss": record["loss"]})
+                        log.write(json.dumps(record) + "\n")
+                    bar.set_postfix(loss=f"{pending[-1]['loss']:.4f}")
+                    pending = []
                 if self.config.eval_steps and self.step % self.config.eval_steps == 0 and self.step < self.total_steps:
                     result = self.evaluate()
                     log.write(json.dumps(result) + "\n")
@@ -310,6 +419,8 @@ class Trainer:
         finally:
             bar.close()
             log.close()
+            self._prefetch.close()
+            self._lazy_records = False
         seconds = time.perf_counter() - start
         final_eval = self.evaluate()
         with (self.out / "train_log.jsonl").open("a", encoding="utf-8") as f:
@@ -328,6 +439,9 @@ class Trainer:
             "final_eval": final_eval,
         }
         self.encoder.eval()
+        from matryoshka2d.decoders import save_and_merge_lora
+
+        save_and_merge_lora(self.encoder, self.out)  # the adapter beside the model; the model saved merged
         return self.encoder.save(self.out, keep_layers=getattr(self.method, "keep_layers", None), metadata=metadata)
 
 

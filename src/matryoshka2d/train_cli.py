@@ -73,10 +73,20 @@ def cmd_train(args) -> int:
         "max_length",
         "warmup_ratio",
         "device",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "precision",
+        "log_every",
+        "gradient_accumulation",
     ):
         value = getattr(args, key, None)
         if value is not None:
             values[key] = value
+    for flag in ("bidirectional", "gradient_checkpointing", "compile"):
+        if getattr(args, flag, False):
+            values[flag] = True
     if args.eval_cell:
         values["eval_cell"] = list(parse_cells(args.eval_cell)[0])
     values["method_options"] = dict(values.get("method_options") or {})
@@ -126,6 +136,27 @@ def register(sub, model_args) -> None:
     p.add_argument("--dim", type=int, help="separate: at this width")
     p.add_argument("--method-option", action="append", metavar="KEY=VALUE", help="e.g. k=64, kl_temperature=0.5")
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. angle_weight=0.02")
+    decoder = p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)")
+    decoder.add_argument(
+        "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"
+    )
+    decoder.add_argument("--lora-r", type=int, help="train LoRA adapters of this rank (peft); ESE uses 32")
+    decoder.add_argument("--lora-alpha", type=float, help="LoRA scaling alpha (default: the rank)")
+    decoder.add_argument("--lora-dropout", type=float, help="dropout on the LoRA path (ESE uses 0.1; default 0)")
+    decoder.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        metavar="NAME",
+        help="modules to adapt, e.g. q_proj v_proj",
+    )
+    speed = p.add_argument_group("throughput")
+    speed.add_argument(
+        "--precision", choices=["bf16", "fp16", "fp32"], help="autocast precision (default bf16 on CUDA, else fp32)"
+    )
+    speed.add_argument("--log-every", type=int, help="read the loss back from the device every N steps (default 10)")
+    speed.add_argument("--gradient-accumulation", type=int, help="micro-batches per batch (default 1)")
+    speed.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
     p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     p.set_defaults(func=cmd_train)

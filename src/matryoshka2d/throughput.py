@@ -1,0 +1,103 @@
+"""What makes a training step cheap, kept out of the loop itself: mixed precision, the optimizer, and
+tokenizing the next batch while the current one runs.
+
+- Precision: torch.autocast in bf16 (the default on a CUDA device that supports it) or fp16 (with a
+  GradScaler), or plain fp32 (the default on a CPU). Weights and optimizer state stay fp32 either way.
+- AdamW: fused (one kernel over all parameters) on CUDA and on CPU, torch's default elsewhere.
+- Prefetch: a background thread tokenizes step s+1 while step s runs forward and backward. It uses its own
+  copy of the tokenizer (a fast tokenizer must not be used by two threads at once) and touches no random
+  state, so the seeded order of batches, samples and dropout masks is exactly what it was without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+class PrecisionError(ValueError):
+    """A precision that this device cannot train in; the message says which and why."""
+
+
+def resolve_precision(precision: str | None, device: torch.device) -> str:
+    """The precision to train in: the one asked for if the device can, else a clear error; None picks the
+    default (bf16 on a CUDA device that supports it, fp32 otherwise)."""
+    cuda = device.type == "cuda"
+    bf16_ok = cuda and torch.cuda.is_bf16_supported()
+    if precision is None:
+        return "bf16" if bf16_ok else "fp32"
+    if precision not in PRECISIONS:
+        raise PrecisionError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
+    if precision == "fp16" and not cuda:
+        raise PrecisionError(
+            f"--precision fp16 needs a CUDA device (float16 autocast with a GradScaler); the run is on "
+            f"'{device}': use --precision fp32"
+        )
+    if precision == "bf16" and not cuda:
+        raise PrecisionError(
+            f"--precision bf16 is for CUDA devices; the run is on '{device}', where bf16 autocast is slower than fp32 "
+            "on most CPUs and is not supported by this trainer: use --precision fp32 (the CPU default)"
+        )
+    if precision == "bf16" and not bf16_ok:
+        name = torch.cuda.get_device_name(device)
+        raise PrecisionError(f"--precision bf16: the GPU {name} does not support bfloat16; use --precision fp16")
+    return precision
+
+
+def autocast(precision: str, device: torch.device):
+    """The autocast context of a training forward pass (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    # torch has fused AdamW kernels for CUDA and for CPU; elsewhere (mps, ...) leave torch's default.
+    fused = True if device.type in ("cuda", "cpu") else None
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
+class Prefetcher:
+    """Runs `prepare(step)` for the next step in a background thread; `get(step)` returns step's result,
+    computing it now if it was not prefetched (the first step, or after a jump such as a resume)."""
+
+    def __init__(self, prepare: Callable[[int], object]):
+        self.prepare = prepare
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: tuple[int, Future] | None = None
+
+    def get(self, step: int, next_step: int | None):
+        if self.pending is not None and self.pending[0] == step:
+            result = self.pending[1].result()
+        else:
+            if self.pending is not None:
+                self.pending[1].cancel()
+            result = self.prepare(step)
+        self.pending = None
+        if next_step is not None:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="m2d-tokenize")
+            self.pending = (next_step, self.pool.submit(self.prepare, next_step))
+        return result
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool, self.pending = None, None
+
+
+def private_tokenizer(tokenizer):
+    """A copy of the tokenizer for the prefetch thread (fast tokenizers refuse concurrent use)."""
+    return copy.deepcopy(tokenizer)

@@ -1,0 +1,145 @@
+"""Trainer throughput options on a tiny model: precision choices and their errors, lazy loss read-back,
+prefetched tokenization, gradient accumulation and checkpointing; none of them changes what is trained on."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from matryoshka2d.cli import main
+from matryoshka2d.throughput import PrecisionError, autocast, resolve_precision
+from matryoshka2d.train import TrainConfig, Trainer
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def triplets(tmp_path_factory):
+    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
+    rng = np.random.default_rng(1)
+    rows = ["anchor\tpositive\tnegative"]
+    for _ in range(24):
+        a = rng.choice(words, 4)
+        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])}\t{' '.join(rng.choice(words, 4))}")
+    path = tmp_path_factory.mktemp("data") / "triplets.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sts_dev(tmp_path_factory):
+    rows = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "old dog\tnew cat\t0"]
+    path = tmp_path_factory.mktemp("dev") / "dev.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def config(tiny_dir, triplets, sts_dev, out, **kw):
+    base = dict(
+        model=str(tiny_dir),
+        pooling="mean",
+        data=[str(triplets)],
+        output=str(out),
+        batch_size=8,
+        eval_file=str(sts_dev),
+        lr=1e-3,
+        warmup_ratio=0.0,
+        save_steps=0,
+        device="cpu",
+        method="2dmse",
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_cpu_defaults_to_fp32_and_autocast_is_off():
+    assert resolve_precision(None, CPU) == "fp32"
+    assert resolve_precision("fp32", CPU) == "fp32"
+    with autocast("fp32", CPU):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(
+    ("precision", "message"),
+    [
+        ("fp16", r"--precision fp16 needs a CUDA device .* on 'cpu'"),
+        ("bf16", r"--precision bf16 is for CUDA devices; the run is on 'cpu'"),
+        ("fp8", r"--precision must be one of bf16, fp16, fp32, got 'fp8'"),
+    ],
+)
+def test_precisions_the_device_cannot_use_are_errors(precision, message):
+    with pytest.raises(PrecisionError, match=message):
+        resolve_precision(precision, CPU)
+
+
+def test_cli_fp16_on_cpu_names_the_flag(tiny_dir, triplets, tmp_path, capsys):
+    code = main(
+        ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--output",
+         str(tmp_path / "o"), "--steps", "1", "--device", "cpu", "--precision", "fp16"]
+    )  # fmt: skip
+    assert code == 2
+    assert "--precision fp16 needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"log_every": 0}, "log_every must be at least 1"),
+        ({"gradient_accumulation": 9}, "gradient_accumulation 9 splits a batch of 8"),
+    ],
+)
+def test_bad_throughput_options_are_errors(option, message, tiny_dir, triplets, sts_dev, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=1, **option))
+
+
+def weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.encoder.state_dict().items()}
+
+
+def test_log_every_changes_neither_the_log_nor_the_weights(tiny_dir, triplets, sts_dev, tmp_path):
+    runs = {}
+    for every in (1, 3):
+        trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path / str(every), steps=7, log_every=every))
+        trainer.run(progress=False)
+        lines = [json.loads(x) for x in (tmp_path / str(every) / "train_log.jsonl").read_text().splitlines()]
+        steps = [r for r in lines if "loss" in r]
+        assert [r["step"] for r in steps] == list(range(1, 8))
+        assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in steps)
+        runs[every] = (weights(trainer), [r["loss"] for r in steps])
+    assert runs[1][1] == runs[3][1]
+    assert all(torch.equal(runs[1][0][k], runs[3][0][k]) for k in runs[1][0])
+
+
+def test_prefetched_batches_are_the_seeded_batches(tiny_dir, triplets, sts_dev, tmp_path):
+    trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=5))
+    for step in (0, 1, 3, 2):  # out of order too, as after a resume
+        got = trainer._prefetch.get(step, step + 1)
+        columns, _ = trainer.data.rows(trainer.batch_indices(step))
+        expected = trainer.encoder.tokenize(columns[0])
+        assert torch.equal(got[0][0][0]["input_ids"], expected["input_ids"])
+    trainer._prefetch.close()
+
+
+def test_gradient_accumulation_trains_on_the_same_rows(tiny_dir, triplets, sts_dev, tmp_path):
+    trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=3, gradient_accumulation=3))
+    micro = trainer.prepare_batch(0)
+    assert len(micro) == 3
+    tokens = [ids for features, _ in micro for ids in features[0]["input_ids"].tolist()]
+    columns, _ = trainer.data.rows(trainer.batch_indices(0))
+    whole = trainer.encoder.tokenizer(list(columns[0]))["input_ids"]
+    assert [[t for t in ids if t != trainer.encoder.tokenizer.pad_token_id] for ids in tokens] == whole
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    assert all(np.isfinite(losses))
+
+
+def test_gradient_checkpointing_gives_the_same_step(tiny_dir, triplets, sts_dev, tmp_path):
+    results = []
+    for checkpointing in (False, True):
+        trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=2, gradient_checkpointing=checkpointing))
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
+        results.append((losses, weights(trainer)))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
+    for k, v in results[0][1].items():
+        torch.testing.assert_close(v, results[1][1][k], rtol=1e-4, atol=1e-6)
