@@ -93,6 +93,11 @@ class TrainConfig:
         return cls(**values)
 
 
+def host_values(record: dict) -> dict:
+    """The record with every device tensor (loss, gradient norm, the method's loss parts) read back as a float."""
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
+
+
 def sts_dev_score(encoder: ElasticEncoder, path: str | Path, layer: int, dim: int) -> float:
     """Spearman x 100 of cosine vs gold on one STS file (sentence1, sentence2, score), at one cell."""
     from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
@@ -309,7 +314,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         if not self._lazy_records:
-            return {"step": self.step, "loss": float(total), "grad_norm": float(grad_norm), **parts}
+            return host_values({"step": self.step, "loss": total, "grad_norm": grad_norm, **parts})
         return {"step": self.step, "loss": total, "grad_norm": grad_norm, **parts}
 
     # ---- evaluation, checkpoints --------------------------------------------------------------------
@@ -404,7 +409,7 @@ class Trainer:
                 if logging or (self.config.save_steps and self.step % self.config.save_steps == 0):
                     # One host sync for the steps since the last log: their losses were kept on the device.
                     for record in pending:
-                        record["loss"], record["grad_norm"] = float(record["loss"]), float(record["grad_norm"])
+                        record.update(host_values(record))
                         self.history.append({"step": record["step"], "loss": record["loss"]})
                         log.write(json.dumps(record) + "\n")
                     bar.set_postfix(loss=f"{pending[-1]['loss']:.4f}")

@@ -50,7 +50,7 @@ class Method(nn.Module):
         total = None
         for view in plan.views:
             value = task_loss(states[view.layer].sliced(view.dim))
-            parts[f"task{view}"] = float(value.detach())
+            parts[f"task{view}"] = value.detach()
             total = view.weight * value if total is None else total + view.weight * value
         extra, extra_parts = self.extra_loss(plan, states)
         parts.update(extra_parts)

@@ -130,10 +130,10 @@ class ESE(Method):
         layer_weight = dict(zip(layers, [*weights, 1.0], strict=True))
         parts: dict[str, float] = {}
         express = task_loss(states[N])
-        parts[f"task({N},{D})"] = float(express.detach())
+        parts[f"task({N},{D})"] = express.detach()
         for i in layers:
             value = task_loss(states[i].sliced(k))
-            parts[f"task({i},{k})"] = float(value.detach())
+            parts[f"task({i},{k})"] = value.detach()
             express = express + layer_weight[i] * value
         total = self.alpha * express
         if self.beta:
@@ -142,7 +142,7 @@ class ESE(Method):
             compress = None
             for i, x, target in zip(layers, xs, targets, strict=True):
                 align = mse_kl(x[:, :k], target, self.kl_temperature, factor=self.kl_factor)
-                parts[f"compress{i}"] = float(align.detach())
+                parts[f"compress{i}"] = align.detach()
                 term = layer_weight[i] * align
                 compress = term if compress is None else compress + term
             total = total + self.beta * compress

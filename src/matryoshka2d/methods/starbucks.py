@@ -88,7 +88,7 @@ class Starbucks(Method):
             kl = value if kl is None else kl + value
         if kl is None:
             return None, {}
-        return self.kl_weight * kl, {"kl": float(kl.detach())}
+        return self.kl_weight * kl, {"kl": kl.detach()}
 
     def config(self) -> dict:
         return {

@@ -91,7 +91,7 @@ class TwoDMSE(Method):
                     self.kl_detach,
                 )
             kl = value if kl is None else kl + value
-        return self.kl_weight * kl, {"kl": float(kl.detach())}
+        return self.kl_weight * kl, {"kl": kl.detach()}
 
     def config(self) -> dict:
         return {
