@@ -70,7 +70,7 @@ def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
         raise DataFormatError(f"{path}: file not found")
     rows: list[tuple[int, list[str]]] = []
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
             header = next(reader, None)
             if header is None or header == [] or header == [""]:
@@ -105,7 +105,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
         raise DataFormatError(f"{path}: file not found")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
