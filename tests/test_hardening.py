@@ -364,3 +364,10 @@ def test_classification_warns_about_test_labels_absent_from_train(tmp_path):
     assert (
         unseen_labels(load_dataset("x", {"train": tmp_path / "x_train.tsv", "test": tmp_path / "x_test.tsv"})) is None
     )
+
+
+def test_encode_device_errors(tiny_dir, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("a\n")
+    assert main(encode_args(tiny_dir, src, tmp_path / "v.npy", "--device", "bogus")) == 2
+    one_line_error(capsys, "--device bogus")

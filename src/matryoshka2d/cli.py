@@ -21,7 +21,9 @@ COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "
 
 def _encoder(args):
     from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.train import check_device
 
+    check_device(getattr(args, "device", None))
     return ElasticEncoder(args.model, pooling=getattr(args, "pooling", None), device=getattr(args, "device", None))
 
 
@@ -34,7 +36,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-ENCODE_CHUNK = 4096  # lines embedded per chunk: memory stays bounded whatever the size of the input
+ENCODE_CHUNK = 1024  # lines embedded per chunk: memory stays bounded whatever the size of the input
 
 
 def _open_input(path: str):
