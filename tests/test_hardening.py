@@ -311,6 +311,12 @@ def test_readers_name_the_non_utf8_line(tmp_path):
         read_training_data([str(tsv)])
     with pytest.raises(DataError, match=r"t.tsv:3002: not UTF-8"):
         read_sentences(tsv)
+    from matryoshka2d.evaluate.sts import load_pairs
+
+    sts = tmp_path / "dev.tsv"
+    sts.write_bytes(b"sentence1\tsentence2\tscore\na\tb\t1\n" + "caf\xe9\tb\t2\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"dev.tsv:3: not UTF-8"):
+        load_pairs(sts)
 
 
 def test_sts_training_scores_outside_0_to_5_are_refused(tiny_dir, files, tmp_path, capsys):

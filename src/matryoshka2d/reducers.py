@@ -186,6 +186,12 @@ class ReducedCells:
                 t0 = time.perf_counter()
                 self.fitted[(n, d)] = fit_reducer(self.reducer, vectors[n], d, self.n_neighbors, self.seed)
                 self.log(f"{self.reducer}: fitted layer {n} -> {d} dims in {time.perf_counter() - t0:.1f} s")
+                attempt = getattr(self.fitted[(n, d)], "fit_attempt_", None)
+                if attempt and attempt["failed_before"]:
+                    self.log(
+                        f"{self.reducer}: layer {n} -> {d}: took eigen_solver={attempt['eigen_solver']}, "
+                        f"reg={attempt['reg']} after: {'; '.join(attempt['failed_before'])}"
+                    )
         self.fit_seconds = time.perf_counter() - start
         return self
 

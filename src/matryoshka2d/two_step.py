@@ -138,6 +138,7 @@ def _train(values: dict, progress: bool, allow_pickle: bool = False) -> Path:
 def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tuple[Path, bool]:
     """Algorithm 1, line 7: encoder_opt with pooler_d's trained head, saved as a model folder.
     Returns the folder and whether it was (re)built (a new encoder_opt makes any step-2 result stale)."""
+    from matryoshka2d.checkpoints import save_model_atomically
     from matryoshka2d.encoder import ElasticEncoder
     from matryoshka2d.pooler import PoolerHead
 
@@ -147,7 +148,7 @@ def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tup
         return out, False
     encoder = ElasticEncoder(str(encoder_dir), device=device)
     encoder.set_pooler(PoolerHead.load(pooler_dir / "2_Dense"))
-    encoder.save(out, metadata={"two_step_combination": marker})
+    save_model_atomically(lambda folder: encoder.save(folder, metadata={"two_step_combination": marker}), out)
     return out, True
 
 

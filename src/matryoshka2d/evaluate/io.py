@@ -86,8 +86,10 @@ def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
                         f"({', '.join(header)})"
                     )
                 rows.append((line, row))
-    except UnicodeDecodeError as exc:
-        raise DataFormatError(f"{path}: not UTF-8 text ({exc})") from exc
+    except UnicodeDecodeError:
+        from matryoshka2d.data import utf8_error  # names the first line that is not UTF-8
+
+        raise DataFormatError(str(utf8_error(path))) from None
     except csv.Error as exc:
         raise DataFormatError(f"{path}: unreadable TSV ({exc})") from exc
     table = Table(path, header, rows)
