@@ -87,9 +87,25 @@ def npy_path(output: str) -> Path:
     return out if out.suffix == ".npy" else out.with_name(out.name + ".npy")
 
 
+def _fixed_mmap_threshold(size: int = 1 << 20) -> None:
+    """Ask glibc to serve every allocation of `size` bytes or more with its own mmap, returned to the system when
+    freed. By default glibc raises that threshold after the first large free, and the batches' activation
+    tensors then fragment the heap: peak RSS grew with the input (docs/benchmarks.md, encode memory).
+    A no-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, size)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def cmd_encode(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    _fixed_mmap_threshold()
     binary, name = _open_input(args.input)
     with binary:
         count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work
