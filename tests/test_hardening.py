@@ -256,6 +256,7 @@ def test_encode_streams_in_chunks_with_the_same_result(tiny_dir, tmp_path, monke
     src.write_text("\n".join(texts) + "\n", encoding="utf-8")
     expected = ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu").encode(texts, layer=2, dim=8)
     monkeypatch.setattr(cli, "ENCODE_CHUNK", 5)
+    monkeypatch.setattr(cli, "TOKEN_BUDGET", 12)  # long texts in smaller batches than --batch-size
     assert main(encode_args(tiny_dir, src, tmp_path / "v.npy", "--layer", "2", "--dim", "8")) == 0
     np.testing.assert_allclose(np.load(tmp_path / "v.npy"), expected, atol=1e-6)
     # Standard input, with a byte-order mark: the same vectors.

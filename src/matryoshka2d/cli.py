@@ -37,6 +37,9 @@ def cmd_info(args) -> int:
 
 
 ENCODE_CHUNK = 1024  # lines embedded per chunk: memory stays bounded whatever the size of the input
+# Tokens per batch once texts are long: 64 texts of up to 64 tokens batch as asked, 256-token texts 16 at a time.
+# A batch's activations grow with batch x length (x length for attention); this caps the peak at any input.
+TOKEN_BUDGET = 64 * 64
 
 
 def _open_input(path: str):
@@ -102,6 +105,22 @@ def _fixed_mmap_threshold(size: int = 1 << 20) -> None:
         pass
 
 
+def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
+    """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
+    ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
+    lengths = np.array([len(x) for x in ids])
+    order = np.argsort(-lengths, kind="stable")
+    out = np.empty((len(texts), dim), dtype=np.float32)
+    start = 0
+    while start < len(order):
+        size = max(1, min(batch_size, TOKEN_BUDGET // max(1, int(lengths[order[start]]))))
+        idx = order[start : start + size]
+        batch = [texts[i] for i in idx]
+        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=size, normalize=normalize)
+        start += size
+    return out
+
+
 def cmd_encode(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -122,9 +141,7 @@ def cmd_encode(args) -> int:
             lines = iter_lines(binary, name)
             with tqdm(total=count, desc=f"encode {encoder.name}", unit="text", disable=count == 0) as bar:
                 while chunk := list(itertools.islice(lines, ENCODE_CHUNK)):
-                    vectors = encoder.encode(
-                        chunk, layer=layer, dim=dim, batch_size=args.batch_size, normalize=args.normalize
-                    )
+                    vectors = encode_chunk(encoder, chunk, layer, dim, args.batch_size, args.normalize)
                     f.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
                     bar.update(len(chunk))
             f.flush()
