@@ -43,7 +43,7 @@ def test_encode_non_utf8_input(tiny_dir, tmp_path, capsys):
     src.write_bytes("caf\xe9\n".encode("latin-1"))
     args = ["encode", "--model", str(tiny_dir), "--pooling", "mean", "--input", str(src)]
     assert main([*args, "--output", str(tmp_path / "o.npy")]) == 2
-    assert "latin1.txt: not UTF-8" in capsys.readouterr().err
+    assert "latin1.txt: line 1 is not UTF-8" in capsys.readouterr().err
 
 
 def test_unknown_model_exit_code(capsys):

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
+import itertools
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "matryoshka2d.compress_cli")
 COMMAND_MODULES += ("matryoshka2d.deploy.commands",)
@@ -17,7 +22,9 @@ COMMAND_MODULES += ("matryoshka2d.deploy.commands",)
 
 def _encoder(args):
     from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.train import check_device
 
+    check_device(getattr(args, "device", None))
     return ElasticEncoder(args.model, pooling=getattr(args, "pooling", None), device=getattr(args, "device", None))
 
 
@@ -30,34 +37,120 @@ def cmd_info(args) -> int:
     return 0
 
 
-def read_lines(path: str) -> list[str]:
-    """One text per line (UTF-8); '-' reads standard input. Blank lines are kept as empty texts."""
+ENCODE_CHUNK = 1024  # lines embedded per chunk: memory stays bounded whatever the size of the input
+# Tokens per batch once texts are long: 64 texts of up to 64 tokens batch as asked, 256-token texts 16 at a time.
+# A batch's activations grow with batch x length (x length for attention); this caps the peak at any input.
+TOKEN_BUDGET = 64 * 64
+
+
+def _open_input(path: str):
+    """The input as a seekable binary file (standard input is spooled to a temporary file, read twice)."""
     if path == "-":
-        return [line.rstrip("\r\n") for line in sys.stdin]
+        spool = tempfile.TemporaryFile()  # noqa: SIM115 - returned open; the caller closes it
+        shutil.copyfileobj(sys.stdin.buffer, spool)
+        spool.seek(0)
+        return spool, "standard input"
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"Input file {path} does not exist")
+    return file.open("rb"), path
+
+
+def iter_lines(binary, name: str):
+    """One text per line, split on '\\n' only (a '\\r' before it is dropped); Unicode line and paragraph
+    separators, form feeds and the like stay inside their text. A UTF-8 byte-order mark is skipped."""
+    binary.seek(0)
+    text = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="\n")
     try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc})") from exc
-    return text.splitlines()
+        for line in text:
+            line = line[:-1] if line.endswith("\n") else line
+            yield line[:-1] if line.endswith("\r") else line
+    except UnicodeDecodeError:
+        raise _utf8_error(binary, name) from None
+    finally:
+        text.detach()
+
+
+def _utf8_error(binary, name: str) -> ValueError:
+    """The decoder reads ahead in blocks, so find the first bad line itself by decoding line by line."""
+    binary.seek(0)
+    for line_no, raw in enumerate(binary, start=1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return ValueError(
+                f"{name}: line {line_no} is not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                "save the input as UTF-8"
+            )
+    return ValueError(f"{name}: not UTF-8 text; save the input as UTF-8")
+
+
+def npy_path(output: str) -> Path:
+    """Where the array goes: like numpy.save, '.npy' is added to a name without it."""
+    out = Path(output)
+    return out if out.suffix == ".npy" else out.with_name(out.name + ".npy")
+
+
+def _fixed_mmap_threshold(size: int = 1 << 20) -> None:
+    """Ask glibc to serve every allocation of `size` bytes or more with its own mmap, returned to the system when
+    freed. By default glibc raises that threshold after the first large free, and the batches' activation
+    tensors then fragment the heap: peak RSS grew with the input (docs/benchmarks.md, encode memory).
+    A no-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, size)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
+    """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
+    ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
+    lengths = np.array([len(x) for x in ids])
+    order = np.argsort(-lengths, kind="stable")
+    out = np.empty((len(texts), dim), dtype=np.float32)
+    start = 0
+    while start < len(order):
+        size = max(1, min(batch_size, TOKEN_BUDGET // max(1, int(lengths[order[start]]))))
+        idx = order[start : start + size]
+        batch = [texts[i] for i in idx]
+        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=size, normalize=normalize)
+        start += size
+    return out
 
 
 def cmd_encode(args) -> int:
-    encoder = _encoder(args)
-    texts = read_lines(args.input)
-    layer, dim = encoder.check_layer(args.layer), encoder.check_dim(args.dim)
-    start = time.perf_counter()
-    vectors = encoder.encode(
-        texts, layer=layer, dim=dim, batch_size=args.batch_size, normalize=args.normalize, show_progress=True
-    )
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    _fixed_mmap_threshold()
+    binary, name = _open_input(args.input)
+    with binary:
+        count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work
+        encoder = _encoder(args)
+        layer, dim = encoder.check_layer(args.layer), encoder.check_dim(args.dim)
+        out = npy_path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(f".{out.name}.partial")
+        start = time.perf_counter()
+        # The .npy is written as it is computed: the header (shape known from the count), then each chunk's rows.
+        with partial.open("wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")), "fortran_order": False}
+            np.lib.format.write_array_header_1_0(f, {**header, "shape": (count, dim)})
+            lines = iter_lines(binary, name)
+            with tqdm(total=count, desc=f"encode {encoder.name}", unit="text", disable=count == 0) as bar:
+                while chunk := list(itertools.islice(lines, ENCODE_CHUNK)):
+                    vectors = encode_chunk(encoder, chunk, layer, dim, args.batch_size, args.normalize)
+                    f.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
+                    bar.update(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, out)
     seconds = time.perf_counter() - start
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(out, vectors)
     print(
-        f"{len(texts)} texts -> {out} {vectors.shape} float32 at layer {layer}/{encoder.num_layers}, "
+        f"{count} texts -> {out} ({count}, {dim}) float32 at layer {layer}/{encoder.num_layers}, "
         f"dim {dim}/{encoder.hidden_size} in {seconds:.2f} s",
         file=sys.stderr,
     )
@@ -146,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--layer", type=int, help="exit after this many layers (default: all)")
     p.add_argument("--dim", type=int, help="keep the first DIM numbers (default: all)")
-    p.add_argument("--input", required=True, help="UTF-8 text file, one text per line ('-' for stdin)")
-    p.add_argument("--output", required=True, help="where to write the float32 .npy array")
+    p.add_argument(
+        "--input", required=True, help="UTF-8 text file, one text per line, split on \\n only ('-' for stdin)"
+    )
+    p.add_argument("--output", required=True, help="where to write the float32 .npy array ('.npy' is added if missing)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--normalize", action="store_true", help="L2-normalise each vector after slicing")
     p.set_defaults(func=cmd_encode)

@@ -7,7 +7,7 @@ import json
 
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
-from matryoshka2d.train_cli import _options
+from matryoshka2d.train_cli import _options, add_safety_flags
 from matryoshka2d.views import parse_cells
 
 
@@ -69,7 +69,7 @@ def cmd_two_step(args) -> int:
         pooler_lr=args.pooler_lr,
         train=train,
     )
-    result = run_two_step(config, progress=not args.quiet)
+    result = run_two_step(config, progress=not args.quiet, allow_pickle=args.allow_pickle_checkpoint)
     for row in result["targets"]:
         stages = ", ".join(f"{k} {row[k]['report']:.2f}" for k in ("end_to_end", "after_step1", "after_step2"))
         print(f"d={row['dim']} (opt={result['opt']}) on {result['report_file']}: {stages}")
@@ -122,7 +122,13 @@ def cmd_pretrain(args) -> int:
     if args.sizes:
         options["sizes"] = [list(c) for c in parse_cells(args.sizes)]
     values["method_options"] = options
-    out = pretrain(TrainConfig.from_dict(values), resume=args.resume, progress=not args.quiet)
+    out = pretrain(
+        TrainConfig.from_dict(values),
+        resume=args.resume,
+        progress=not args.quiet,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle_checkpoint,
+    )
     meta = json.loads((out / "matryoshka2d.json").read_text())
     print(f"pre-trained encoder saved to {out} ({meta['steps']} steps; decoder and MLM head discarded)")
     return 0
@@ -166,6 +172,7 @@ def register(sub, model_args) -> None:
     p.add_argument("--validation-file", help="STS file that selects encoder_opt (default: STS-B dev)")
     p.add_argument("--report-file", help="STS file of the report (default: STS-B test)")
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. temperature=0.05")
+    add_safety_flags(p, overwrite=False)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_two_step)
 
@@ -203,4 +210,5 @@ def register(sub, model_args) -> None:
     p.add_argument("--eval-file", help="STS file for that check (default STS-B dev, skipped if absent)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_safety_flags(p)
     p.set_defaults(func=cmd_pretrain)

@@ -36,6 +36,35 @@ class DataError(ValueError):
     """A training file is missing, empty or malformed; the message names the file and line."""
 
 
+# Scores of scored pairs: STS-B and SICK-R use 0..5 (a 0..1 scale fits too). A score outside is a typo or a
+# file on another scale, which the ranking losses would silently learn from.
+SCORE_RANGE = (0.0, 5.0)
+
+
+def utf8_error(path: Path) -> DataError:
+    """The first line of a file that is not UTF-8, as an error naming the file and the line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return DataError(
+                    f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                    "save the file as UTF-8"
+                )
+    return DataError(f"{path}: not UTF-8 text; save the file as UTF-8")
+
+
+def csv_error(path: Path, line_no: int, exc: csv.Error) -> DataError:
+    if "field larger than field limit" in str(exc):
+        return DataError(
+            f"{path}:{line_no}: a field is longer than {csv.field_size_limit():,} characters (the csv field limit); "
+            "is a tab or newline missing? Split or shorten that text"
+        )
+    return DataError(f"{path}:{line_no}: unreadable TSV row ({exc})")
+
+
 @dataclass
 class TrainingData:
     kind: str
@@ -49,6 +78,18 @@ class TrainingData:
     def rows(self, idx) -> tuple[list[list[str]], np.ndarray | None]:
         cols = [[col[i] for i in idx] for col in self.columns]
         return cols, (self.labels[idx] if self.labels is not None else None)
+
+
+def _rows(reader, path: Path):
+    """(line number, row) from a csv reader; an oversized field or bad row becomes an error naming the line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise csv_error(path, reader.line_num, exc) from None
+        yield reader.line_num, row
 
 
 def _kind_of(header: list[str], where: str) -> tuple[str, list[str], str | None]:
@@ -79,14 +120,20 @@ def _label(kind: str, value, where: str):
         raise DataError(f"{where}: score '{value}' is not a number") from None
     if not math.isfinite(score):
         raise DataError(f"{where}: score '{value}' is not finite")
+    low, high = SCORE_RANGE
+    if not low <= score <= high:
+        raise DataError(
+            f"{where}: score {value} is outside {low:g}..{high:g} (the STS-B / SICK-R scale); rescale the file's "
+            "scores to 0..5"
+        )
     return score
 
 
 def _read_tsv(path: Path) -> tuple[str, list[list[str]], list]:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", newline="") as f:
+    with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
+        header = next(_rows(reader, path), (1, None))[1]
         if not header:
             raise DataError(f"{path}: empty file (expected a header line)")
         kind, text_cols, label_col = _kind_of(header, f"{path}:1")
@@ -95,7 +142,7 @@ def _read_tsv(path: Path) -> tuple[str, list[list[str]], list]:
         label_pos = names.index(label_col) if label_col else None
         columns: list[list[str]] = [[] for _ in text_cols]
         labels = []
-        for line_no, row in enumerate(reader, start=2):
+        for line_no, row in _rows(reader, path):
             where = f"{path}:{line_no}"
             if len(row) != len(header):
                 raise DataError(f"{where}: {len(row)} fields, expected {len(header)} ({', '.join(header)})")
@@ -135,7 +182,7 @@ def _read_jsonl(path: Path):
     opener = gzip.open if path.suffix == ".gz" else open
 
     def records():
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             for n, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -184,18 +231,25 @@ def _is_plain_text(path: Path) -> bool:
 def read_source(source: str) -> tuple[str, list[list[str]], list]:
     path = Path(source).expanduser()
     if path.is_file():
-        name = path.name.lower()
-        if name.endswith((".jsonl", ".jsonl.gz", ".json")):
-            return _read_jsonl(path)
-        if _is_plain_text(path):
-            sentences = read_sentences(path)
-            return "sentences", [sentences, list(sentences)], []
-        return _read_tsv(path)
+        try:
+            return _read_file(path)
+        except UnicodeDecodeError:
+            raise utf8_error(path) from None
     if path.exists():
         raise DataError(f"{source}: is a directory; give the training files themselves")
     if "/" in source and not source.startswith((".", "/", "~")) and not path.parent.exists():
         return _read_hub(source)
     raise DataError(f"{source}: no such file")
+
+
+def _read_file(path: Path) -> tuple[str, list[list[str]], list]:
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        return _read_jsonl(path)
+    if _is_plain_text(path):
+        sentences = read_sentences(path)
+        return "sentences", [sentences, list(sentences)], []
+    return _read_tsv(path)
 
 
 def read_training_data(sources: list[str], sentences: bool = False) -> TrainingData:
@@ -234,13 +288,20 @@ def read_sentences(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
+    try:
+        return _read_sentences(path)
+    except UnicodeDecodeError:
+        raise utf8_error(path) from None
+
+
+def _read_sentences(path: Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     if path.name.lower().endswith((".tsv", ".tsv.gz")):
         out = list(dict.fromkeys(_tsv_texts(path, opener)))
     elif path.name.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
         out = list(dict.fromkeys(_jsonl_texts(path, opener)))
     else:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             out = [line.strip() for line in f if line.strip()]
     if not out:
         raise DataError(f"{path}: no sentences")
@@ -248,7 +309,7 @@ def read_sentences(path: str | Path) -> list[str]:
 
 
 def _jsonl_texts(path: Path, opener):
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8-sig") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -265,16 +326,16 @@ def _jsonl_texts(path: Path, opener):
 
 
 def _tsv_texts(path: Path, opener):
-    with opener(path, "rt", encoding="utf-8", newline="") as f:
+    with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
+        header = next(_rows(reader, path), (1, None))[1]
         if not header:
             raise DataError(f"{path}: empty file (expected a header line)")
         names = [h.strip().lower() for h in header]
         positions = [i for i, name in enumerate(names) if name in TEXT_COLUMNS]
         if not positions:
             raise DataError(f"{path}:1: no text column in {header}; expected one of {', '.join(TEXT_COLUMNS)}")
-        for line_no, row in enumerate(reader, start=2):
+        for line_no, row in _rows(reader, path):
             if len(row) != len(header):
                 raise DataError(f"{path}:{line_no}: {len(row)} fields, expected {len(header)} ({', '.join(header)})")
             for pos in positions:

@@ -13,7 +13,9 @@ Choices the paper leaves open, and what we do:
 - Input: the cell's raw vectors, by default the full width at each evaluated layer (`source_dim` reduces a
   narrower (layer, k) cell instead). One reducer is fitted per (layer, d) with n_components = d.
 - Hyper-parameters: scikit-learn's defaults (n_neighbors = 5 for Isomap and LLE, LLE's method "standard" with
-  reg 1e-3); the paper gives none. LLE's eigen solver is seeded (random_state = 0) for reproducibility.
+  reg 1e-3); the paper gives none. LLE's eigen solver is seeded (random_state = 0) for reproducibility. When
+  ARPACK fails on LLE's singular weight matrix ("Factor is exactly singular"), LLE is fitted again with the dense
+  eigensolver, then with reg 0.1 (`fit_lle`); if all fail, the error says so and suggests PCA.
 - New points: PCA's transform is exact. Isomap and LLE are transductive; we use scikit-learn's out-of-sample
   `transform`, which is an approximation: Isomap places a new point from its geodesic distances through its
   nearest training points (the kernel-PCA extension), LLE from the barycentric weights of its nearest training
@@ -77,7 +79,46 @@ def fit_reducer(name: str, x: np.ndarray, dim: int, n_neighbors: int = DEFAULT_N
     if x.ndim != 2 or len(x) == 0:
         raise ValueError(f"{name}: need a non-empty 2-D array of corpus vectors, got shape {x.shape}")
     check_reduction(name, dim, len(x), x.shape[1], n_neighbors)
+    if name == "lle":
+        return fit_lle(x, dim, n_neighbors, seed)
     return make_reducer(name, dim, n_neighbors, seed).fit(x)
+
+
+# LLE's attempts, in order: scikit-learn's defaults (ARPACK shift-invert for few components on many points), the
+# dense eigensolver (no factorisation of the singular weight matrix), then a stronger regularisation of the local
+# Gram matrices (near-duplicate neighbours make them singular).
+LLE_ATTEMPTS = (("auto", 1e-3), ("dense", 1e-3), ("dense", 1e-1))
+
+
+def fit_lle(x: np.ndarray, dim: int, n_neighbors: int = DEFAULT_NEIGHBORS, seed: int = 0):
+    """LLE that does not die on ARPACK's "Factor is exactly singular": falls back to the dense solver and then
+    to a larger `reg`; the estimator records what it took (`fit_attempt_`). Fails with a clear message if none
+    gives a finite embedding."""
+    import warnings
+
+    from sklearn.manifold import LocallyLinearEmbedding
+
+    problems = []
+    for solver, reg in LLE_ATTEMPTS:
+        model = LocallyLinearEmbedding(
+            n_components=dim, n_neighbors=n_neighbors, eigen_solver=solver, reg=reg, random_state=seed
+        )
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                model.fit(x)
+        except (ValueError, RuntimeError, np.linalg.LinAlgError) as exc:
+            problems.append(f"eigen_solver={solver}, reg={reg}: {str(exc).splitlines()[0][:120]}")
+            continue
+        if not np.isfinite(model.embedding_).all():
+            problems.append(f"eigen_solver={solver}, reg={reg}: non-finite embedding")
+            continue
+        model.fit_attempt_ = {"eigen_solver": solver, "reg": reg, "failed_before": problems}
+        return model
+    raise ValueError(
+        f"lle: no {dim}-dim embedding of {len(x)} corpus vectors with {n_neighbors} neighbours ({'; '.join(problems)})"
+        "; use --reducer pca, or a corpus with more distinct sentences"
+    )
 
 
 def corpus_sample(sentences: Sequence[str], samples: int = PAPER_SAMPLES) -> list[str]:
@@ -145,6 +186,12 @@ class ReducedCells:
                 t0 = time.perf_counter()
                 self.fitted[(n, d)] = fit_reducer(self.reducer, vectors[n], d, self.n_neighbors, self.seed)
                 self.log(f"{self.reducer}: fitted layer {n} -> {d} dims in {time.perf_counter() - t0:.1f} s")
+                attempt = getattr(self.fitted[(n, d)], "fit_attempt_", None)
+                if attempt and attempt["failed_before"]:
+                    self.log(
+                        f"{self.reducer}: layer {n} -> {d}: took eigen_solver={attempt['eigen_solver']}, "
+                        f"reg={attempt['reg']} after: {'; '.join(attempt['failed_before'])}"
+                    )
         self.fit_seconds = time.perf_counter() - start
         return self
 

@@ -411,6 +411,10 @@ def pretrain_trainer(config):
             batch = self.method.mask(self.encoder, texts, np.random.default_rng([self.config.seed, step, 2]))
             return self.method.loss(self.encoder, batch)
 
+        def check_eval_file(self) -> None:
+            if self.config.eval_file is not None:  # the default is optional for pre-training
+                super().check_eval_file()
+
         def evaluate(self) -> dict:
             """STS-B dev at the full model, as a check of the sentence vector; skipped if there is no file."""
             from matryoshka2d.paths import data_dir
@@ -429,5 +433,9 @@ def pretrain_trainer(config):
     return SMAETrainer(config)
 
 
-def pretrain(config, resume: bool = False, progress: bool = True) -> Path:
-    return pretrain_trainer(config).run(resume=resume, progress=progress)
+def pretrain(
+    config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
+) -> Path:
+    return pretrain_trainer(config).run(
+        resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle
+    )

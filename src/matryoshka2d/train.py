@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from matryoshka2d import checkpoints
 from matryoshka2d.data import TrainingData, read_training_data
 from matryoshka2d.encoder import ElasticEncoder
 from matryoshka2d.losses import make_task_loss
@@ -41,6 +42,30 @@ DEFAULT_LOSSES = {
     "scored": ("angle", "AnglE for similarity scores: CoSENT on the scores plus the angle term"),
     "sentences": ("simcse", "unsupervised SimCSE: plain sentences, dropout as the only noise"),
 }
+
+# Options that may change between a run and its resume: they do not change what is trained.
+RESUMABLE_CHANGES = (
+    "output",
+    "eval_steps",
+    "eval_file",
+    "eval_cell",
+    "save_steps",
+    "keep_checkpoints",
+    "device",
+    # how a step is computed or logged, not what it computes
+    "log_every",
+    "gradient_checkpointing",
+    "compile",
+)
+# What makes a folder "hold a model or a run": `train` does not write into it without --resume or --overwrite.
+RUN_MARKERS = (
+    "train_log.jsonl",
+    "checkpoints",
+    "matryoshka2d.json",
+    "modules.json",
+    "config.json",
+    "model.safetensors",
+)
 
 
 @dataclass
@@ -98,6 +123,79 @@ def host_values(record: dict) -> dict:
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
+def check_device(device) -> None:
+    """A device torch knows and this machine has; the error names the option and what to use instead."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {device}: not a device name torch knows; use cpu, cuda, cuda:0 or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA GPU is available on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: matryoshka2d runs on cpu, cuda or mps")
+
+
+def _number(config, name: str, kinds, low=None, high=None, low_open=False, allow_none=False) -> None:
+    value = getattr(config, name)
+    flag = "--" + name.replace("_", "-")
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise ValueError(f"{flag} must be a finite number{' (an integer)' if kinds is int else ''}, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{flag} must be {'greater than' if low_open else 'at least'} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{flag} must be at most {high}, got {value}")
+
+
+def check_config(config: TrainConfig) -> None:
+    """Everything about the options that can be checked before loading a model; each error names the option."""
+    _number(config, "batch_size", int, 1)
+    _number(config, "steps", int, 1, allow_none=True)
+    _number(config, "epochs", (int, float), 0, low_open=True)
+    _number(config, "lr", (int, float), 0, low_open=True)
+    _number(config, "warmup_ratio", (int, float), 0, 1)
+    _number(config, "weight_decay", (int, float), 0)
+    _number(config, "max_grad_norm", (int, float), 0, low_open=True)
+    _number(config, "seed", int, 0)
+    _number(config, "max_length", int, 1, allow_none=True)
+    _number(config, "eval_steps", int, 0)
+    _number(config, "save_steps", int, 0)
+    _number(config, "keep_checkpoints", int, 1)
+    _number(config, "pooler_dim", int, 1, allow_none=True)
+    for name in ("method_options", "loss_options"):
+        value = getattr(config, name)
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"{name} must be a mapping of key: value (in YAML, one 'key: value' per indented line; on the "
+                f"command line --{name[:-1].replace('_', '-')} key=value), got {value!r}"
+            )
+    if isinstance(config.data, str):
+        config.data = [config.data]
+    if not isinstance(config.data, list) or not config.data or not all(isinstance(d, str) for d in config.data):
+        raise ValueError(f"data must be a list of training files, got {config.data!r}")
+    if config.eval_cell is not None and (
+        not isinstance(config.eval_cell, (list, tuple))
+        or len(config.eval_cell) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in config.eval_cell)
+    ):
+        raise ValueError(f"eval_cell must be [layer, dim] (two positive integers), got {config.eval_cell!r}")
+    if config.lr_schedule not in ("linear", "cosine"):
+        raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
+    check_device(config.device)
+
+
 def sts_dev_score(encoder: ElasticEncoder, path: str | Path, layer: int, dim: int) -> float:
     """Spearman x 100 of cosine vs gold on one STS file (sentence1, sentence2, score), at one cell."""
     from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
@@ -112,13 +210,15 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.out = Path(config.output)
-        if config.lr_schedule not in ("linear", "cosine"):
-            raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
+        check_config(config)
+        self.check_eval_file()
         self.encoder = ElasticEncoder(
             config.model, pooling=config.pooling, max_length=config.max_length, device=config.device
         )
         self._prepare_pooler()
         self._prepare_decoder()
+        if config.eval_cell is not None:
+            self.encoder.check_layer(config.eval_cell[0]), self.encoder.check_dim(config.eval_cell[1])
         self.method = self.build_method()
         self.loss_name = config.loss or self.default_loss()
         self.task_loss = self.build_task_loss()
@@ -319,10 +419,27 @@ class Trainer:
 
     # ---- evaluation, checkpoints --------------------------------------------------------------------
 
-    def evaluate(self) -> dict:
+    def eval_path(self) -> Path:
         from matryoshka2d.paths import data_dir
 
-        path = self.config.eval_file or data_dir() / "sts" / "raw" / "stsb_dev.tsv"
+        return Path(self.config.eval_file) if self.config.eval_file else data_dir() / "sts" / "raw" / "stsb_dev.tsv"
+
+    def check_eval_file(self) -> None:
+        """Read the evaluation file now: a typo must not cost a whole run (it is read again at the end)."""
+        from matryoshka2d.evaluate.sts import load_pairs
+
+        try:
+            path = self.eval_path()
+        except FileNotFoundError as exc:
+            raise ValueError(f"no evaluation file: {exc}; pass --eval-file") from None
+        try:
+            load_pairs(path)
+        except ValueError as exc:
+            flag = "--eval-file" if self.config.eval_file else "the default evaluation file (set --eval-file)"
+            raise ValueError(f"{flag}: {exc}") from None
+
+    def evaluate(self) -> dict:
+        path = self.eval_path()
         layer, dim = self.config.eval_cell or (self.encoder.num_layers, self.encoder.hidden_size)
         keep = getattr(self.method, "keep_layers", None)
         if keep:
@@ -334,30 +451,24 @@ class Trainer:
         return self.out / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """Write everything a resume needs into a temporary folder, then rename it: a kill leaves no half."""
+        """Write everything a resume needs (safetensors + JSON, with a manifest) into a temporary folder, then
+        rename it: a kill leaves no half (matryoshka2d.checkpoints)."""
         root = self.checkpoint_dir()
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"step-{self.step:07d}"
         tmp = root / f".tmp-step-{self.step:07d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        torch.save(
-            {
-                "encoder": self.encoder.state_dict(),
-                "method": self.method.state_dict(),
-                "task_loss": self.task_loss.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "step": self.step,
-                "history": self.history,
-            },
-            tmp / "state.pt",
+        checkpoints.write_checkpoint(
+            tmp,
+            {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss},
+            self.optimizer,
+            self.scheduler,
+            self.step,
+            self.history,
+            self.saved_config(),
+            scaler=self.scaler,
         )
-        saved = {**dataclasses.asdict(self.config), "loss": self.loss_name}  # the loss the run uses, even by default
-        (tmp / "config.json").write_text(json.dumps(saved, indent=2))
-        with open(tmp / "state.pt", "rb") as f:
-            os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(root.glob("step-*"))[: -self.config.keep_checkpoints]:
@@ -365,38 +476,98 @@ class Trainer:
         return final
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(p for p in self.checkpoint_dir().glob("step-*") if (p / "state.pt").is_file())
-        return found[-1] if found else None
+        found = checkpoints.candidates(self.checkpoint_dir())
+        return found[0] if found else None
 
-    def resume(self) -> bool:
-        checkpoint = self.latest_checkpoint()
-        if checkpoint is None:
-            return False
-        saved = json.loads((checkpoint / "config.json").read_text())
-        mine = {**dataclasses.asdict(self.config), "loss": self.loss_name}
-        keys = ("model", "method", "loss", "batch_size", "seed", "data", "pooler_dim", "freeze_encoder")
+    def saved_config(self) -> dict:
+        """The run's options as JSON values, with the loss it uses even when that was the default."""
+        return json.loads(json.dumps({**dataclasses.asdict(self.config), "loss": self.loss_name}))
+
+    def check_same_run(self, checkpoint: Path, saved: dict) -> None:
+        """Refuse to resume a checkpoint whose training options differ from this run's, naming each."""
+        mine = self.saved_config()
         # A checkpoint written before an option existed holds that option's default.
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        differ = [k for k in keys if saved.get(k, defaults.get(k)) != mine.get(k)]
+        defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig(data=[], output=""))))
+        if saved.get("loss") is None:  # written before the loss was recorded: the data's default loss
+            saved = {**saved, "loss": self.default_loss()}
+        differ = [
+            f"{k} (checkpoint {saved.get(k, defaults.get(k))!r}, now {mine.get(k)!r})"
+            for k in mine
+            if k not in RESUMABLE_CHANGES and saved.get(k, defaults.get(k)) != mine.get(k)
+        ]
         if differ:
-            raise ValueError(f"cannot resume from {checkpoint}: the run differs in {', '.join(differ)}")
-        state = torch.load(checkpoint / "state.pt", map_location=self.encoder.device, weights_only=False)
-        self.encoder.load_state_dict(state["encoder"])
-        self.method.load_state_dict(state["method"])
-        self.task_loss.load_state_dict(state["task_loss"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+            raise ValueError(
+                f"cannot resume from {checkpoint}: the run differs in {'; '.join(differ)}. Resume with the "
+                "checkpoint's options, or start a new run with --overwrite or another --output"
+            )
+
+    def resume(self, allow_pickle: bool = False) -> bool:
+        found = checkpoints.load_latest(
+            self.checkpoint_dir(), self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
+        )
+        if found is None:
+            return False
+        folder, state = found
+        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
+        try:
+            for name, module in modules.items():
+                module.load_state_dict(state["modules"].get(name, {}))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise checkpoints.CheckpointError(
+                f"{folder}: does not fit this model ({str(exc).splitlines()[0]})"
+            ) from None
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        checkpoints.restore_rng(state["rng"])
         self.step, self.history = state["step"], state["history"]
         return True
 
+    def check_output(self, resume: bool, overwrite: bool) -> None:
+        """A folder holding another model or run is not written into unless the user says so."""
+        if not self.out.exists():
+            return
+        if not self.out.is_dir():
+            raise ValueError(f"--output {self.out} is a file, not a folder")
+        held = sorted(p.name for p in self.out.iterdir() if p.name in RUN_MARKERS)
+        if held and not (resume or overwrite):
+            raise ValueError(
+                f"--output {self.out} already holds a model or a run ({', '.join(held)}); pass --resume to continue "
+                "it, --overwrite to replace it, or choose another --output"
+            )
+        if overwrite and not resume:
+            shutil.rmtree(self.checkpoint_dir(), ignore_errors=True)
+            (self.out / "train_log.jsonl").unlink(missing_ok=True)
+
+    def trim_log(self) -> None:
+        """After a resume, drop the log records of steps after the checkpoint: they are run again."""
+        path = self.out / "train_log.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= self.step:
+                kept.append(line)
+        tmp = path.with_name(".train_log.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+
     # ---- the run ------------------------------------------------------------------------------------
 
-    def run(self, resume: bool = False, progress: bool = True) -> Path:
+    def run(
+        self, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
+    ) -> Path:
+        self.check_output(resume, overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
-        if resume and self.resume():
-            print(f"resumed from step {self.step} of {self.total_steps}")
+        if resume:
+            if self.resume(allow_pickle=allow_pickle):
+                print(f"resumed from step {self.step} of {self.total_steps}")
+            self.trim_log()
         log = (self.out / "train_log.jsonl").open("a", encoding="utf-8")
         start, first_step = time.perf_counter(), self.step
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc=f"{self.config.method}")
@@ -446,9 +617,20 @@ class Trainer:
         self.encoder.eval()
         from matryoshka2d.decoders import save_and_merge_lora
 
-        save_and_merge_lora(self.encoder, self.out)  # the adapter beside the model; the model saved merged
-        return self.encoder.save(self.out, keep_layers=getattr(self.method, "keep_layers", None), metadata=metadata)
+        keep = getattr(self.method, "keep_layers", None)
+
+        def save(folder: Path) -> Path:
+            save_and_merge_lora(self.encoder, folder)  # the adapter beside the model; the model saved merged
+            return self.encoder.save(folder, keep_layers=keep, metadata=metadata)
+
+        return checkpoints.save_model_atomically(save, self.out)
 
 
-def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> Path:
-    return Trainer(config).run(resume=resume, progress=progress)
+def train(
+    config: TrainConfig,
+    resume: bool = False,
+    progress: bool = True,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+) -> Path:
+    return Trainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)

@@ -39,6 +39,27 @@ def _options(values: list[str] | None, flag: str) -> dict:
     return out
 
 
+def read_config_file(path: Path) -> dict:
+    """A YAML mapping of training options; a syntax error names the file and line."""
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{path}{line}: not valid YAML ({problem}); write one 'option: value' per line") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of training options (option: value lines)")
+    for name in ("method_options", "loss_options"):
+        if name in loaded and not isinstance(loaded[name], dict):
+            raise ValueError(
+                f"{path}: {name} must be a mapping, one 'key: value' per indented line below it, got {loaded[name]!r}"
+            )
+    return loaded
+
+
 def cmd_train(args) -> int:
     values: dict = {}
     if args.preset:
@@ -48,9 +69,7 @@ def cmd_train(args) -> int:
         path = Path(args.config)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of training options")
+        loaded = read_config_file(path)
         for key in ("method_options", "loss_options"):  # a config refines a preset's options, key by key
             if isinstance(loaded.get(key), dict) and isinstance(values.get(key), dict):
                 loaded[key] = {**values[key], **loaded[key]}
@@ -100,7 +119,12 @@ def cmd_train(args) -> int:
     missing = [k for k in ("data", "output") if not values.get(k)]
     if missing:
         raise ValueError(f"train needs {' and '.join('--' + m for m in missing)} (or in --config)")
-    out = train(TrainConfig.from_dict(values), resume=args.resume)
+    out = train(
+        TrainConfig.from_dict(values),
+        resume=args.resume,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle_checkpoint,
+    )
     print(f"model saved to {out}")
     return 0
 
@@ -159,4 +183,21 @@ def register(sub, model_args) -> None:
     speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
     p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    add_safety_flags(p)
     p.set_defaults(func=cmd_train)
+
+
+def add_safety_flags(p, overwrite: bool = True) -> None:
+    """--overwrite and --allow-pickle-checkpoint, shared by train and pretrain."""
+    if overwrite:
+        p.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="train into an --output that already holds a model or run, deleting its checkpoints and log",
+        )
+    p.add_argument(
+        "--allow-pickle-checkpoint",
+        action="store_true",
+        help="when resuming, read a checkpoint written by an older matryoshka2d (state.pt, a pickle). RISK: "
+        "unpickling a file can run code planted in it; use only on checkpoints you wrote yourself",
+    )

@@ -111,7 +111,7 @@ def _or_worst(score: float) -> float:
     return score if math.isfinite(score) else -math.inf
 
 
-def _train(values: dict, progress: bool) -> Path:
+def _train(values: dict, progress: bool, allow_pickle: bool = False) -> Path:
     """One `matryoshka2d train` run; a finished run with the same settings is reused, an unfinished one resumed."""
     from matryoshka2d.train import TrainConfig, Trainer
 
@@ -130,7 +130,7 @@ def _train(values: dict, progress: bool) -> Path:
         _log(f"two-step: reusing the finished run {out}")
         return out
     _log(f"two-step: training {out.name} (pooler {config.pooler_dim}, frozen encoder: {config.freeze_encoder})")
-    Trainer(config).run(resume=True, progress=progress)
+    Trainer(config).run(resume=True, progress=progress, allow_pickle=allow_pickle)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the run is finished; its model is saved
     return out
 
@@ -138,6 +138,7 @@ def _train(values: dict, progress: bool) -> Path:
 def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tuple[Path, bool]:
     """Algorithm 1, line 7: encoder_opt with pooler_d's trained head, saved as a model folder.
     Returns the folder and whether it was (re)built (a new encoder_opt makes any step-2 result stale)."""
+    from matryoshka2d.checkpoints import save_model_atomically
     from matryoshka2d.encoder import ElasticEncoder
     from matryoshka2d.pooler import PoolerHead
 
@@ -147,11 +148,11 @@ def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tup
         return out, False
     encoder = ElasticEncoder(str(encoder_dir), device=device)
     encoder.set_pooler(PoolerHead.load(pooler_dir / "2_Dense"))
-    encoder.save(out, metadata={"two_step_combination": marker})
+    save_model_atomically(lambda folder: encoder.save(folder, metadata={"two_step_combination": marker}), out)
     return out, True
 
 
-def run_two_step(config: TwoStepConfig, progress: bool = True) -> dict:
+def run_two_step(config: TwoStepConfig, progress: bool = True, allow_pickle: bool = False) -> dict:
     """Run Algorithm 1 for every target dim; write two_step.json and two_step.md into the output folder."""
     from matryoshka2d.encoder import ElasticEncoder
     from matryoshka2d.evaluate.sts import load_pairs
@@ -183,7 +184,7 @@ def run_two_step(config: TwoStepConfig, progress: bool = True) -> dict:
     # Step 1 (lines 2-6): end-to-end runs at every target and candidate size, then the best encoder on E.
     runs: dict[int, Path] = {}
     for d in sorted(set(targets) | set(candidates), reverse=True):
-        runs[d] = _train({**base, "pooler_dim": d, "output": str(out / "runs" / f"pooler-{d}")}, progress)
+        runs[d] = _train({**base, "pooler_dim": d, "output": str(out / "runs" / f"pooler-{d}")}, progress, allow_pickle)
     encoder_only = {
         d: {
             "validation": _score(run, validation, without_pooler=True, device=device),
@@ -207,7 +208,7 @@ def run_two_step(config: TwoStepConfig, progress: bool = True) -> dict:
         if rebuilt and final_dir.exists():
             shutil.rmtree(final_dir)  # fine-tuned on another encoder_opt: stale
         values = {**step2, "model": str(combined), "pooler_dim": d, "freeze_encoder": True, "output": str(final_dir)}
-        final = _train(values, progress)
+        final = _train(values, progress, allow_pickle)
         stages = {"end_to_end": runs[d], "after_step1": combined, "after_step2": final}
         row = {"dim": d, "models": {k: str(v) for k, v in stages.items()}}
         for name, model_dir in stages.items():

@@ -240,6 +240,25 @@ def check_folds(ds: Dataset, y: dict[str, np.ndarray], k: int) -> None:
         )
 
 
+def unseen_labels(ds: Dataset) -> str | None:
+    """A warning when test labels never occur in train: every such row counts as wrong, whatever the cell."""
+    train, test = ds.splits.get("train"), ds.splits.get("test")
+    if train is None or test is None:
+        return None
+    known = set(train.labels)
+    missing = sorted(set(test.labels) - known)
+    if not missing:
+        return None
+    rows = sum(label in missing for label in test.labels)
+    by_case = {label.casefold(): label for label in known}
+    hint = [f"{m!r} vs train {by_case[m.casefold()]!r}" for m in missing if m.casefold() in by_case]
+    return (
+        f"warning: {test.path}: {rows} of {len(test.labels)} rows have labels that never occur in {train.path} "
+        f"({', '.join(map(repr, missing[:10]))}); they count as wrong in every cell"
+        + (f"; labels differ only in case: {', '.join(hint[:5])}" if hint else "")
+    )
+
+
 def evaluate_classification(
     embedder: CellEmbedder,
     directory: str | Path,
@@ -257,6 +276,8 @@ def evaluate_classification(
     started, start = provenance(), time.perf_counter()  # the load average is the one at the start
     encode_seconds, scores, described = 0.0, [], {}
     for name, ds in loaded.items():
+        if warning := unseen_labels(ds):
+            log(warning)
         classes = sorted({label for s in ds.splits.values() for label in s.labels})
         y = {split: np.searchsorted(classes, s.labels) for split, s in ds.splits.items()}
         check_folds(ds, y, folds)

@@ -19,7 +19,11 @@ def _log(message: str) -> None:
 def _embedder(args, default_cells=None) -> EncoderCells:
     """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults)."""
     from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.train import check_device
 
+    if args.max_length is not None and args.max_length < 1:
+        raise ValueError(f"--max-length must be at least 1 token, got {args.max_length}")
+    check_device(args.device)
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
     layers, dims = parse_ints(args.layers, "layers"), parse_ints(args.dims, "dims")
     if default_cells is not None:

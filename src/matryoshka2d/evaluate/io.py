@@ -70,7 +70,7 @@ def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
         raise DataFormatError(f"{path}: file not found")
     rows: list[tuple[int, list[str]]] = []
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
             header = next(reader, None)
             if header is None or header == [] or header == [""]:
@@ -86,8 +86,10 @@ def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
                         f"({', '.join(header)})"
                     )
                 rows.append((line, row))
-    except UnicodeDecodeError as exc:
-        raise DataFormatError(f"{path}: not UTF-8 text ({exc})") from exc
+    except UnicodeDecodeError:
+        from matryoshka2d.data import utf8_error  # names the first line that is not UTF-8
+
+        raise DataFormatError(str(utf8_error(path))) from None
     except csv.Error as exc:
         raise DataFormatError(f"{path}: unreadable TSV ({exc})") from exc
     table = Table(path, header, rows)
@@ -105,7 +107,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
         raise DataFormatError(f"{path}: file not found")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue

@@ -1,0 +1,333 @@
+"""Checkpoints and model folders never run code: payloads planted in state.pt, pytorch_model.bin, *.pkl and a
+config.json auto_map are not executed by any command; checkpoints are safetensors + JSON with a manifest, a
+damaged latest one falls back to the previous one, and a resume refuses changed options and keeps the log clean.
+"""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from matryoshka2d.checkpoints import CheckpointError
+from matryoshka2d.cli import main
+from matryoshka2d.train import TrainConfig, Trainer
+
+WORDS = [
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "bird",
+    "runs",
+    "sleeps",
+    "eats",
+    "big",
+    "small",
+    "old",
+    "new",
+    "happy",
+    "sad",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    root = tmp_path_factory.mktemp("ckpt-data")
+    rows = ["anchor\tpositive\tnegative"]
+    for _ in range(24):
+        a = rng.choice(WORDS, 4)
+        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
+    (root / "triplets.tsv").write_text("\n".join(rows) + "\n")
+    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(WORDS, 6)) for _ in range(24)) + "\n")
+    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
+    (root / "dev.tsv").write_text("\n".join(dev) + "\n")
+    return root
+
+
+class Payload:
+    """Unpickling this writes a marker file: the proof that a command executed planted code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def plant_state_pt(folder, marker):
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": 1, "history": [], "payload": Payload(marker)}, folder / "state.pt")
+
+
+def config(tiny_dir, files, out, **kw):
+    base = dict(
+        model=str(tiny_dir),
+        pooling="mean",
+        data=[str(files / "triplets.tsv")],
+        output=str(out),
+        batch_size=8,
+        eval_file=str(files / "dev.tsv"),
+        lr=1e-3,
+        warmup_ratio=0.0,
+        save_steps=1,
+        steps=2,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def train_args(tiny_dir, files, out, *extra):
+    return [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--pooling",
+        "mean",
+        "--data",
+        str(files / "triplets.tsv"),
+        "--eval-file",
+        str(files / "dev.tsv"),
+        "--batch-size",
+        "8",
+        "--steps",
+        "2",
+        "--save-steps",
+        "1",
+        "--lr",
+        "0.001",
+        "--warmup-ratio",
+        "0",
+        "--output",
+        str(out),
+        *extra,
+    ]
+
+
+# ---- the format --------------------------------------------------------------------------------------------
+
+
+def test_checkpoints_hold_no_pickle_and_a_manifest(tiny_dir, files, tmp_path):
+    Trainer(config(tiny_dir, files, tmp_path)).run(progress=False)
+    folders = sorted((tmp_path / "checkpoints").iterdir())
+    assert [p.name for p in folders] == ["step-0000001", "step-0000002"]
+    for folder in folders:
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "config.json",
+            "manifest.json",
+            "state.json",
+            "tensors.safetensors",
+        ]
+        manifest = json.loads((folder / "manifest.json").read_text())
+        for name, entry in manifest["files"].items():
+            assert (folder / name).stat().st_size == entry["bytes"] and len(entry["sha256"]) == 64
+    state = json.loads((folders[-1] / "state.json").read_text())
+    assert state["step"] == 2 and len(state["history"]) == 2 and state["optimizer"]["param_groups"]
+
+
+# ---- planted payloads ----------------------------------------------------------------------------------------
+
+
+def test_train_resume_never_unpickles_a_planted_state_pt(tiny_dir, files, tmp_path, capsys):
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    plant_state_pt(out / "checkpoints" / "step-0000009", marker)
+    assert main(train_args(tiny_dir, files, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "old-format checkpoint" in err and "--allow-pickle-checkpoint" in err and "Traceback" not in err
+    # Even with the opt-in, torch.load(weights_only=True) refuses the payload.
+    assert main(train_args(tiny_dir, files, out, "--resume", "--allow-pickle-checkpoint")) == 2
+    assert "cannot be read as plain tensors" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_state_pt_planted_beside_a_real_checkpoint_is_ignored(tiny_dir, files, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    Trainer(config(tiny_dir, files, out, steps=1)).run(progress=False)
+    plant_state_pt(out / "checkpoints" / "step-0000001", marker)
+    (out / "checkpoints" / "step-0000001" / "payload.pkl").write_bytes(pickle.dumps(Payload(marker)))
+    again = Trainer(config(tiny_dir, files, out, steps=1))
+    assert again.resume() and again.step == 1
+    assert not marker.exists()
+
+
+def test_pretrain_resume_never_unpickles(tiny_dir, files, tmp_path, capsys):
+    out, marker = tmp_path / "smae", tmp_path / "marker"
+    plant_state_pt(out / "checkpoints" / "step-0000003", marker)
+    args = ["pretrain", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(files / "corpus.txt")]
+    args += ["--steps", "1", "--batch-size", "8", "--sizes", "1:16,2:32", "--output", str(out), "--quiet"]
+    args += ["--eval-file", str(files / "dev.tsv")]
+    assert main([*args, "--resume"]) == 2
+    assert main([*args, "--resume", "--allow-pickle-checkpoint"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_two_step_never_unpickles_without_resume(tiny_dir, files, tmp_path, capsys):
+    out, marker = tmp_path / "two", tmp_path / "marker"
+    for d in (16, 8):
+        plant_state_pt(out / "runs" / f"pooler-{d}" / "checkpoints" / "step-0000001", marker)
+    args = ["two-step", "--model", str(tiny_dir), "--pooling", "mean", "--target-dim", "8", "--candidate-dims"]
+    args += ["16,8", "--data", str(files / "corpus.txt"), "--loss", "simcse", "--steps", "1", "--batch-size", "8"]
+    args += ["--validation-file", str(files / "dev.tsv"), "--report-file", str(files / "dev.tsv"), "--quiet"]
+    args += ["--output", str(out)]
+    assert main(args) == 2
+    assert "--allow-pickle-checkpoint" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+@pytest.fixture
+def planted_model(tiny_dir, tmp_path):
+    """A real model folder with a payload in pytorch_model.bin, a *.pkl, and an auto_map to a code file."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    marker = tmp_path / "marker"
+    torch.save({"w": Payload(marker)}, folder / "pytorch_model.bin")
+    (folder / "pooler.pkl").write_bytes(pickle.dumps(Payload(marker)))
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, marker
+
+
+def test_model_folder_payloads_are_never_executed(planted_model, files, tmp_path, capsys):
+    folder, marker = planted_model
+    lines = tmp_path / "in.txt"
+    lines.write_text("red cat\nblue dog\n")
+    assert main(["info", str(folder), "--pooling", "mean"]) == 0
+    enc = ["encode", "--model", str(folder), "--pooling", "mean", "--input", str(lines)]
+    assert main([*enc, "--output", str(tmp_path / "v.npy")]) == 0
+    sts = tmp_path / "data" / "sts" / "raw"
+    sts.mkdir(parents=True)
+    (sts / "stsb_test.tsv").write_text((files / "dev.tsv").read_text())
+    ev = ["eval", "sts", "--model", str(folder), "--pooling", "mean", "--data-dir", str(tmp_path / "data")]
+    assert main([*ev, "--datasets", "stsb", "--output", str(tmp_path / "eval"), "--quiet"]) == 0
+    assert not marker.exists()
+    # Without safetensors weights the folder is refused, the .bin never opened.
+    (folder / "model.safetensors").unlink()
+    assert main(["info", str(folder), "--pooling", "mean"]) == 2
+    assert "convert" in capsys.readouterr().err
+    assert main([*enc, "--output", str(tmp_path / "w.npy")]) == 2
+    assert not marker.exists()
+
+
+# ---- damaged checkpoints, legacy checkpoints ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "no-manifest", "flip"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tiny_dir, files, tmp_path, capsys, damage):
+    Trainer(config(tiny_dir, files, tmp_path)).run(progress=False)
+    latest = tmp_path / "checkpoints" / "step-0000002"
+    tensors = latest / "tensors.safetensors"
+    if damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:1000])
+    elif damage == "empty":
+        tensors.write_bytes(b"")
+    elif damage == "no-manifest":
+        (latest / "manifest.json").unlink()
+    else:
+        data = bytearray(tensors.read_bytes())
+        data[-5] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+    again = Trainer(config(tiny_dir, files, tmp_path))
+    assert again.resume() and again.step == 1
+    err = capsys.readouterr().err
+    assert "skipping damaged checkpoint" in err and "step-0000002" in err and "step-0000001" in err
+
+
+def test_no_intact_checkpoint_is_a_clear_error(tiny_dir, files, tmp_path, capsys):
+    Trainer(config(tiny_dir, files, tmp_path)).run(progress=False)
+    for folder in (tmp_path / "checkpoints").iterdir():
+        (folder / "state.json").write_text("")
+    assert main(train_args(tiny_dir, files, tmp_path, "--resume")) == 2
+    assert "no intact checkpoint" in capsys.readouterr().err
+
+
+def test_an_old_pickle_checkpoint_needs_the_flag(tiny_dir, files, tmp_path):
+    """A checkpoint as older versions wrote it (state.pt): refused by default, read with weights_only=True when
+    the user opts in; configs from before newer options existed count those options at their defaults."""
+    trainer = Trainer(config(tiny_dir, files, tmp_path))
+    trainer.train_step()
+    folder = tmp_path / "checkpoints" / "step-0000001"
+    folder.mkdir(parents=True)
+    torch.save(
+        {
+            "encoder": trainer.encoder.state_dict(),
+            "method": trainer.method.state_dict(),
+            "task_loss": trainer.task_loss.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(),
+            "step": 1,
+            "history": [{"step": 1, "loss": 1.0}],
+        },
+        folder / "state.pt",
+    )
+    values = json.loads(json.dumps(trainer.config.__dict__))
+    for newer in ("pooler_dim", "freeze_encoder", "lr_schedule"):
+        values.pop(newer)
+    (folder / "config.json").write_text(json.dumps(values))
+    again = Trainer(config(tiny_dir, files, tmp_path))
+    with pytest.raises(CheckpointError, match="--allow-pickle-checkpoint"):
+        again.resume()
+    assert again.resume(allow_pickle=True) and again.step == 1
+    for key, value in again.encoder.state_dict().items():
+        torch.testing.assert_close(value, trainer.encoder.state_dict()[key], rtol=0, atol=0)
+
+
+# ---- resume options, the log, the output folder ---------------------------------------------------------------
+
+
+def test_resume_with_changed_options_refuses_and_names_them(tiny_dir, files, tmp_path, capsys):
+    assert main(train_args(tiny_dir, files, tmp_path)) == 0
+    args = train_args(tiny_dir, files, tmp_path, "--resume", "--lr", "0.01", "--loss-option", "angle_weight=0.5")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "lr (checkpoint" in err and "loss_options" in err
+    # Options that do not change training may change.
+    assert main(train_args(tiny_dir, files, tmp_path, "--resume", "--eval-steps", "1")) == 0
+
+
+def test_a_resumed_log_has_no_duplicate_steps(tiny_dir, files, tmp_path, monkeypatch):
+    kw = dict(steps=4, save_steps=2)
+    original = Trainer.train_step
+
+    def dying(self):
+        if self.step == 3:
+            raise KeyboardInterrupt  # after step 3 was logged; the last checkpoint is step 2
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(tiny_dir, files, tmp_path, **kw)).run(progress=False)
+    monkeypatch.setattr(Trainer, "train_step", original)
+    with (tmp_path / "train_log.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 0.')  # a line cut short by kill -9
+    Trainer(config(tiny_dir, files, tmp_path, **kw)).run(resume=True, progress=False)
+    records = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_second_train_into_the_same_folder_changes_nothing(tiny_dir, files, tmp_path, capsys):
+    assert main(train_args(tiny_dir, files, tmp_path)) == 0
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(train_args(tiny_dir, files, tmp_path, "--lr", "0.01")) == 2
+    err = capsys.readouterr().err
+    assert "already holds a model or a run" in err and "--overwrite" in err and "--resume" in err
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before
+    assert main(train_args(tiny_dir, files, tmp_path, "--lr", "0.01", "--overwrite")) == 0
+    records = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
