@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "matryoshka2d.compress_cli")
+COMMAND_MODULES += ("matryoshka2d.retrieval.commands",)  # index build, search, pick (issue 10)
 
 
 def _encoder(args):
