@@ -10,7 +10,7 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _cascade(text: str | None):
+def parse_cascade(text: str | None):
     from matryoshka2d.retrieval.index import IndexBuildError, parse_cell_list
 
     if text is None:
@@ -83,7 +83,7 @@ def cmd_search(args) -> int:
         encoder,
         texts,
         cell=cell,
-        cascade=_cascade(args.cascade),
+        cascade=parse_cascade(args.cascade),
         shortlist=args.shortlist,
         top_k=args.top_k,
         query_layer=args.query_layer,
