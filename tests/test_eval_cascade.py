@@ -2,9 +2,8 @@
 
 import json
 
-from test_eval_retrieval import beir
-
 from matryoshka2d.cli import main
+from test_eval_retrieval import beir
 
 CORPUS = [{"_id": f"d{i}", "title": "", "text": f"text {i} about {w}"} for i, w in enumerate("abcdefghijklmnop")]
 
