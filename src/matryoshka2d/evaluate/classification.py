@@ -14,8 +14,9 @@ MRPC. Three differences from SentEval, all for speed on a CPU: the solver is lbf
 the old liblinear default, which also penalises the intercept); the features are centred on the training
 mean, which leaves lbfgs's optimum unchanged (its intercept is not penalised and absorbs the shift) but cuts
 its iterations 2-4x on anisotropic embeddings; and the values of C are fitted in increasing order, each fit
-warm-started from the previous one. The objective is convex, so the last two change the path to the
-optimum, not the optimum.
+warm-started from the previous one, and each cross-validation fold starts from the previous fold's solution
+(the folds share most rows). The objective is convex, so the last two change the path to the optimum, not
+the optimum.
 """
 
 from __future__ import annotations
@@ -173,11 +174,22 @@ class Probe:
         return float(np.mean(self.predict(x) == y))
 
 
-def fit_path(x: np.ndarray, y: np.ndarray, regs: list[float]) -> list[Probe]:
-    """One classifier per C, in increasing C, each warm-started from the previous fit (copies are returned)."""
+def fit_path(x: np.ndarray, y: np.ndarray, regs: list[float], start: Probe | None = None) -> list[Probe]:
+    """One classifier per C, in increasing C, each warm-started from the previous fit (copies are returned).
+
+    `start`, a classifier fitted on other data of the same task (the previous fold), is where the first fit
+    begins instead of zero: folds share most of their rows, so their solutions are close.
+    """
     mean = x.mean(axis=0)
     centred = x - mean
-    clf = LogisticRegression(C=regs[0], max_iter=1000, warm_start=True, random_state=SEED)
+    if (
+        start is not None
+        and start.clf.coef_.shape[1] == x.shape[1]
+        and np.array_equal(start.clf.classes_, np.unique(y))
+    ):
+        clf = copy.deepcopy(start.clf)
+    else:
+        clf = LogisticRegression(C=regs[0], max_iter=1000, warm_start=True, random_state=SEED)
     fitted = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -197,12 +209,20 @@ def choose_by_dev(x, y, x_dev, y_dev, regs):
 
 
 def choose_by_kfold(x, y, regs, k):
-    """KFoldClassifier: mean k-fold accuracy per C on (x, y); the best C is refitted on all of (x, y)."""
+    """KFoldClassifier: mean k-fold accuracy per C on (x, y); the best C is refitted on all of (x, y).
+
+    Each fold's path starts from the previous fold's first solution, and the refit from the last fold's
+    solution at the chosen C (see fit_path): the same optima, reached in fewer iterations.
+    """
     folds = StratifiedKFold(n_splits=k, shuffle=True, random_state=SEED)
-    per_fold = [[clf.score(x[te], y[te]) for clf in fit_path(x[tr], y[tr], regs)] for tr, te in folds.split(x, y)]
+    per_fold, previous = [], None
+    for tr, te in folds.split(x, y):
+        path = fit_path(x[tr], y[tr], regs, start=previous[0] if previous else None)
+        per_fold.append([clf.score(x[te], y[te]) for clf in path])
+        previous = path
     scores = [round(100 * float(np.mean(col)), 2) for col in zip(*per_fold, strict=True)]
     best = int(np.argmax(scores))
-    return fit_path(x, y, [sorted(regs)[best]])[0], scores[best]
+    return fit_path(x, y, [sorted(regs)[best]], start=previous[best])[0], scores[best]
 
 
 def evaluate_cell(ds: Dataset, x: dict[str, np.ndarray], y: dict[str, np.ndarray], k: int, positive: int | None):
@@ -310,8 +330,8 @@ def evaluate_classification(
             "data_dir": str(Path(directory).resolve()),
             "label_column": label_column,
             "folds": folds,
-            "classifier": "sklearn LogisticRegression (lbfgs, max_iter 1000, centred features, warm start along C), "
-            "SentEval C grids",
+            "classifier": "sklearn LogisticRegression (lbfgs, max_iter 1000, centred features, warm start along C "
+            "and across folds), SentEval C grids",
             "datasets": described,
         },
         "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
