@@ -172,3 +172,22 @@ def test_errors_name_what_was_wrong(tiny_dir, tmp_path, capsys):
     assert "exactly two cells" in capsys.readouterr().err
     assert main(["search", "--index", str(tmp_path), "--query", "x"]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "storage"), [("hnsw", "float16"), ("ivf", "int8")])
+def test_approximate_indexes_build_and_search_from_the_command_line(tiny_dir, tmp_path, capsys, kind, storage):
+    corpus = write_corpus(
+        tmp_path / "corpus.jsonl", DOCS * 1 + [{"_id": f"x{i}", "text": f"extra {i}"} for i in range(60)]
+    )
+    out = tmp_path / "idx"
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    build = ["index", "build", *common, "--corpus", str(corpus), "--cells", "1:8,4:32", "--output", str(out)]
+    assert main([*build, "--index", kind, "--storage", storage]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["index"] == kind and manifest["storage"] == storage and manifest["shards"] == []
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"_id": "q1", "text": "cats"}\n{"_id": "q2", "text": "tea"}\n')
+    capsys.readouterr()
+    assert main(["search", "--index", str(out), *common, "--queries", str(queries), "--cascade", "1:8,4:32"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("query: ") == 2 and printed.count("  10. ") == 2
