@@ -65,7 +65,13 @@ def cmd_classification(args) -> int:
     directory = Path(args.classification_dir) if args.classification_dir else data_dir(args.data_dir) / "classification"
     embedder = _embedder(args, default_cells)
     result = evaluate_classification(
-        embedder, directory, datasets=args.datasets, label_column=args.label_column, folds=args.folds, log=_log
+        embedder,
+        directory,
+        datasets=args.datasets,
+        label_column=args.label_column,
+        folds=args.folds,
+        log=_log,
+        patience=args.c_patience,
     )
     return _finish(result, args.output)
 
@@ -171,6 +177,13 @@ def register(sub, model_args) -> None:
     p.add_argument("--datasets", nargs="+", help="names to evaluate (default: all found), e.g. sst2 trec mrpc")
     p.add_argument("--label-column", default="label", help="column holding the class (TREC: label or fine_label)")
     p.add_argument("--folds", type=int, default=10, help="k of the k-fold cross-validation (SentEval test: 10)")
+    p.add_argument(
+        "--c-patience",
+        type=int,
+        default=2,
+        help="stop the search over C after this many larger values in a row score below the best (2); 0 tries "
+        "every C, exactly as SentEval",
+    )
     p.set_defaults(func=cmd_classification)
 
     p = esub.add_parser(
