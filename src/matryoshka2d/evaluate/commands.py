@@ -114,7 +114,15 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
 
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
     result = evaluate_cascade(
-        encoder, dirs, split, parse_cascade(args.cascade), args.shortlist, args.query_layer, args.batch_size, _log
+        encoder,
+        dirs,
+        split,
+        parse_cascade(args.cascade),
+        args.shortlist,
+        args.query_layer,
+        args.batch_size,
+        _log,
+        not args.quiet,
     )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)

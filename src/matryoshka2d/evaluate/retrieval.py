@@ -255,6 +255,7 @@ def evaluate_cascade(
     query_layer: int | None = None,
     batch_size: int = 64,
     log: Callable[[str], None] | None = None,
+    show_progress: bool = True,
 ) -> dict:
     """Flat search at the full cell next to a cascade (small cell shortlist, full cell rerank) and/or queries
     encoded at a shallow layer against full-depth documents, on faiss flat indexes.
@@ -275,7 +276,7 @@ def evaluate_cascade(
     started, start = provenance(), time.perf_counter()
     rows = []
     for ds in sets:
-        rows += _cascade_rows(encoder, ds, cascade, full, shortlist, query_layer, batch_size, log)
+        rows += _cascade_rows(encoder, ds, cascade, full, shortlist, query_layer, batch_size, log, show_progress)
     result = {
         "task": "retrieval-cascade",
         "datasets": [s.name for s in sets],
@@ -298,14 +299,14 @@ def evaluate_cascade(
     return result
 
 
-def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, batch_size, log) -> list[dict]:
+def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, batch_size, log, progress) -> list[dict]:
     """The rows of one dataset: documents encoded once at every layer any mode needs."""
     from matryoshka2d.retrieval.index import make_index
     from matryoshka2d.retrieval.search import cascade_search, flat_search, unit
 
     doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *([query_layer] if query_layer else [])})
     t0 = time.perf_counter()
-    docs = encoder.pooled_states(ds.doc_texts, doc_layers, batch_size, show_progress=True)
+    docs = encoder.pooled_states(ds.doc_texts, doc_layers, batch_size, show_progress=progress)
     log(f"{ds.name}: {len(ds.doc_texts)} documents at layers {doc_layers} in {time.perf_counter() - t0:.1f} s")
     position = {d: i for i, d in enumerate(ds.doc_ids)}
     exclude = np.array([position.get(q, -1) for q in ds.query_ids])
