@@ -261,7 +261,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         budget = ("latency_ms", args.max_latency_ms)
     elif args.max_bytes is not None:
         budget = ("bytes", args.max_bytes)
-    title = f"{model.get('model', '?')}: {label} vs cost ({args.storage})"
+    title = f"{Path(str(model.get('model', '?'))).name}: {label} vs cost ({args.storage})"
     png = plot(points, chosen, out / "pick.png", title, budget)
     frontier_table = table(points, chosen, only_frontier=True)
     md = [
