@@ -14,8 +14,11 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-demo: $(BIN)/.installed  ## the main job: embed sentences at several cells of minilm-l6
-	$(BIN)/matryoshka2d demo
+# One torch thread: on a shared 2-core machine two threads per process oversubscribe the cores (issue 10's run:
+# about 30 s per training step with two threads under load, 2-12 s with one; not side by side). Set
+# OMP_NUM_THREADS yourself to use more.
+demo: $(BIN)/.installed  ## the main job: fine-tune, grid, pick a cell, export it, cascade search (minilm-l6)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/matryoshka2d demo
 
 test: $(BIN)/.installed  ## lint, then every test
 	$(BIN)/ruff check src tests benchmarks

@@ -59,7 +59,7 @@ def test_models_list_and_prepare_unknown(capsys):
 
 
 def test_demo_on_tiny_model(tiny_dir, capsys):
-    assert main(["demo", "--model", str(tiny_dir), "--pooling", "mean"]) == 0
+    assert main(["demo", "--cells", "--model", str(tiny_dir), "--pooling", "mean"]) == 0
     out = capsys.readouterr().out
     assert "ms/sentence" in out
     assert [

@@ -210,3 +210,23 @@ def test_cli_on_tiny_model(tmp_path, tokenizer, capsys):
     assert (out / "heatmap.png").is_file() and "accuracy" in (out / "results.md").read_text()
     assert main([*args, "--data-dir", str(tmp_path / "data"), "--datasets", "sst2", "--output", str(out)]) == 2
     assert "no files for dataset(s) sst2" in capsys.readouterr().err
+
+
+def test_c_search_stops_after_the_peak_and_chooses_the_same_c(monkeypatch):
+    from matryoshka2d.evaluate import classification as cl
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 60)).astype(np.float32)  # few rows, many noise features: large C overfits
+    y = (x[:, 0] + 0.5 * rng.normal(size=80) > 0).astype(int)
+    regs = [2.0**t for t in range(-6, 9)]
+    every, every_score = cl.choose_by_kfold(x, y, regs, 5, patience=0)
+    calls = []
+    original = cl._fit
+    monkeypatch.setattr(cl, "_fit", lambda clf, c, *a: (calls.append(c), original(clf, c, *a))[1])
+    early, early_score = cl.choose_by_kfold(x, y, regs, 5, patience=2)
+    assert early.reg == every.reg and early_score == every_score
+    assert len(set(calls)) < len(regs)  # the large C values after the peak were never fitted
+    best, scores = cl._search([1, 2, 3, 4, 5], lambda i, c: [50, 60, 55, 70, 40][i], patience=2)
+    assert best == 3 and len(scores) == 5  # one dip is not the end: 55 < 60 then 70 beats it
+    best, scores = cl._search([1, 2, 3, 4, 5], lambda i, c: [50, 60, 55, 54, 90][i], patience=2)
+    assert best == 1 and len(scores) == 4

@@ -17,7 +17,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "matryoshka2d.compress_cli")
-COMMAND_MODULES += ("matryoshka2d.deploy.commands",)
+COMMAND_MODULES += ("matryoshka2d.deploy.commands",)  # export, serve
+COMMAND_MODULES += ("matryoshka2d.retrieval.commands", "matryoshka2d.demo")  # index, search, pick; demo (issue 10)
 
 
 def _encoder(args):
@@ -174,51 +175,6 @@ def cmd_models(args) -> int:
     return 0
 
 
-DEMO_SENTENCES = [
-    "A man is playing a guitar on stage.",
-    "Someone performs music with a guitar in front of an audience.",
-    "The central bank raised interest rates again this quarter.",
-    "A child is riding a bicycle down the street.",
-    "A kid rides a bike along the road.",
-    "Fresh snow covered the mountain village overnight.",
-]
-
-
-def demo_cells(num_layers: int, hidden: int) -> list[tuple[int, int]]:
-    """Six or fewer cells from full size down: depth spread evenly, width proportional to depth."""
-    layers = sorted({max(1, round(num_layers * i / 6)) for i in range(1, 7)}, reverse=True)
-    return [(n, max(8, hidden * n // num_layers // 8 * 8)) for n in layers]
-
-
-def cmd_demo(args) -> int:
-    """Embed a few sentences at several cells and show similarities and time per cell."""
-    encoder = _encoder(args)
-    n, d = encoder.num_layers, encoder.hidden_size
-    cells = demo_cells(n, d)
-    # Timing text: the demo sentences repeated with a counter so that deduplication does not hide work.
-    timing_texts = [f"{s} ({i})" for i in range(40) for s in DEMO_SENTENCES]
-    encoder.encode(timing_texts[:64])  # warm-up
-    print(f"model {encoder.name}: {n} layers x {d} dims, pooling {encoder.pooling}")
-    print("pairs: P1 guitar/guitar (paraphrase), P2 child-bike/kid-bike (paraphrase), U guitar/bank (unrelated)")
-    print(f"{'cell':>10} {'P1':>7} {'P2':>7} {'U':>7} {'ms/sentence':>12} {'speed-up':>9}")
-    full_ms = None
-    for layer, dim in cells:
-        v = encoder.encode(DEMO_SENTENCES, layer=layer, dim=dim, normalize=True)
-        start = time.perf_counter()
-        encoder.encode(timing_texts, layer=layer, dim=dim)
-        ms = (time.perf_counter() - start) * 1000 / len(timing_texts)
-        full_ms = full_ms or ms
-        print(
-            f"{f'({layer},{dim})':>10} {v[0] @ v[1]:7.3f} {v[3] @ v[4]:7.3f} {v[0] @ v[2]:7.3f} {ms:12.2f} "
-            f"{full_ms / ms:8.2f}x"
-        )
-    print(
-        f"(time per cell: {len(timing_texts)} sentences, batch 64, {os.cpu_count()} CPU cores, torch threads "
-        f"{__import__('torch').get_num_threads()})"
-    )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="matryoshka2d", description="Sentence embeddings elastic in depth (layers) and width (dims)."
@@ -254,10 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
     mp.add_argument("--force", action="store_true", help="unpack again even if present")
     p.set_defaults(func=cmd_models)
-
-    p = sub.add_parser("demo", help="embed a few sentences at several cells; print similarities and time")
-    model_args(p)
-    p.set_defaults(func=cmd_demo)
 
     # Larger command groups live next to their code; each module has register(subparsers, model_args).
     for module in COMMAND_MODULES:

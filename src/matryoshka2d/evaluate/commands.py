@@ -69,7 +69,13 @@ def cmd_classification(args) -> int:
     directory = Path(args.classification_dir) if args.classification_dir else data_dir(args.data_dir) / "classification"
     embedder = _embedder(args, default_cells)
     result = evaluate_classification(
-        embedder, directory, datasets=args.datasets, label_column=args.label_column, folds=args.folds, log=_log
+        embedder,
+        directory,
+        datasets=args.datasets,
+        label_column=args.label_column,
+        folds=args.folds,
+        log=_log,
+        patience=args.c_patience,
     )
     return _finish(result, args.output)
 
@@ -96,8 +102,39 @@ def cmd_retrieval(args) -> int:
         raise ValueError(f"the dataset folders would use different splits ({', '.join(sorted(splits))}); pass --split")
     split = splits.pop()
     _log(f"retrieval split: {split}")
+    if args.cascade or args.query_layer:
+        return _cascade(args, dirs, split)
     result = evaluate_retrieval(_embedder(args), dirs, split=split, log=_log)
     return _finish(result, args.output)
+
+
+def _cascade(args, dirs: list[Path], split: str) -> int:
+    """--cascade / --query-layer: flat full-cell search next to the cascade and/or shallow queries."""
+    import json
+
+    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.evaluate.retrieval import cascade_markdown, evaluate_cascade
+    from matryoshka2d.retrieval.commands import parse_cascade
+
+    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    result = evaluate_cascade(
+        encoder,
+        dirs,
+        split,
+        parse_cascade(args.cascade),
+        args.shortlist,
+        args.query_layer,
+        args.batch_size,
+        _log,
+        not args.quiet,
+    )
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cascade.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (out / "cascade.md").write_text(cascade_markdown(result), encoding="utf-8")
+    print(cascade_markdown(result).split("\n\n", 1)[1])
+    print(f"-> {out / 'cascade.json'}, {out / 'cascade.md'}")
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -152,6 +189,13 @@ def register(sub, model_args) -> None:
     p.add_argument("--datasets", nargs="+", help="names to evaluate (default: all found), e.g. sst2 trec mrpc")
     p.add_argument("--label-column", default="label", help="column holding the class (TREC: label or fine_label)")
     p.add_argument("--folds", type=int, default=10, help="k of the k-fold cross-validation (SentEval test: 10)")
+    p.add_argument(
+        "--c-patience",
+        type=int,
+        default=2,
+        help="stop the search over C after this many larger values in a row score below the best (2); 0 tries "
+        "every C, exactly as SentEval",
+    )
     p.set_defaults(func=cmd_classification)
 
     p = esub.add_parser(
@@ -162,6 +206,15 @@ def register(sub, model_args) -> None:
     _common(p, model_args)
     p.add_argument("--dataset-dir", nargs="+", help="BEIR folders (default: DATA/retrieval/scifact)")
     p.add_argument("--split", help="qrels/<split>.tsv (default: test, or the folder's only split)")
+    p.add_argument(
+        "--cascade",
+        help="small:full cells, e.g. 2:128,6:384: compare a cascade (shortlist from the small cell, rerank with the "
+        "full one) with flat full-cell search; writes cascade.json/.md instead of the grid",
+    )
+    p.add_argument("--shortlist", type=int, default=100, help="cascade candidates from the small cell (100)")
+    p.add_argument(
+        "--query-layer", type=int, help="also encode queries with only this many layers against full-depth documents"
+    )
     p.set_defaults(func=cmd_retrieval)
 
     p = sub.add_parser("report", help="put results side by side: markdown table and difference heatmaps")

@@ -1,0 +1,267 @@
+"""`matryoshka2d demo`: the whole loop on the default backbone, each step printing what it produced.
+
+1. a short elastic fine-tune (2dmse) of the model on the shared NLI triplets, cached in the cache directory so a
+   second run reuses it;
+2. its STS grid (layers x dims) on a few STS sets;
+3. the cell picker's choice for a budget (default: half the full model's query encoding time);
+4. `matryoshka2d export` of that cell: a standalone sentence-transformers folder with only its layers;
+5. a faiss index of a small SciFact corpus and a cascade search: shortlist with a narrow last-layer cell,
+   rerank with the full cell, next to flat full-cell search.
+
+`matryoshka2d demo --cells` is the older, quicker demo: a few sentences embedded at several cells, with their
+similarities and time per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEMO_SENTENCES = [
+    "A man is playing a guitar on stage.",
+    "Someone performs music with a guitar in front of an audience.",
+    "The central bank raised interest rates again this quarter.",
+    "A child is riding a bicycle down the street.",
+    "A kid rides a bike along the road.",
+    "Fresh snow covered the mountain village overnight.",
+]
+
+
+def demo_cells(num_layers: int, hidden: int) -> list[tuple[int, int]]:
+    """Six or fewer cells from full size down: depth spread evenly, width proportional to depth."""
+    layers = sorted({max(1, round(num_layers * i / 6)) for i in range(1, 7)}, reverse=True)
+    return [(n, max(8, hidden * n // num_layers // 8 * 8)) for n in layers]
+
+
+def run_cells(args) -> int:
+    """Embed a few sentences at several cells and show similarities and time per cell."""
+    from matryoshka2d.encoder import ElasticEncoder
+
+    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
+    n, d = encoder.num_layers, encoder.hidden_size
+    cells = demo_cells(n, d)
+    # Timing text: the demo sentences repeated with a counter so that deduplication does not hide work.
+    timing_texts = [f"{s} ({i})" for i in range(40) for s in DEMO_SENTENCES]
+    encoder.encode(timing_texts[:64])  # warm-up
+    print(f"model {encoder.name}: {n} layers x {d} dims, pooling {encoder.pooling}")
+    print("pairs: P1 guitar/guitar (paraphrase), P2 child-bike/kid-bike (paraphrase), U guitar/bank (unrelated)")
+    print(f"{'cell':>10} {'P1':>7} {'P2':>7} {'U':>7} {'ms/sentence':>12} {'speed-up':>9}")
+    full_ms = None
+    for layer, dim in cells:
+        v = encoder.encode(DEMO_SENTENCES, layer=layer, dim=dim, normalize=True)
+        start = time.perf_counter()
+        encoder.encode(timing_texts, layer=layer, dim=dim)
+        ms = (time.perf_counter() - start) * 1000 / len(timing_texts)
+        full_ms = full_ms or ms
+        print(
+            f"{f'({layer},{dim})':>10} {v[0] @ v[1]:7.3f} {v[3] @ v[4]:7.3f} {v[0] @ v[2]:7.3f} {ms:12.2f} "
+            f"{full_ms / ms:8.2f}x"
+        )
+    print(
+        f"(time per cell: {len(timing_texts)} sentences, batch 64, {os.cpu_count()} CPU cores, torch threads "
+        f"{__import__('torch').get_num_threads()})"
+    )
+    return 0
+
+
+def step(number: int, title: str) -> float:
+    print(f"\n[{number}/5] {title}", flush=True)
+    return time.perf_counter()
+
+
+def done(start: float, what: str) -> None:
+    print(f"    -> {what} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def fine_tune(args, root: Path) -> Path:
+    """A short 2dmse fine-tune, reused from the cache directory when a finished one is there."""
+    from matryoshka2d.backbones import cache_dir
+    from matryoshka2d.train import TrainConfig, Trainer
+
+    name = Path(args.model).name if os.sep in args.model else args.model
+    out = cache_dir() / "demo" / f"{name}-2dmse-{args.steps}steps-bs{args.batch_size}"
+    if (out / "matryoshka2d.json").is_file():
+        meta = json.loads((out / "matryoshka2d.json").read_text())
+        print(f"    reusing the cached fine-tune {out} ({meta.get('steps')} steps; delete it to train again)")
+        return out
+    triplets = root / "nli" / "train_triplets.tsv"
+    config = TrainConfig(
+        data=[str(triplets)],
+        output=str(out),
+        model=args.model,
+        method="2dmse",
+        loss="angle",
+        steps=args.steps,
+        batch_size=args.batch_size,
+        pooling=args.pooling,
+        max_length=64,  # NLI sentences are short; keeps each step cheap on a CPU
+        eval_file=str(root / "sts" / "raw" / "stsb_dev.tsv"),
+        save_steps=max(10, args.steps // 3),  # a killed demo resumes from here
+        device=args.device,
+    )
+    print(f"    2dmse + AnglE loss, {args.steps} steps of {args.batch_size} triplets from {triplets}")
+    return Trainer(config).run(resume=True, progress=not args.quiet)
+
+
+def export_cell(encoder, layer: int, dim: int, out: Path) -> str:
+    """`matryoshka2d export` of the picked cell: only `layer` layers and the first `dim` numbers, a folder that
+    loads with SentenceTransformer(out) alone, checked against encode(layer, dim) before it is put in place.
+    The folder is the demo's own (inside --output), so a rerun replaces it."""
+    from matryoshka2d.deploy.export import export_cell as export
+
+    report = export(encoder, layer, dim, out, overwrite=True)
+    kept = f"{report.parameters_kept:,} of {report.parameters_full:,} parameters"
+    return f"{out} ({kept}; loads with SentenceTransformer('{out}'))"
+
+
+def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
+    """A BEIR folder with the first `n_queries` judged queries and a corpus of their relevant documents filled
+    up to `n_docs` with the corpus's first documents."""
+    from matryoshka2d.evaluate.commands import pick_split
+    from matryoshka2d.evaluate.retrieval import load_beir
+
+    split = pick_split(source, None)
+    full = load_beir(source, split)
+    relevant = {d for rel in full.qrels[:n_queries] for d in rel}
+    fill = [i for i in range(len(full.doc_ids)) if i not in relevant][: max(0, n_docs - len(relevant))]
+    keep = sorted(relevant | set(fill))
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "corpus.jsonl").open("w", encoding="utf-8") as f:
+        for i in keep:
+            f.write(json.dumps({"_id": full.doc_ids[i], "text": full.doc_texts[i]}) + "\n")
+    return full, keep, split
+
+
+def run_loop(args) -> int:
+    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.evaluate.grid import EncoderCells
+    from matryoshka2d.evaluate.results import write_outputs
+    from matryoshka2d.evaluate.retrieval import rank_metrics
+    from matryoshka2d.evaluate.sts import evaluate_sts
+    from matryoshka2d.paths import data_dir
+    from matryoshka2d.retrieval.index import build_index
+    from matryoshka2d.retrieval.pick import layer_latency, run_pick
+    from matryoshka2d.retrieval.search import CellIndex
+
+    begin = time.perf_counter()
+    root = data_dir(args.data_dir)
+    work = Path(args.output)
+    work.mkdir(parents=True, exist_ok=True)
+    quiet = (lambda m: None) if args.quiet else (lambda m: print(f"    {m}", file=sys.stderr))
+
+    t = step(1, f"fine-tune {args.model} to be elastic (2dmse)")
+    model_dir = fine_tune(args, root)
+    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
+    dev = meta.get("final_eval", {})
+    done(t, f"{model_dir}; STS-B dev Spearman at the full model: {dev.get('spearman', '?')}")
+
+    t = step(2, f"STS grid on {', '.join(args.sts)}: every layer x dims")
+    encoder = ElasticEncoder(str(model_dir), device=args.device)
+    dims = sorted({d for d in (32, 64, 128, 256) if d < encoder.hidden_size} | {encoder.hidden_size})
+    cells = EncoderCells(encoder, range(1, encoder.num_layers + 1), dims, show_progress=not args.quiet)
+    result = evaluate_sts(cells, root, datasets=args.sts, log=quiet)
+    write_outputs(result, work / "sts")
+    full = result["summary"]
+    done(
+        t,
+        f"{work / 'sts'}/results.md and heatmap.png; full model ({full['cell'][0]},{full['cell'][1]}): "
+        f"{full['average']:.2f} Spearman",
+    )
+
+    t = step(3, "pick a cell for a budget")
+    latency, _ = layer_latency(str(model_dir), None, False, quiet)
+    full_ms = latency[encoder.num_layers]
+    budget = args.max_latency_ms or round(full_ms * args.budget_fraction, 3)
+    print(f"    budget: query encoding <= {budget:.2f} ms/query (full model: {full_ms:.2f} ms/query on this machine)")
+    if budget < min(latency.values()):  # fixed per-call costs dominate on tiny models or busy machines
+        budget = min(latency.values())
+        print(f"    no layer is that fast here; the budget becomes the fastest layer's {budget:.2f} ms/query")
+    pick_args = argparse.Namespace(
+        results=[str(work / "sts")],
+        max_latency_ms=budget,
+        max_bytes=None,
+        min_score=None,
+        storage="float32",
+        model=str(model_dir),
+        remeasure=False,
+        output=str(work / "pick"),
+    )
+    run_pick(pick_args, log=quiet)
+    chosen = json.loads((work / "pick" / "pick.json").read_text())["recommended"]
+    layer, dim = chosen["layer"], chosen["dim"]
+    done(t, f"recommended ({layer},{dim}); {work / 'pick'}/pick.md and pick.png")
+
+    t = step(4, f"export cell ({layer},{dim})")
+    done(t, export_cell(encoder, layer, dim, work / f"export-{layer}x{dim}"))
+
+    N, D = encoder.num_layers, encoder.hidden_size
+    # The query runs to the full cell's layer for the rerank anyway, so the shortlist cell saves search work
+    # only through its width: the last layer at about a sixth of the width (64 of 384).
+    small = (N, next((d for d in (32, 64, 128, 256) if d >= D // 6 and d < D), max(1, D // 4)))
+    t = step(
+        5, f"cascade search over a small SciFact corpus: shortlist with ({small[0]},{small[1]}), rerank with ({N},{D})"
+    )
+    full_set, keep, _ = small_scifact(root / "retrieval" / "scifact", work / "scifact-small", args.queries, args.docs)
+    encoder.max_length = min(encoder.max_length, 128)  # abstracts cut to 128 tokens: a CPU-sized demo
+    build_index(encoder, work / "scifact-small" / "corpus.jsonl", [small, (N, D)], work / "index", log=quiet)
+    index = CellIndex(work / "index")
+    queries = full_set.query_texts[: args.queries]
+    qrels_pos = {full_set.doc_ids[i]: n for n, i in enumerate(keep)}
+    qrels = [{qrels_pos[full_set.doc_ids[d]]: r for d, r in rel.items()} for rel in full_set.qrels[: args.queries]]
+    rows = {}
+    for name, kwargs in (("flat", {"cell": (N, D)}), ("cascade", {"cascade": (small, (N, D)), "shortlist": 100})):
+        hits = index.search(encoder, queries, top_k=10, **kwargs)
+        ranking = np.array([[qrels_pos[i] for i in ids] + [-1] * (10 - len(ids)) for ids in hits.ids])
+        rows[name] = (hits, ranking, rank_metrics(ranking, qrels)["ndcg@10"])
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows["flat"][1], rows["cascade"][1], strict=True)])
+    print(f"    {len(keep)} documents indexed at ({small[0]},{small[1]}) and ({N},{D}) in one pass -> {work / 'index'}")
+    print(f"    query: {queries[0]}")
+    titles = dict(zip(full_set.doc_ids, full_set.doc_texts, strict=True))
+    for rank, doc in enumerate(rows["cascade"][0].ids[0][:3], start=1):
+        print(f"      {rank}. [{doc}] {titles[doc][:90]}")
+    for hits, _, ndcg in rows.values():
+        print(
+            f"    {hits.description}: nDCG@10 {ndcg:.2f} over {len(queries)} queries, search "
+            f"{1000 * hits.search_seconds / len(queries):.3f} ms/query"
+        )
+    print("    (on a corpus this small flat search is already cheap; the cascade pays off on large indexes, where the")
+    print("    small cell reads a fraction of the bytes per document: benchmarks/retrieval_cascade.py)")
+    done(t, f"cascade finds {100 * overlap:.0f}% of flat search's top 10")
+
+    print(f"\nrecommended cell {chosen['reason']}")
+    print(f"demo finished in {time.perf_counter() - begin:.0f} s; everything is in {work}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    return run_cells(args) if args.cells else run_loop(args)
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the whole loop: elastic fine-tune, STS grid, pick a cell, export it, cascade search",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model_args(p)
+    p.add_argument("--cells", action="store_true", help="the quick demo: a few sentences at several cells, timed")
+    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps (60)")
+    p.add_argument("--batch-size", type=int, default=16, help="triplets per step (16)")
+    p.add_argument("--sts", nargs="+", default=["stsb", "sts16"], help="STS sets for the grid (stsb sts16)")
+    p.add_argument("--budget-fraction", type=float, default=0.5, help="budget as a share of full query time (0.5)")
+    p.add_argument("--max-latency-ms", type=float, help="budget in ms per query instead of --budget-fraction")
+    p.add_argument("--queries", type=int, default=50, help="SciFact queries searched (50)")
+    p.add_argument(
+        "--docs", type=int, default=1000, help="SciFact documents indexed, at least the relevant ones (1000)"
+    )
+    p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
+    p.add_argument("--output", default="runs/demo", help="where the results go (runs/demo)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or detail lines")
+    p.set_defaults(func=cmd_demo)

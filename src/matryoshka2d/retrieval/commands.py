@@ -1,0 +1,178 @@
+"""`matryoshka2d index build`, `matryoshka2d search` and `matryoshka2d pick`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def parse_cascade(text: str | None):
+    from matryoshka2d.retrieval.index import IndexBuildError, parse_cell_list
+
+    if text is None:
+        return None
+    cells = parse_cell_list(text, "--cascade")
+    if len(cells) != 2:
+        raise IndexBuildError(f"--cascade {text!r}: give exactly two cells, small then full (e.g. 2:128,6:384)")
+    return cells[0], cells[1]
+
+
+def cmd_index_build(args) -> int:
+    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.retrieval.index import build_index, parse_cell_list
+
+    cells = parse_cell_list(args.cells)
+    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    manifest = build_index(
+        encoder,
+        args.corpus,
+        cells,
+        args.output,
+        kind=args.index,
+        storage=args.storage,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        limit=args.limit,
+        overwrite=args.overwrite,
+        keep_shards=args.keep_shards,
+        log=_log,
+    )
+    shown = ", ".join(f"({n},{d})" for n, d in manifest["cells"])
+    print(
+        f"index of {manifest['documents']} documents, cells {shown}, {manifest['index']} {manifest['storage']} "
+        f"-> {args.output}"
+    )
+    return 0
+
+
+def read_queries(path: str) -> list[str]:
+    """One query per line of a text file, or the `text` of each line of a JSON-lines file (BEIR queries)."""
+    from matryoshka2d.evaluate.io import read_jsonl
+
+    if path.endswith((".jsonl", ".jsonl.gz")):
+        out = []
+        for line, obj in read_jsonl(path):
+            if not isinstance(obj.get("text"), str):
+                raise ValueError(f"{path} line {line}: no 'text' string field")
+            out.append(obj["text"])
+        return out
+    from matryoshka2d.cli import read_lines
+
+    return [q for q in read_lines(path) if q.strip()]
+
+
+def cmd_search(args) -> int:
+    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.retrieval.index import parse_cell_list
+    from matryoshka2d.retrieval.search import CellIndex
+
+    if (args.query is None) == (args.queries is None):
+        raise ValueError("give either --query TEXT or --queries FILE")
+    texts = [args.query] if args.query is not None else read_queries(args.queries)
+    if not texts:
+        raise ValueError(f"--queries {args.queries}: no queries in the file")
+    index = CellIndex(args.index, nprobe=args.nprobe, ef_search=args.ef_search)
+    model = args.model or index.manifest["model"]["location"] or index.manifest["model"]["model"]
+    encoder = ElasticEncoder(model, pooling=args.pooling, device=args.device)
+    cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
+    hits = index.search(
+        encoder,
+        texts,
+        cell=cell,
+        cascade=parse_cascade(args.cascade),
+        shortlist=args.shortlist,
+        top_k=args.top_k,
+        query_layer=args.query_layer,
+    )
+    out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115 - closed below
+    try:
+        for text, ids, scores in zip(texts, hits.ids, hits.scores, strict=True):
+            if out:
+                out.write(json.dumps({"query": text, "ids": ids, "scores": scores}, ensure_ascii=False) + "\n")
+            elif len(texts) <= 20:
+                print(f"query: {text}")
+                for rank, (doc, score) in enumerate(zip(ids, scores, strict=True), start=1):
+                    print(f"  {rank:>3}. {doc}  {score:.4f}")
+    finally:
+        if out:
+            out.close()
+    n = len(texts)
+    _log(
+        f"{hits.description}: {n} queries, encoding {1000 * hits.encode_seconds / n:.2f} ms/query, "
+        f"search {1000 * hits.search_seconds / n:.3f} ms/query" + (f" -> {args.output}" if args.output else "")
+    )
+    return 0
+
+
+def cmd_pick(args) -> int:
+    from matryoshka2d.retrieval.pick import run_pick
+
+    return run_pick(args)
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser("index", help="faiss indexes of (layer, dim) cells of a corpus")
+    isub = p.add_subparsers(dest="action", required=True)
+    b = isub.add_parser(
+        "build",
+        help="encode a corpus once and index several cells",
+        description="One encoder pass over the corpus (to the deepest requested layer) fills one faiss index per "
+        "cell. Run the same command again to resume a killed build.",
+    )
+    model_args(b)
+    b.add_argument("--corpus", required=True, help="JSON lines (.jsonl or .jsonl.gz) with _id, text, optional title")
+    b.add_argument("--cells", required=True, help="cells to index as layer:dim, e.g. 2:128,6:384")
+    b.add_argument("--output", required=True, help="directory for manifest.json, ids.txt and cell-*.faiss")
+    b.add_argument("--index", choices=["flat", "hnsw", "ivf"], default="flat", help="faiss index kind (flat)")
+    b.add_argument("--storage", choices=["float32", "float16", "int8"], default="float32", help="numbers stored")
+    b.add_argument("--batch-size", type=int, default=64)
+    b.add_argument("--shard-size", type=int, default=2048, help="documents per resumable shard (2048)")
+    b.add_argument("--max-length", type=int, help="truncate documents to this many tokens (default: the model's)")
+    b.add_argument("--limit", type=int, help="index only the first N documents")
+    b.add_argument("--overwrite", action="store_true", help="replace a different build in --output")
+    b.add_argument("--keep-shards", action="store_true", help="keep the per-shard vectors after the build")
+    b.set_defaults(func=cmd_index_build)
+
+    p = sub.add_parser(
+        "search",
+        help="search an index: flat, cascade (--cascade) or shallow queries (--query-layer)",
+        description="Queries are encoded once, up to the deepest cell needed. Results print as rank, id, score.",
+    )
+    p.add_argument("--index", required=True, help="directory written by `matryoshka2d index build`")
+    p.add_argument("--model", help="query model (default: the index's model)")
+    p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
+    p.add_argument("--device")
+    p.add_argument("--query", help="one query text")
+    p.add_argument("--queries", help="a file with one query per line, or a queries.jsonl")
+    p.add_argument("--cell", help="flat search at this cell, layer:dim (default: the index's largest cell)")
+    p.add_argument(
+        "--cascade", help="small:full cells, e.g. 2:128,6:384: shortlist with the first, rerank with the second"
+    )
+    p.add_argument("--shortlist", type=int, default=100, help="candidates taken from the small cell (100)")
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--query-layer", type=int, help="encode queries with only this many layers (asymmetric search)")
+    p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
+    p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes)")
+    p.add_argument("--output", help="write one JSON line per query (query, ids, scores) instead of printing")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser(
+        "pick",
+        help="the quality/cost Pareto frontier of a result grid and the cell that fits a budget",
+        description="Quality from results.json files (STS, classification, retrieval); cost from encode time per "
+        "layer measured on this machine (cached) and bytes per vector. Writes pick.md, pick.json and pick.png.",
+    )
+    p.add_argument("--results", nargs="+", required=True, help="result directories or results.json files")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--max-latency-ms", type=float, help="encode time per query at most this (ms)")
+    budget.add_argument("--max-bytes", type=float, help="bytes per stored vector at most this")
+    budget.add_argument("--min-score", type=float, help="the cheapest cell scoring at least this")
+    p.add_argument("--storage", choices=["float32", "float16", "int8"], default="float32", help="for bytes/vector")
+    p.add_argument("--model", help="model to time (default: the one named in the results)")
+    p.add_argument("--remeasure", action="store_true", help="time the layers again instead of using the cache")
+    p.add_argument("--output", help="directory for pick.md/.json/.png (default: the first results directory)")
+    p.set_defaults(func=cmd_pick)

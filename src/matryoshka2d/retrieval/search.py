@@ -1,0 +1,180 @@
+"""Search an index built by `matryoshka2d index build`: flat, cascade and asymmetric (shallow-query) search.
+
+- flat: the query's vector at one cell against that cell's index.
+- cascade: a shortlist from a small cell's index (cheap: few numbers per vector), reranked exactly with the
+  query's and the documents' vectors at a full cell. Both query vectors come from one encoder pass up to the
+  deeper of the two layers; the documents' full vectors are read back from the full cell's faiss index.
+- asymmetric: `query_layer=n` encodes queries with only n layers and compares them with documents encoded at
+  the index's (deeper) layers. Only a model trained for it (methods/asymmetric.py) puts layer-n queries in the
+  last layer's space; on other models it shows how far apart the spaces are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, read_manifest
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def _drop_excluded(ids: np.ndarray, scores: np.ndarray, exclude: np.ndarray | None, k: int):
+    """Remove each row's excluded id (BEIR's ignore_identical_ids) and keep k columns (-1 pads)."""
+    if exclude is not None:
+        hit = ids == exclude[:, None]
+        scores = np.where(hit, -np.inf, scores)
+        order = np.argsort(-scores, axis=1, kind="stable")
+        ids, scores = np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
+        ids = np.where(np.isneginf(scores), -1, ids)
+    return ids[:, :k], scores[:, :k]
+
+
+def flat_search(index, queries: np.ndarray, k: int, exclude: np.ndarray | None = None):
+    """(ids, scores), best first, of the k highest inner products in a faiss index."""
+    extra = 0 if exclude is None else 1
+    scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), k + extra)
+    return _drop_excluded(ids, scores, exclude, k)
+
+
+def stored_vectors(index, ids: np.ndarray) -> np.ndarray:
+    """The vectors a faiss index holds for `ids` (decoded from float16 / int8 storage when it is quantised)."""
+    return index.reconstruct_batch(np.ascontiguousarray(ids, dtype=np.int64))
+
+
+def cascade_search(
+    small_index,
+    full_index,
+    small_queries: np.ndarray,
+    full_queries: np.ndarray,
+    shortlist: int,
+    k: int,
+    exclude: np.ndarray | None = None,
+):
+    """Shortlist from the small cell's index, rerank by exact inner product with the full cell's stored vectors."""
+    if shortlist < k:
+        raise ValueError(f"--shortlist {shortlist} is smaller than --top-k {k}; the rerank can only reorder it")
+    extra = 0 if exclude is None else 1
+    _, candidates = small_index.search(np.ascontiguousarray(small_queries, dtype=np.float32), shortlist + extra)
+    valid = candidates >= 0
+    q, s = candidates.shape
+    vectors = stored_vectors(full_index, np.where(valid, candidates, 0).ravel()).reshape(q, s, -1)
+    scores = np.einsum("qsd,qd->qs", vectors, full_queries.astype(np.float32))
+    scores[~valid] = -np.inf
+    if exclude is not None:
+        scores[candidates == exclude[:, None]] = -np.inf
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    ids, top_scores = np.take_along_axis(candidates, top, 1), np.take_along_axis(scores, top, 1)
+    return np.where(np.isneginf(top_scores), -1, ids), top_scores
+
+
+def query_vectors(encoder, texts: Sequence[str], cells: Sequence[Cell], query_layer: int | None = None, batch_size=64):
+    """Unit query vectors per cell from one encoder pass (to the deepest layer needed, or to `query_layer`)."""
+    layers = {query_layer or n for n, _ in cells}
+    pooled = encoder.pooled_states(list(texts), sorted(layers), batch_size)
+    return {(n, d): unit(pooled[query_layer or n][:, :d]) for n, d in cells}
+
+
+@dataclass
+class Hits:
+    ids: list[list[str]]  # per query, best first
+    scores: list[list[float]]
+    encode_seconds: float
+    search_seconds: float
+    description: str
+
+
+class CellIndex:
+    """The indexes of one build directory, loaded on first use; searched with an encoder of the same model."""
+
+    def __init__(self, directory: str | Path, nprobe: int = 16, ef_search: int = 64):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        if not self.manifest.get("complete"):
+            raise IndexBuildError(
+                f"{self.directory}: the build is not finished ({self.manifest.get('documents', 0)} documents so far); "
+                "run the same `matryoshka2d index build` command again to resume it"
+            )
+        self.cells: list[Cell] = [tuple(c) for c in self.manifest["cells"]]
+        self.ids = (self.directory / "ids.txt").read_text(encoding="utf-8").splitlines()
+        self.nprobe, self.ef_search = nprobe, ef_search
+        self._indexes: dict[Cell, object] = {}
+
+    def index(self, cell: Cell):
+        if cell not in self.cells:
+            have = ", ".join(f"{n}:{d}" for n, d in self.cells)
+            raise IndexBuildError(f"{self.directory}: no index for cell {cell[0]}:{cell[1]} (cells here: {have})")
+        if cell not in self._indexes:
+            import faiss
+
+            index = faiss.read_index(str(self.directory / f"{cell_name(cell)}.faiss"))
+            if self.manifest["index"] == "ivf":
+                faiss.extract_index_ivf(index).nprobe = self.nprobe
+            elif self.manifest["index"] == "hnsw":
+                faiss.downcast_index(index).hnsw.efSearch = max(self.ef_search, 1)
+            self._indexes[cell] = index
+        return self._indexes[cell]
+
+    @property
+    def full_cell(self) -> Cell:
+        return max(self.cells)
+
+    def check_encoder(self, encoder) -> None:
+        """The query model must be the index's model (same depth and width; same weights when known)."""
+        want = self.manifest["model"]
+        if (encoder.num_layers, encoder.hidden_size) != (want["layers"], want["hidden_size"]):
+            raise IndexBuildError(
+                f"{self.directory}: built with {want['model']} ({want['layers']} layers x {want['hidden_size']}), "
+                f"but the query model {encoder.name} has {encoder.num_layers} x {encoder.hidden_size}"
+            )
+
+    def search(
+        self,
+        encoder,
+        texts: Sequence[str],
+        cell: Cell | None = None,
+        cascade: tuple[Cell, Cell] | None = None,
+        shortlist: int = 100,
+        top_k: int = 10,
+        query_layer: int | None = None,
+    ) -> Hits:
+        self.check_encoder(encoder)
+        if top_k < 1 or shortlist < 1:
+            raise ValueError(f"--top-k and --shortlist must be at least 1 (got {top_k}, {shortlist})")
+        if query_layer is not None:
+            encoder.check_layer(query_layer)
+        cells = list(cascade) if cascade else [cell or self.full_cell]
+        for c in cells:
+            self.index(c)  # load (and check) before timing
+        t0 = time.perf_counter()
+        vectors = query_vectors(encoder, texts, cells, query_layer)
+        t1 = time.perf_counter()
+        if cascade:
+            small, full = cascade
+            ids, scores = cascade_search(
+                self.index(small), self.index(full), vectors[small], vectors[full], shortlist, top_k
+            )
+            what = f"cascade ({small[0]},{small[1]}) shortlist {shortlist} -> ({full[0]},{full[1]})"
+        else:
+            ids, scores = flat_search(self.index(cells[0]), vectors[cells[0]], top_k)
+            what = f"flat ({cells[0][0]},{cells[0][1]})"
+        t2 = time.perf_counter()
+        if query_layer is not None:
+            what += f", queries at layer {query_layer}"
+        return Hits(
+            ids=[[self.ids[i] for i in row if i >= 0] for row in ids],
+            scores=[
+                [float(s) for s, i in zip(srow, row, strict=True) if i >= 0]
+                for srow, row in zip(scores, ids, strict=True)
+            ],
+            encode_seconds=t1 - t0,
+            search_seconds=t2 - t1,
+            description=what,
+        )

@@ -1,0 +1,71 @@
+"""`matryoshka2d demo`: the whole loop (fine-tune, STS grid, pick, export, cascade search) on a tiny model and
+tiny data laid out like the shared data; a second run reuses the cached fine-tune."""
+
+import json
+
+from sentence_transformers import SentenceTransformer
+
+from matryoshka2d.cli import main
+from test_eval_retrieval import beir
+
+WORDS = [
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "bird",
+    "runs",
+    "sleeps",
+    "eats",
+    "big",
+    "small",
+    "old",
+    "new",
+    "happy",
+    "sad",
+]
+
+
+def data_root(root):
+    (root / "nli").mkdir(parents=True)
+    rows = ["anchor\tpositive\tnegative"]
+    for i in range(16):
+        a = [WORDS[(i + k) % len(WORDS)] for k in range(4)]
+        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])}\t{' '.join(reversed(a))} {WORDS[i % 5]}")
+    (root / "nli" / "train_triplets.tsv").write_text("\n".join(rows) + "\n")
+    (root / "sts" / "raw").mkdir(parents=True)
+    pairs = ["sentence1\tsentence2\tscore"]
+    pairs += [f"{WORDS[i]} {WORDS[i + 1]}\t{WORDS[i]} {WORDS[(i * 3) % 15]}\t{i % 5}" for i in range(12)]
+    for name in ("stsb_dev", "stsb_test"):
+        (root / "sts" / "raw" / f"{name}.tsv").write_text("\n".join(pairs) + "\n")
+    corpus = [{"_id": f"d{i}", "title": "", "text": f"{WORDS[i % 15]} {WORDS[(i * 7) % 15]} {i}"} for i in range(40)]
+    queries = [{"_id": f"q{i}", "text": WORDS[i]} for i in range(6)]
+    beir(root / "retrieval" / "scifact", corpus, queries, [(f"q{i}", f"d{i}", 1) for i in range(6)], split="train")
+    return root
+
+
+def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    root = data_root(tmp_path / "data")
+    args = ["demo", "--model", str(tiny_dir), "--pooling", "mean", "--data-dir", str(root), "--steps", "2"]
+    args += ["--batch-size", "4", "--sts", "stsb", "--queries", "5", "--docs", "20", "--quiet"]
+    assert main([*args, "--output", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    for heading in ("[1/5] fine-tune", "[2/5] STS grid", "[3/5] pick", "[4/5] export", "[5/5] cascade search"):
+        assert heading in out
+    assert "recommended cell (" in out and "x faster encoding" in out and "bytes/vector" in out
+    chosen = json.loads((tmp_path / "run" / "pick" / "pick.json").read_text())["recommended"]
+    export = tmp_path / "run" / f"export-{chosen['layer']}x{chosen['dim']}"
+    exported = json.loads((export / "matryoshka2d.json").read_text())["exported_cell"]
+    assert (exported["layer"], exported["dim"]) == (chosen["layer"], chosen["dim"])
+    assert json.loads((export / "config.json").read_text())["num_hidden_layers"] == chosen["layer"]
+    assert SentenceTransformer(str(export), device="cpu").encode(["a b"]).shape == (1, chosen["dim"])
+    assert (tmp_path / "run" / "index" / "manifest.json").is_file()
+    assert main([*args, "--output", str(tmp_path / "again")]) == 0
+    assert "reusing the cached fine-tune" in capsys.readouterr().out
+
+
+def test_demo_cells_is_the_quick_timing_demo(tiny_dir, capsys):
+    assert main(["demo", "--cells", "--model", str(tiny_dir), "--pooling", "mean"]) == 0
+    assert "ms/sentence" in capsys.readouterr().out

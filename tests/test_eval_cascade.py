@@ -1,0 +1,40 @@
+"""`eval retrieval --cascade / --query-layer`: flat full-cell search next to the cascade and shallow queries."""
+
+import json
+
+from matryoshka2d.cli import main
+from test_eval_retrieval import beir
+
+CORPUS = [{"_id": f"d{i}", "title": "", "text": f"text {i} about {w}"} for i, w in enumerate("abcdefghijklmnop")]
+
+
+def test_cascade_and_query_layer_rows(tiny_dir, tmp_path, capsys):
+    queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
+    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    out = tmp_path / "out"
+    args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
+    code = main([*args, "--cascade", "1:8,4:32", "--shortlist", "16", "--query-layer", "2", "--output", str(out)])
+    assert code == 0
+    result = json.loads((out / "cascade.json").read_text())
+    modes = [r["mode"] for r in result["rows"]]
+    assert modes == [
+        "flat (4,32)",
+        "cascade (1,8) top 16 -> (4,32)",
+        "queries at layer 2 -> docs (4,32)",
+        "flat (2,32) (queries and docs at layer 2)",
+    ]
+    flat, cascade = result["rows"][:2]
+    # q0's id is not a document id here, so nothing is excluded; a shortlist of the whole corpus equals flat
+    assert cascade["overlap@10_with_flat"] == 100 and cascade["ndcg@10"] == flat["ndcg@10"]
+    assert all(r["query_encode_ms"] > 0 and r["search_ms"] > 0 for r in result["rows"])
+    assert "| toy | cascade (1,8) top 16 -> (4,32) |" in (out / "cascade.md").read_text()
+    assert "nDCG@10" in capsys.readouterr().out
+
+
+def test_cascade_errors(tiny_dir, tmp_path, capsys):
+    root = beir(tmp_path / "toy", CORPUS, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
+    args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
+    assert main([*args, "--cascade", "1:8,9:32", "--output", str(tmp_path / "o")]) == 2
+    assert "layer 9 is out of range" in capsys.readouterr().err
+    assert main([*args, "--cascade", "1:8,4:32", "--shortlist", "5", "--output", str(tmp_path / "o")]) == 2
+    assert "--shortlist 5 is below the 10" in capsys.readouterr().err

@@ -1,0 +1,193 @@
+"""Index build (one pass, resumable), flat / cascade / asymmetric search, on a tiny random model."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from matryoshka2d.cli import main
+from matryoshka2d.evaluate.io import DataFormatError
+from matryoshka2d.retrieval.index import IndexBuildError, build_index, factory_string, make_index
+from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, unit
+
+DOCS = [
+    {"_id": f"d{i}", "title": f"Title {i}", "text": f"document number {i} talks about {w}"}
+    for i, w in enumerate(["cats", "dogs", "rain", "guitars", "banks", "snow", "bikes", "music", "code", "tea"] * 3)
+]
+
+
+def write_corpus(path, docs=DOCS, gz=False):
+    lines = "".join(json.dumps(d) + "\n" for d in docs)
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(lines)
+    else:
+        path.write_text(lines, encoding="utf-8")
+    return path
+
+
+def test_build_stores_each_cell_from_one_pass(tiny_bert, tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.jsonl.gz", gz=True)
+    calls = []
+    original = tiny_bert.pooled_states
+
+    def counting(texts, layers, *a, **k):
+        calls.append(sorted(layers))
+        return original(texts, layers, *a, **k)
+
+    monkeypatch.setattr(tiny_bert, "pooled_states", counting)
+    manifest = build_index(tiny_bert, corpus, [(1, 8), (4, 32)], tmp_path / "idx", shard_size=7, log=lambda m: None)
+    assert calls == [[1, 4]] * 5  # one pass per shard of 7 documents, both layers pooled on the way
+    assert manifest["complete"] and manifest["documents"] == 30
+    assert manifest["model"]["weights_sha256"]
+    index = CellIndex(tmp_path / "idx")
+    assert index.ids == [d["_id"] for d in DOCS]
+    monkeypatch.undo()
+    texts = [f"{d['title']} {d['text']}" for d in DOCS]
+    expected = unit(tiny_bert.encode(texts, layer=1, dim=8))
+    stored = index.index((1, 8)).reconstruct_n(0, 30)
+    np.testing.assert_allclose(stored, expected, atol=1e-5)
+
+
+def test_killed_build_resumes_without_reencoding(tiny_bert, tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    original = tiny_bert.pooled_states
+    seen = []
+
+    def dies_on_third(texts, layers, *a, **k):
+        seen.append(len(texts))
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return original(texts, layers, *a, **k)
+
+    monkeypatch.setattr(tiny_bert, "pooled_states", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", shard_size=8, log=lambda m: None)
+    partial = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert partial["documents"] == 16 and not partial["complete"]
+    with pytest.raises(IndexBuildError, match="not finished"):
+        CellIndex(tmp_path / "idx")
+    seen.clear()
+
+    def counting(texts, layers, *a, **k):
+        seen.append(len(texts))
+        return original(texts, layers, *a, **k)
+
+    monkeypatch.setattr(tiny_bert, "pooled_states", counting)
+    manifest = build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", shard_size=8, log=lambda m: None)
+    assert seen == [8, 6]  # only the documents not yet in a finished shard
+    assert manifest["documents"] == 30
+    assert CellIndex(tmp_path / "idx").ids == [d["_id"] for d in DOCS]
+
+
+def test_different_settings_in_the_same_directory_are_refused(tiny_bert, tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", log=lambda m: None)
+    with pytest.raises(IndexBuildError, match=r"different cells.*--overwrite"):
+        build_index(tiny_bert, corpus, [(3, 16)], tmp_path / "idx", log=lambda m: None)
+    build_index(tiny_bert, corpus, [(3, 16)], tmp_path / "idx", overwrite=True, log=lambda m: None)
+    assert CellIndex(tmp_path / "idx").cells == [(3, 16)]
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
+@pytest.mark.parametrize("storage", ["float32", "float16", "int8"])
+def test_index_kinds_and_storage_find_the_exact_neighbours(kind, storage):
+    rng = np.random.default_rng(0)
+    vectors = unit(rng.normal(size=(400, 16)))
+    index = make_index(vectors, kind, storage)
+    if kind == "ivf":
+        import faiss
+
+        faiss.extract_index_ivf(index).nprobe = 64
+    ids, _ = flat_search(index, vectors[:20], 1)
+    assert (ids[:, 0] == np.arange(20)).mean() >= 0.95
+    assert np.abs(index.reconstruct_batch(np.arange(5)) - vectors[:5]).max() < (0.05 if storage == "int8" else 1e-2)
+    assert factory_string(kind, storage, 400).startswith({"flat": "", "hnsw": "HNSW", "ivf": "IVF"}[kind])
+
+
+def test_cascade_with_full_shortlist_equals_flat_and_excludes_ids():
+    rng = np.random.default_rng(1)
+    docs = unit(rng.normal(size=(200, 32)))
+    queries = unit(rng.normal(size=(10, 32)))
+    small, full = make_index(unit(docs[:, :8]), "flat", "float32"), make_index(docs, "flat", "float32")
+    flat_ids, flat_scores = flat_search(full, queries, 5)
+    ids, scores = cascade_search(small, full, unit(queries[:, :8]), queries, shortlist=200, k=5)
+    np.testing.assert_array_equal(ids, flat_ids)
+    np.testing.assert_allclose(scores, flat_scores, rtol=1e-5)
+    exclude = flat_ids[:, 0].copy()
+    ids, _ = cascade_search(small, full, unit(queries[:, :8]), queries, shortlist=200, k=5, exclude=exclude)
+    np.testing.assert_array_equal(ids, flat_search(full, queries, 5, exclude)[0])
+    assert not (ids == exclude[:, None]).any()
+    with pytest.raises(ValueError, match="--shortlist 3 is smaller than --top-k 5"):
+        cascade_search(small, full, queries[:, :8], queries, shortlist=3, k=5)
+
+
+def test_index_build_and_search_commands(tiny_dir, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "idx"
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    assert main(["index", "build", *common, "--corpus", str(corpus), "--cells", "1:8,4:32", "--output", str(out)]) == 0
+    assert "index of 30 documents" in capsys.readouterr().out
+    search = ["search", "--index", str(out), *common, "--query", "document number 3 talks about guitars"]
+    assert main([*search, "--top-k", "3"]) == 0
+    flat = capsys.readouterr()
+    assert "flat (4,32)" in flat.err and flat.out.count("\n") == 4
+    assert main([*search, "--top-k", "3", "--cascade", "1:8,4:32", "--shortlist", "30"]) == 0
+    cascade = capsys.readouterr()
+    assert cascade.out == flat.out  # a shortlist of the whole corpus reranks to the flat answer
+    assert "cascade (1,8) shortlist 30 -> (4,32)" in cascade.err
+    assert main([*search, "--query-layer", "2", "--top-k", "2"]) == 0
+    assert "queries at layer 2" in capsys.readouterr().err
+    queries = tmp_path / "q.txt"
+    queries.write_text("cats\n\ndogs\n")
+    assert (
+        main(["search", "--index", str(out), *common, "--queries", str(queries), "--output", str(tmp_path / "r.jsonl")])
+        == 0
+    )
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["query"] for r in rows] == ["cats", "dogs"] and len(rows[0]["ids"]) == 10
+
+
+def test_errors_name_what_was_wrong(tiny_dir, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    build = ["index", "build", *common, "--corpus", str(corpus), "--output", str(tmp_path / "idx")]
+    assert main([*build, "--cells", "2:x"]) == 2
+    assert "--cells" in capsys.readouterr().err
+    assert main([*build, "--cells", "9:16"]) == 2
+    assert "layer 9 is out of range" in capsys.readouterr().err
+    assert main([*build[:-4], "--corpus", str(tmp_path / "none.jsonl"), "--output", "x", "--cells", "1:8"]) == 2
+    assert "none.jsonl: file not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"_id": "a", "text": "fine"}\n{"_id": "b"}\n')
+    with pytest.raises(DataFormatError, match="bad.jsonl line 2: no 'text'"):
+        list(__import__("matryoshka2d.retrieval.index", fromlist=["read_corpus"]).read_corpus(bad))
+    assert main([*build, "--cells", "1:8,2:16"]) == 0
+    capsys.readouterr()
+    search = ["search", "--index", str(tmp_path / "idx"), *common, "--query", "cats"]
+    assert main([*search, "--cell", "3:16"]) == 2
+    assert "no index for cell 3:16 (cells here: 1:8, 2:16)" in capsys.readouterr().err
+    assert main([*search, "--cascade", "1:8"]) == 2
+    assert "exactly two cells" in capsys.readouterr().err
+    assert main(["search", "--index", str(tmp_path), "--query", "x"]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "storage"), [("hnsw", "float16"), ("ivf", "int8")])
+def test_approximate_indexes_build_and_search_from_the_command_line(tiny_dir, tmp_path, capsys, kind, storage):
+    corpus = write_corpus(
+        tmp_path / "corpus.jsonl", DOCS * 1 + [{"_id": f"x{i}", "text": f"extra {i}"} for i in range(60)]
+    )
+    out = tmp_path / "idx"
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    build = ["index", "build", *common, "--corpus", str(corpus), "--cells", "1:8,4:32", "--output", str(out)]
+    assert main([*build, "--index", kind, "--storage", storage]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["index"] == kind and manifest["storage"] == storage and manifest["shards"] == []
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"_id": "q1", "text": "cats"}\n{"_id": "q2", "text": "tea"}\n')
+    capsys.readouterr()
+    assert main(["search", "--index", str(out), *common, "--queries", str(queries), "--cascade", "1:8,4:32"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("query: ") == 2 and printed.count("  10. ") == 2
