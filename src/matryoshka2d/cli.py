@@ -86,6 +86,13 @@ def _utf8_error(binary, name: str) -> ValueError:
     return ValueError(f"{name}: not UTF-8 text; save the input as UTF-8")
 
 
+def read_lines(path: str) -> list[str]:
+    """Every text of a file (or '-', standard input) as `encode` reads them: see iter_lines."""
+    binary, name = _open_input(path)
+    with binary:
+        return list(iter_lines(binary, name))
+
+
 def npy_path(output: str) -> Path:
     """Where the array goes: like numpy.save, '.npy' is added to a name without it."""
     out = Path(output)
