@@ -8,6 +8,8 @@
 #   LANE=a|b THREADS=1    run half of the list in each of two processes of one thread each: on a 2-core
 #                         machine two 1-thread lanes train more steps per second than one 2-thread process
 #   EXTRA=1               also the ablations and the presets of the references' recipes (see the end)
+#   ONLY="a b"            only the runs of these names (from the whole list, ablations included), e.g. to
+#                         spread them over lanes by hand: ONLY="separate-1-64 ese-angle-emb"
 #   DEVICE=cuda           train on a GPU (the peer too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,19 +23,23 @@ DEVICE_ARG=()
 [ -n "${STEPS:-}" ] && STEPS_ARG=(--steps "$STEPS")
 [ -n "${THREADS:-}" ] && export OMP_NUM_THREADS="$THREADS" MKL_NUM_THREADS="$THREADS"
 mkdir -p "$OUT"
+wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 run() {  # name, then train options; a finished run is skipped, an interrupted one resumes
   local name=$1; shift
+  wanted "$name" || return 0
   if [ -f "$OUT/$name/matryoshka2d.json" ]; then echo "== $name: done already"; return; fi
   echo "== $name: $* (${STEPS:-one epoch})"
   "$BIN/matryoshka2d" train --model minilm-l6 --data "$TRIPLETS" --batch-size 32 --lr 5e-5 --seed 42 \
     --output "$OUT/$name" --resume "${STEPS_ARG[@]}" "${DEVICE_ARG[@]}" "$@"
 }
 peer() {
+  wanted st-matryoshka2d || return 0
   if [ -f "$OUT/st-matryoshka2d/peer_run.json" ]; then echo "== st-matryoshka2d: done already"; return; fi
   echo "== st-matryoshka2d (${STEPS:-one epoch})"
   "$BIN/python" benchmarks/peer_st_matryoshka2d.py --data "$TRIPLETS" --output "$OUT/st-matryoshka2d" "${STEPS_ARG[@]}" "${DEVICE_ARG[@]}"
 }
 lane=${LANE:-all}
+[ -n "${ONLY:-}" ] && lane=all EXTRA=1  # the names choose
 # Every method with its default loss (issue 8: the loss follows the kind of data; triplets -> angle-emb's AnglE).
 # Two lanes of about the same length (a separate model runs only its own layers).
 if [ "$lane" = a ] || [ "$lane" = all ]; then

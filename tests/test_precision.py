@@ -126,7 +126,7 @@ def test_gradient_accumulation_trains_on_the_same_rows(tiny_dir, triplets, sts_d
     trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=3, gradient_accumulation=3))
     micro = trainer.prepare_batch(0)
     assert len(micro) == 3
-    tokens = [ids for features, _ in micro for ids in features[0]["input_ids"].tolist()]
+    tokens = [ids for features, _, _ in micro for ids in features[0]["input_ids"].tolist()]
     columns, _ = trainer.data.rows(trainer.batch_indices(0))
     whole = trainer.encoder.tokenizer(list(columns[0]))["input_ids"]
     assert [[t for t in ids if t != trainer.encoder.tokenizer.pad_token_id] for ids in tokens] == whole

@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --processes` starts it again
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:

@@ -393,6 +393,8 @@ def pretrain_trainer(config):
     from matryoshka2d.train import Trainer
 
     class SMAETrainer(Trainer):
+        supports_processes = False  # its masked-token losses are per process; not wired to the gather
+
         def build_method(self):
             return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
 

@@ -32,6 +32,7 @@ from matryoshka2d.encoder import ElasticEncoder
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, make_method
+from matryoshka2d.parallel import Processes
 from matryoshka2d.throughput import Prefetcher, adamw, autocast, grad_scaler, private_tokenizer, resolve_precision
 
 # The loss a run uses when none is given, per kind of training data (matryoshka2d.data). AnglE's terms depend
@@ -207,11 +208,17 @@ def sts_dev_score(encoder: ElasticEncoder, path: str | Path, layer: int, dim: in
 
 
 class Trainer:
+    supports_processes = True  # data-parallel over torchrun's processes (matryoshka2d.parallel)
+
     def __init__(self, config: TrainConfig):
         self.config = config
         self.out = Path(config.output)
         check_config(config)
         self.check_eval_file()
+        self.processes = Processes.from_env(config.device)
+        if self.processes.active and not self.supports_processes:
+            raise ValueError(f"{type(self).__name__} runs in one process; start it without --processes or torchrun")
+        config.device = self.processes.device(config.device)
         self.encoder = ElasticEncoder(
             config.model, pooling=config.pooling, max_length=config.max_length, device=config.device
         )
@@ -231,6 +238,8 @@ class Trainer:
         self.optimizer = adamw(params, config.lr, config.weight_decay, self.encoder.device)
         warmup = int(config.warmup_ratio * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factory(warmup))
+        if self.processes.active:
+            self.processes.broadcast_from_main([self.encoder, self.method, self.task_loss])
         self.step = 0
         self.history: list[dict] = []
 
@@ -355,7 +364,9 @@ class Trainer:
         indices = self.batch_indices(step)
         micro = []
         for part in np.array_split(indices, min(self.config.gradient_accumulation, len(indices))):
-            columns, labels = self.data.rows(part)
+            columns, labels = self.data.rows(part)  # labels of the whole part: every process computes its loss
+            if self.processes.active:
+                columns, _ = self.data.rows(self.processes.own_rows(part))
             features = []
             for col in columns:
                 batch = self._tokenizer(
@@ -363,19 +374,24 @@ class Trainer:
                 )
                 tensors = {k: v for k, v in batch.items() if k in self.encoder._input_names}
                 features.append({k: v.pin_memory() for k, v in tensors.items()} if self._pin else tensors)
-            micro.append((features, labels))
+            micro.append((features, labels, len(part)))
         return micro
 
     def compute_loss(self, step: int, micro_batch=None) -> tuple[torch.Tensor, dict]:
         """The loss of one step (or of one micro-batch of it), on the device, and its parts."""
-        torch.manual_seed(self.config.seed * 1_000_003 + step)
+        # Dropout draws differ per process (their rows differ); the plan (layers, widths) is the same in all.
+        torch.manual_seed(self.config.seed * 1_000_003 + step + 7919 * self.processes.rank)
         plan = self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
-        features, labels = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
         device = self.encoder.device
         with autocast(self.precision, device):
             per_column = [
                 self.encoder({k: v.to(device, non_blocking=True) for k, v in f.items()}, plan.layers) for f in features
             ]
+        if self.processes.active:  # the whole batch's embeddings, own rows with their graph (parallel.py)
+            local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
+            whole = self.processes.gather_rows(local, rows, dim=2)
+            per_column = [dict(zip(plan.layers, column, strict=True)) for column in whole]
         # The method's and the task loss's arithmetic (similarities, softmaxes, ESE's PCA) runs in fp32.
         label_tensor = None if labels is None else torch.as_tensor(labels, device=device)
         states = {
@@ -401,6 +417,8 @@ class Trainer:
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0) + v
         parts = parts_sum if len(micro_batches) == 1 else {k: v / len(micro_batches) for k, v in parts_sum.items()}
+        if self.processes.active:
+            self.processes.sum_gradients([p for p in self.encoder.parameters() if p.requires_grad])
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -536,7 +554,7 @@ class Trainer:
                 f"--output {self.out} already holds a model or a run ({', '.join(held)}); pass --resume to continue "
                 "it, --overwrite to replace it, or choose another --output"
             )
-        if overwrite and not resume:
+        if overwrite and not resume and self.processes.main:
             shutil.rmtree(self.checkpoint_dir(), ignore_errors=True)
             (self.out / "train_log.jsonl").unlink(missing_ok=True)
 
@@ -562,15 +580,20 @@ class Trainer:
     def run(
         self, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
     ) -> Path:
+        main = self.processes.main  # with several processes, rank 0 alone writes logs, checkpoints, the model
         self.check_output(resume, overwrite)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.processes.barrier()
         if resume:
-            if self.resume(allow_pickle=allow_pickle):
+            if self.resume(allow_pickle=allow_pickle) and main:
                 print(f"resumed from step {self.step} of {self.total_steps}")
-            self.trim_log()
-        log = (self.out / "train_log.jsonl").open("a", encoding="utf-8")
+            if main:
+                self.trim_log()
+        log = (self.out / "train_log.jsonl").open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
         start, first_step = time.perf_counter(), self.step
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc=f"{self.config.method}")
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=not (progress and main), desc=f"{self.config.method}"
+        )
         try:
             every, pending, self._lazy_records = self.config.log_every, [], True
             while self.step < self.total_steps:
@@ -585,11 +608,16 @@ class Trainer:
                         log.write(json.dumps(record) + "\n")
                     bar.set_postfix(loss=f"{pending[-1]['loss']:.4f}")
                     pending = []
-                if self.config.eval_steps and self.step % self.config.eval_steps == 0 and self.step < self.total_steps:
+                if (
+                    main
+                    and self.config.eval_steps
+                    and self.step % self.config.eval_steps == 0
+                    and self.step < self.total_steps
+                ):
                     result = self.evaluate()
                     log.write(json.dumps(result) + "\n")
                     bar.write(f"step {self.step}: STS {result['eval']} spearman {result['spearman']}")
-                if self.config.save_steps and self.step % self.config.save_steps == 0:
+                if main and self.config.save_steps and self.step % self.config.save_steps == 0:
                     self.save_checkpoint()
                 log.flush()
         finally:
@@ -598,6 +626,10 @@ class Trainer:
             self._prefetch.close()
             self._lazy_records = False
         seconds = time.perf_counter() - start
+        if not main:
+            self.processes.barrier()  # until rank 0 has saved the model
+            self.processes.close()
+            return self.out
         final_eval = self.evaluate()
         with (self.out / "train_log.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(final_eval) + "\n")
@@ -612,6 +644,7 @@ class Trainer:
             "steps": self.step,
             "seconds_this_run": round(seconds, 1),
             "seconds_per_step": round(seconds / steps_run, 4) if steps_run else None,
+            "processes": self.processes.world,
             "final_eval": final_eval,
         }
         self.encoder.eval()
@@ -623,7 +656,10 @@ class Trainer:
             save_and_merge_lora(self.encoder, folder)  # the adapter beside the model; the model saved merged
             return self.encoder.save(folder, keep_layers=keep, metadata=metadata)
 
-        return checkpoints.save_model_atomically(save, self.out)
+        saved = checkpoints.save_model_atomically(save, self.out)
+        self.processes.barrier()
+        self.processes.close()
+        return saved
 
 
 def train(

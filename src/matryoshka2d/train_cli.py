@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import yaml
@@ -61,6 +62,13 @@ def read_config_file(path: Path) -> dict:
 
 
 def cmd_train(args) -> int:
+    if args.processes is not None:
+        if args.processes < 1:
+            raise ValueError(f"--processes must be at least 1, got {args.processes}")
+        if args.processes > 1 and "WORLD_SIZE" not in os.environ:  # not yet inside torchrun: start it
+            from matryoshka2d.parallel import launch
+
+            return launch(args.argv, args.processes)
     values: dict = {}
     if args.preset:
         values.update(presets.load(args.preset))
@@ -139,6 +147,12 @@ def register(sub, model_args) -> None:
     p.add_argument("--model", help="backbone: short name, directory or hub id (default minilm-l6)")
     p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
     p.add_argument("--device")
+    p.add_argument(
+        "--processes",
+        type=int,
+        help="data-parallel processes on this machine (torchrun; one GPU each with --device cuda, else CPU "
+        "processes of one thread); a step sees the whole batch, as in one process",
+    )
     p.add_argument("--method", choices=list(METHODS), help="training method (see above; default plain)")
     p.add_argument("--loss", choices=list(TASK_LOSSES), help="task loss (default: by kind of data, see above)")
     p.add_argument("--preset", choices=list(presets.available()), help="a paper's or reference code's recipe")
