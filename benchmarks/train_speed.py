@@ -7,7 +7,9 @@ All runs use minilm-l6, the shared NLI triplets, batch 32, the same batches, Ada
 takes `warmup` untimed steps and then `steps` timed ones; the runs are repeated for `rounds` rounds in
 alternating order, and the best round of each is kept, so that a slow spell of the machine hits all alike.
 The peer is Matryoshka2dLoss(MultipleNegativesRankingLoss) with its defaults; our matching run is `2dmse` with
-the `infonce` loss (the same in-batch objective as MultipleNegativesRankingLoss, scale 20). Both run on
+the `infonce` loss (the same in-batch objective as MultipleNegativesRankingLoss, scale 20), in one process and
+in two (`train --processes 2`: the cores split between the processes, each encoding half of every batch; the
+loss still sees the whole batch). Both run on
 `--device`; ours in the trainer's default precision for that device unless `--precision` says otherwise (the
 peer in fp32, or under the same autocast with `--peer-autocast`). On CUDA each timed span ends with a device
 synchronize, so queued kernels are counted.
@@ -16,6 +18,7 @@ synchronize, so queued kernels are counted.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -34,6 +37,8 @@ RUNS = [
     ("separate (2,128)", "separate", "angle", {"layer": 2, "dim": 128}),
     ("2dmse + infonce", "2dmse", "infonce", {}),
 ]
+# Ours data-parallel (matryoshka2d.parallel): N processes on this machine, the threads shared out among them.
+PROCESS_RUNS = {"2dmse + infonce in 2 processes": ("2dmse", "infonce", {}, 2)}
 
 
 def sync(device: str) -> None:
@@ -59,11 +64,43 @@ def time_ours(method, loss, options, data, batch_size, warmup, steps, device="cp
     for _ in range(warmup):
         trainer.train_step()
     sync(device)
+    trainer.processes.barrier()
     start = time.perf_counter()
     for _ in range(steps):
         trainer.train_step()
     sync(device)
+    trainer.processes.barrier()
     return (time.perf_counter() - start) / steps
+
+
+def _process_worker(rank, world, port, args, results) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    seconds = time_ours(*args)
+    if rank == 0:
+        results.put(seconds)
+
+
+def time_ours_processes(processes, *args) -> float:
+    """time_ours in `processes` processes (rank 0's time, between barriers): what `train --processes` runs."""
+    import multiprocessing
+
+    from matryoshka2d.parallel import _free_port
+
+    context = multiprocessing.get_context("spawn")
+    results, port = context.Queue(), _free_port()
+    workers = [
+        context.Process(target=_process_worker, args=(rank, processes, port, args, results))
+        for rank in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    seconds = results.get()
+    for worker in workers:
+        worker.join()
+    return seconds
 
 
 def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -> float:
@@ -129,7 +166,7 @@ def main() -> None:
     print(f"device: {args.device}; ours in {ours_precision}, the peer in {peer_precision}")
     data = args.data_dir / "nli" / "train_triplets.tsv"
     print(f"data: {data}, batch {args.batch_size} triplets, {args.warmup} warm-up + {args.steps} timed steps")
-    names = [r[0] for r in RUNS] + ["st Matryoshka2dLoss(MNRL)"]
+    names = [r[0] for r in RUNS] + list(PROCESS_RUNS) + ["st Matryoshka2dLoss(MNRL)"]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         names = [n for n in names if any(n == w or n.startswith(w + " ") for w in wanted)]
@@ -139,6 +176,10 @@ def main() -> None:
         for name in order:
             if name.startswith("st "):
                 seconds = time_peer(data, args.batch_size, args.warmup, args.steps, args.device, peer_precision)
+            elif name in PROCESS_RUNS:
+                method, loss, options, processes = PROCESS_RUNS[name]
+                run = (method, loss, options, data, args.batch_size, args.warmup, args.steps, args.device)
+                seconds = time_ours_processes(processes, *run, ours_precision)
             else:
                 _, method, loss, options = next(run for run in RUNS if run[0] == name)
                 seconds = time_ours(
@@ -151,13 +192,16 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name in names:
         print(f"| {name} | {best[name]:.3f} | {args.batch_size / best[name]:.1f} | {best[name] / base:.2f}x |")
-    if "2dmse + infonce" not in best or "st Matryoshka2dLoss(MNRL)" not in best:
+    if "st Matryoshka2dLoss(MNRL)" not in best:
         return
-    ours, peer = best["2dmse + infonce"], best["st Matryoshka2dLoss(MNRL)"]
-    print(
-        f"\nour 2dmse + infonce trains {peer / ours:.2f}x the samples/second of sentence-transformers' "
-        f"Matryoshka2dLoss(MNRL) ({args.batch_size / ours:.1f} vs {args.batch_size / peer:.1f})"
-    )
+    print()
+    peer = best["st Matryoshka2dLoss(MNRL)"]
+    for name in ("2dmse + infonce", *PROCESS_RUNS):
+        if name in best:
+            print(
+                f"our {name} trains {peer / best[name]:.2f}x the samples/second of sentence-transformers' "
+                f"Matryoshka2dLoss(MNRL) ({args.batch_size / best[name]:.1f} vs {args.batch_size / peer:.1f})"
+            )
 
 
 if __name__ == "__main__":
