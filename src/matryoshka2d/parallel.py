@@ -24,6 +24,11 @@ import numpy as np
 import torch
 
 
+def _on_gpu(device: str | None) -> bool:
+    """Where the encoder will run: --device as given, or a GPU when there is one (ElasticEncoder's default)."""
+    return str(device).startswith("cuda") if device is not None else torch.cuda.is_available()
+
+
 @dataclass(frozen=True)
 class Processes:
     """This process's place in the run: `world` processes, this one `rank` (0 writes logs, checkpoints, the model)."""
@@ -49,13 +54,16 @@ class Processes:
         import torch.distributed as dist
 
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        on_gpu = _on_gpu(device)
+        if on_gpu:
+            torch.cuda.set_device(local)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if str(device or "").startswith("cuda") else "gloo")
+            dist.init_process_group("nccl" if on_gpu else "gloo")
         return cls(world, rank, local)
 
     def device(self, device: str | None) -> str | None:
-        """One GPU per process: `cuda` becomes this process's `cuda:LOCAL_RANK`."""
-        if self.active and device == "cuda":
+        """One GPU per process: `cuda` (or no --device on a machine with a GPU) becomes `cuda:LOCAL_RANK`."""
+        if self.active and _on_gpu(device) and device in (None, "cuda"):
             return f"cuda:{self.local_rank}"
         return device
 
