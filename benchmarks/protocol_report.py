@@ -32,6 +32,7 @@ ORDER = [
     "ese-compress-scaled",
     "ese-compress-paper",
     "ese-angle-emb",
+    "angle-emb-ese",
     "starbucks",
     "starbucks-paper",
     "separate-1-64",
