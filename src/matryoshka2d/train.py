@@ -254,7 +254,8 @@ class Trainer:
         """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
         kind = read_training_data(self.config.data).kind
         name, why = DEFAULT_LOSSES[kind]
-        print(f"loss: {name} (default for {kind} data: {why}; --loss to choose another)")
+        if self.processes.main:
+            print(f"loss: {name} (default for {kind} data: {why}; --loss to choose another)")
         return name
 
     def build_task_loss(self) -> torch.nn.Module:

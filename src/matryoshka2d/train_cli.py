@@ -133,7 +133,8 @@ def cmd_train(args) -> int:
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle_checkpoint,
     )
-    print(f"model saved to {out}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every process returns here; rank 0 saved it
+        print(f"model saved to {out}")
     return 0
 
 
