@@ -35,9 +35,6 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
-    from matryoshka2d.cli import _fixed_mmap_threshold
-
-    _fixed_mmap_threshold()  # batches of many shapes must not fragment the heap: RSS would grow with the load
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
     limits = ServerLimits(
         max_inputs=args.max_inputs,
