@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
+
 COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "matryoshka2d.compress_cli")
 COMMAND_MODULES += ("matryoshka2d.deploy.commands",)  # export, serve
 COMMAND_MODULES += ("matryoshka2d.retrieval.commands", "matryoshka2d.demo")  # index, search, pick; demo (issue 10)
@@ -99,21 +101,6 @@ def npy_path(output: str) -> Path:
     return out if out.suffix == ".npy" else out.with_name(out.name + ".npy")
 
 
-def _fixed_mmap_threshold(size: int = 1 << 20) -> None:
-    """Ask glibc to serve every allocation of `size` bytes or more with its own mmap, returned to the system when
-    freed. By default glibc raises that threshold after the first large free, and the batches' activation
-    tensors then fragment the heap: peak RSS grew with the input (docs/benchmarks.md, encode memory).
-    A no-op where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, size)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
     """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
     ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
@@ -133,7 +120,7 @@ def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: in
 def cmd_encode(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    _fixed_mmap_threshold()
+    fix_mmap_threshold()  # activations must not fragment the heap (matryoshka2d.allocator)
     binary, name = _open_input(args.input)
     with binary:
         count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work
@@ -153,6 +140,7 @@ def cmd_encode(args) -> int:
                     vectors = encode_chunk(encoder, chunk, layer, dim, args.batch_size, args.normalize)
                     f.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
                     bar.update(len(chunk))
+                    trim_heap()
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, out)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from fastapi import Request
 
+from matryoshka2d.allocator import trim_heap
 from matryoshka2d.encoder import ElasticEncoder
 
 ENCODING_FORMATS = ("float", "base64")
@@ -142,27 +143,8 @@ class MicroBatcher:
 
     def _encode(self, texts: list[str], layer: int) -> np.ndarray:
         vectors = self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size)[layer]
-        _trim_heap()
+        trim_heap()  # free pages back after each call: RSS stays flat under load (matryoshka2d.allocator)
         return vectors
-
-
-def _trim_heap() -> None:
-    """Give the heap's free pages back after a model call (glibc's malloc_trim; a no-op elsewhere). Batches of
-    many shapes otherwise fragment the heap and RSS grows with the load (docs/benchmarks.md, serving)."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None  # looked up on the first call
 
 
 def _error_response(error: ApiError):
