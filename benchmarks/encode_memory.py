@@ -24,7 +24,7 @@ from common import DEFAULT_DATA, header
 IN_MEMORY = """
 import sys, numpy as np, torch
 torch.set_num_threads(1)
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.encoder import ElasticEncoder
 texts = open(sys.argv[1], encoding="utf-8").read().split("\\n")[:-1]
 np.save(sys.argv[2], ElasticEncoder(sys.argv[3], device="cpu").encode(texts, batch_size=64))
 """

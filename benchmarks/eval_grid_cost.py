@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from common import DEFAULT_DATA, header
-from matryoshka2d.encoder import ElasticEncoder
 from matryoshka2d.evaluate.grid import EncoderCells
 from matryoshka2d.evaluate.sts import STS_SETS, evaluate_sts, load_pairs, sts_file
+from matryoshka2d.models.encoder import ElasticEncoder
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from safetensors import safe_open
 
 from common import DEFAULT_DATA, header, sts_sentences
 from matryoshka2d.deploy.export import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder, export_cell
-from matryoshka2d.encoder import ElasticEncoder
 from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
+from matryoshka2d.models.encoder import ElasticEncoder
 
 
 def layer_bytes(weights: Path) -> tuple[int, int]:

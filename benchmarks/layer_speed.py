@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from common import DEFAULT_DATA, header, sts_sentences
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.encoder import ElasticEncoder
 
 
 def measure(model: str, texts: list[str], repeats: int, batch_size: int, layers=None, device="cpu") -> None:

@@ -5,7 +5,7 @@
         [--steps N] [--batch-size 32] [--lr 5e-5] [--seed 42] [--warmup-ratio 0.1]
 
 Runs in its own virtualenv (angle-emb 0.6.1 pins transformers 5.3.0 and peft 0.18.1), so it does not import
-matryoshka2d: the backbone folder is given with --model-dir (`matryoshka2d.backbones.minilm_dir()`, the local
+matryoshka2d: the backbone folder is given with --model-dir (`matryoshka2d.models.backbones.minilm_dir()`, the local
 all-MiniLM-L6-v2). The reference row for our `ese` method.
 
 What angle-emb is asked to do, exactly:

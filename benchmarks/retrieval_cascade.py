@@ -25,8 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_DATA, header
-from matryoshka2d.encoder import ElasticEncoder
-from matryoshka2d.evaluate.retrieval import load_beir, overlap_at, rank_metrics
+from matryoshka2d.evaluate.retrieval import load_beir, rank_metrics
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.retrieval.cascade import overlap_at
 from matryoshka2d.retrieval.index import build_index, parse_cell_list
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors
 

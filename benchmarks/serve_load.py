@@ -192,7 +192,7 @@ def main() -> None:
         for layer, dim in cells:
             run_load(port, batches[: args.warmup_requests], layer, dim, args.clients, stop_at)
         rss_before = rss_mb(server.pid)
-        from matryoshka2d.encoder import ElasticEncoder
+        from matryoshka2d.models.encoder import ElasticEncoder
 
         encoder = ElasticEncoder(args.model, device="cpu")
         rows = []

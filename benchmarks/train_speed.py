@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from common import DEFAULT_DATA, header, to_device
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.trainer import Trainer
 
 RUNS = [
     ("plain", "plain", "angle", {}),
@@ -37,7 +38,7 @@ RUNS = [
     ("separate (2,128)", "separate", "angle", {"layer": 2, "dim": 128}),
     ("2dmse + infonce", "2dmse", "infonce", {}),
 ]
-# Ours data-parallel (matryoshka2d.parallel): N processes on this machine, the threads shared out among them.
+# Ours data-parallel (matryoshka2d.training.parallel): N processes on this machine, the threads shared out among them.
 PROCESS_RUNS = {"2dmse + infonce in 2 processes": ("2dmse", "infonce", {}, 2)}
 
 
@@ -87,7 +88,7 @@ def time_ours_processes(processes, *args) -> float:
     """time_ours in `processes` processes (rank 0's time, between barriers): what `train --processes` runs."""
     import multiprocessing
 
-    from matryoshka2d.parallel import _free_port
+    from matryoshka2d.training.parallel import _free_port
 
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), _free_port()
@@ -107,12 +108,12 @@ def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 
-    from matryoshka2d.backbones import minilm_dir
-    from matryoshka2d.data import read_training_data
+    from matryoshka2d.models.backbones import minilm_dir
+    from matryoshka2d.training.data import read_training_data
     from matryoshka2d.views import nested_dims
 
     rows = read_training_data([str(data)])
-    from matryoshka2d.throughput import autocast
+    from matryoshka2d.training.throughput import autocast
 
     model = SentenceTransformer(str(minilm_dir()), device=device)
     dims = sorted(nested_dims(model.get_embedding_dimension()), reverse=True)
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--peer-autocast", action="store_true", help="run the peer under the same autocast as ours")
     args = parser.parse_args()
     print(header())
-    from matryoshka2d.throughput import resolve_precision
+    from matryoshka2d.training.throughput import resolve_precision
 
     ours_precision = resolve_precision(args.precision, torch.device(args.device))
     peer_precision = ours_precision if args.peer_autocast else "fp32"

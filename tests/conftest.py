@@ -8,8 +8,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from matryoshka2d.backbones import minilm_dir
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.backbones import minilm_dir
+from matryoshka2d.models.encoder import ElasticEncoder
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 64}
 

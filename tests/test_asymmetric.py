@@ -6,7 +6,7 @@ import torch
 
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
-from matryoshka2d.train import Trainer
+from matryoshka2d.training.trainer import Trainer
 from test_train import config, sts_dev, triplets  # noqa: F401 - fixtures
 
 

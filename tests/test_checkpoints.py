@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from matryoshka2d.checkpoints import CheckpointError
 from matryoshka2d.cli import main
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.training.checkpoints import CheckpointError
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.trainer import Trainer
 
 WORDS = [
     "red",

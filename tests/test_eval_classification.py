@@ -17,7 +17,7 @@ from matryoshka2d.evaluate.classification import (
     fit_path,
     load_split,
 )
-from matryoshka2d.evaluate.io import DataFormatError
+from matryoshka2d.files import DataFormatError
 
 
 class HashEmbedder:

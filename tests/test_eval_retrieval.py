@@ -9,8 +9,8 @@ import pytest
 
 from conftest import tiny_transformer
 from matryoshka2d.cli import main
-from matryoshka2d.evaluate.io import DataFormatError
 from matryoshka2d.evaluate.retrieval import evaluate_retrieval, load_beir, rank_metrics, search
+from matryoshka2d.files import DataFormatError
 
 
 class KeywordEmbedder:

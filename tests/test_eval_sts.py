@@ -9,8 +9,8 @@ from scipy.stats import spearmanr
 from conftest import tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.evaluate.grid import EncoderCells, default_dims, parse_ints
-from matryoshka2d.evaluate.io import DataFormatError
 from matryoshka2d.evaluate.sts import STS_SETS, evaluate_sts, load_pairs, sts_file
+from matryoshka2d.files import DataFormatError
 
 
 class TableEmbedder:
@@ -198,7 +198,7 @@ def test_matches_sentence_transformers_evaluator_on_stsb(minilm):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
-    from matryoshka2d.backbones import minilm_dir
+    from matryoshka2d.models.backbones import minilm_dir
     from matryoshka2d.paths import data_dir
 
     try:

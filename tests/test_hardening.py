@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from matryoshka2d import checkpoints
 from matryoshka2d.cli import main
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.training import checkpoints
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
 
@@ -249,7 +249,7 @@ def test_encode_streams_in_chunks_with_the_same_result(tiny_dir, tmp_path, monke
     import io
     import sys
 
-    from matryoshka2d import cli
+    from matryoshka2d.cli import encode as cli
 
     texts = [f"{w} number {i}" for i, w in enumerate(WORDS * 2)] + ["", "red"]
     src = tmp_path / "in.txt"
@@ -287,8 +287,8 @@ BOM = "\ufeff"
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
-    from matryoshka2d.data import read_sentences, read_training_data
     from matryoshka2d.evaluate.sts import load_pairs
+    from matryoshka2d.training.data import read_sentences, read_training_data
 
     tsv = tmp_path / "t.tsv"
     tsv.write_text(BOM + "sentence1\tsentence2\tscore\nred cat\tblue dog\t1\nbig bird\tbig bird\t5\n", encoding="utf-8")
@@ -304,7 +304,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
 
 
 def test_readers_name_the_non_utf8_line(tmp_path):
-    from matryoshka2d.data import DataError, read_sentences, read_training_data
+    from matryoshka2d.training.data import DataError, read_sentences, read_training_data
 
     tsv = tmp_path / "t.tsv"
     tsv.write_bytes(b"anchor\tpositive\tnegative\n" + b"a\tb\tc\n" * 3000 + "caf\xe9\tb\tc\n".encode("latin-1"))

@@ -1,4 +1,4 @@
-"""Data-parallel training (matryoshka2d.parallel): two CPU processes under torchrun train the very weights one
+"""Data-parallel training (matryoshka2d.training.parallel): two CPU processes under torchrun train the very weights one
 process trains on the same batches, and a two-process run resumes exactly from its checkpoint."""
 
 import json
@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from matryoshka2d.cli import main
-from matryoshka2d.parallel import Processes, without_option
-from matryoshka2d.smae import pretrain_trainer
-from matryoshka2d.train import TrainConfig
+from matryoshka2d.compress.smae import pretrain_trainer
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.parallel import Processes, without_option
 from test_train import WORDS
 
 

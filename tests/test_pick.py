@@ -5,7 +5,7 @@ import json
 import pytest
 
 from matryoshka2d.cli import main
-from matryoshka2d.retrieval.pick import Point, mark_frontier, recommend
+from matryoshka2d.deploy.pick import Point, mark_frontier, recommend
 
 
 def points():

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import tiny_transformer
-from matryoshka2d.backbones import BackboneError
-from matryoshka2d.encoder import ElasticEncoder, pool
-from matryoshka2d.pooler import PoolerHead
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.encoder import ElasticEncoder, pool
+from matryoshka2d.models.pooler import PoolerHead
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.trainer import Trainer
 
 TEXTS = ["a red cat runs", "the old dog sleeps in the sun", "big birds", "a red cat runs"]
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from matryoshka2d.cli import main
-from matryoshka2d.throughput import PrecisionError, autocast, resolve_precision
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.throughput import PrecisionError, autocast, resolve_precision
+from matryoshka2d.training.trainer import Trainer
 
 CPU = torch.device("cpu")
 

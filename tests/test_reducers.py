@@ -10,9 +10,9 @@ from scipy.spatial.distance import pdist
 
 from conftest import tiny_transformer
 from matryoshka2d.cli import main
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.compress.reducers import REDUCERS, ReducedCells, corpus_sample, fit_reducer
 from matryoshka2d.evaluate.sts import evaluate_sts
-from matryoshka2d.reducers import REDUCERS, ReducedCells, corpus_sample, fit_reducer
+from matryoshka2d.models.encoder import ElasticEncoder
 
 WORDS = [
     "red",

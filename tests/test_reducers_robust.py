@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from matryoshka2d import reducers
-from matryoshka2d.reducers import fit_lle, fit_reducer
+from matryoshka2d.compress import reducers
+from matryoshka2d.compress.reducers import fit_lle, fit_reducer
 
 
 def test_lle_falls_back_to_the_dense_solver_when_arpack_fails(monkeypatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from matryoshka2d.cli import main
-from matryoshka2d.evaluate.io import DataFormatError
+from matryoshka2d.files import DataFormatError
 from matryoshka2d.retrieval.index import IndexBuildError, build_index, factory_string, make_index
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, unit
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import SENTENCES
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.encoder import ElasticEncoder
 
 openai = pytest.importorskip("openai", reason="the official openai client (in the dev extra) is not installed")
 

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_transformer
-from matryoshka2d.data import DataError, read_sentences, read_training_data
 from matryoshka2d.losses import EmbeddedBatch, SimCSELoss, make_task_loss
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.data import DataError, read_sentences, read_training_data
+from matryoshka2d.training.trainer import Trainer
 
 WORDS = [
     "red",

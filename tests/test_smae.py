@@ -10,9 +10,7 @@ from safetensors import safe_open
 
 from conftest import tiny_transformer
 from matryoshka2d.cli import main
-from matryoshka2d.encoder import ElasticEncoder
-from matryoshka2d.methods.starbucks import default_sizes
-from matryoshka2d.smae import (
+from matryoshka2d.compress.smae import (
     DECODER_MASK_RATIO,
     ENCODER_MASK_RATIO,
     IGNORE,
@@ -21,7 +19,10 @@ from matryoshka2d.smae import (
     mask_batch,
     pretrain_trainer,
 )
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.methods.starbucks import default_sizes
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.trainer import Trainer
 
 WORDS = [
     "red",

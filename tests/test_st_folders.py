@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import SENTENCES
-from matryoshka2d.backbones import BackboneError
 from matryoshka2d.cli import main
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.encoder import ElasticEncoder
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from matryoshka2d.backbones import layer_stack
 from matryoshka2d.cli import main
-from matryoshka2d.encoder import ElasticEncoder
-from matryoshka2d.train import TrainConfig, Trainer
+from matryoshka2d.models.backbones import layer_stack
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.trainer import Trainer
 
 WORDS = [
     "red",
@@ -233,9 +234,9 @@ def test_cli_train_preset_applies_its_recipe_and_flags_override_it(tiny_dir, tri
 
 
 def test_every_preset_builds_its_method_and_loss_and_cites_a_source():
-    from matryoshka2d import presets
     from matryoshka2d.losses import make_task_loss
     from matryoshka2d.methods import make_method
+    from matryoshka2d.training import presets
 
     names = presets.available()
     assert {"2dmse-paper", "ese-paper", "ese-angle-emb", "starbucks-paper", "st-matryoshka2d"} <= set(names)

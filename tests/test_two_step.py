@@ -9,9 +9,9 @@ import torch
 
 from conftest import tiny_transformer
 from matryoshka2d.cli import main
-from matryoshka2d.compress_cli import parse_dims
-from matryoshka2d.encoder import ElasticEncoder
-from matryoshka2d.two_step import TwoStepConfig, run_two_step
+from matryoshka2d.cli.compress import parse_dims
+from matryoshka2d.compress.two_step import TwoStepConfig, run_two_step
+from matryoshka2d.models.encoder import ElasticEncoder
 
 WORDS = [
     "red",

@@ -1,4 +1,7 @@
-"""Reading evaluation files strictly: every problem is reported with the file and the line it is on.
+"""Reading files strictly: every problem is reported with the file and the line it is on.
+
+Text inputs (`encode`, `search --queries`) are one text per line; evaluation and training files are TSV or JSON
+lines.
 
 The shared data is tab-separated with one header line and no quoting (a `"` is an ordinary character), so
 files are read with csv.QUOTE_NONE; BEIR corpora are JSON lines, optionally gzipped. A bad row should stop an
@@ -10,9 +13,13 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import json
 import math
-from collections.abc import Iterator
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +30,27 @@ class DataFormatError(ValueError):
 
 def where(path: Path, line: int | None = None) -> str:
     return f"{path} line {line}" if line is not None else str(path)
+
+
+def utf8_problem(lines: Iterable[bytes], name: object, at=lambda name, n: f"{name}:{n}:", what="file") -> str:
+    """The first line that is not UTF-8, as a message naming the file, the line, the byte and its column.
+    A decoder reads ahead in blocks, so this decodes line by line; `at` formats the place."""
+    for line_no, raw in enumerate(lines, start=1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return (
+                f"{at(name, line_no)} not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                f"save the {what} as UTF-8"
+            )
+    return f"{name}: not UTF-8 text; save the {what} as UTF-8"
+
+
+def first_bad_utf8_line(path: Path) -> str:
+    """utf8_problem for a file on disk (gzipped if its name ends in .gz)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return utf8_problem(f, path)
 
 
 @dataclass
@@ -87,9 +115,7 @@ def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
                     )
                 rows.append((line, row))
     except UnicodeDecodeError:
-        from matryoshka2d.data import utf8_error  # names the first line that is not UTF-8
-
-        raise DataFormatError(str(utf8_error(path))) from None
+        raise DataFormatError(first_bad_utf8_line(path)) from None
     except csv.Error as exc:
         raise DataFormatError(f"{path}: unreadable TSV ({exc})") from exc
     table = Table(path, header, rows)
@@ -120,3 +146,42 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
                 yield line_no, obj
     except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
         raise DataFormatError(f"{path}: unreadable ({exc})") from exc
+
+
+# ---- one text per line: the inputs of `encode` and `search --queries` -------------------------------------
+
+
+def open_input(path: str):
+    """The input as a seekable binary file (standard input is spooled to a temporary file, read twice)."""
+    if path == "-":
+        spool = tempfile.TemporaryFile()  # noqa: SIM115 - returned open; the caller closes it
+        shutil.copyfileobj(sys.stdin.buffer, spool)
+        spool.seek(0)
+        return spool, "standard input"
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"Input file {path} does not exist")
+    return file.open("rb"), path
+
+
+def iter_lines(binary, name: str):
+    """One text per line, split on '\\n' only (a '\\r' before it is dropped); Unicode line and paragraph
+    separators, form feeds and the like stay inside their text. A UTF-8 byte-order mark is skipped."""
+    binary.seek(0)
+    text = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="\n")
+    try:
+        for line in text:
+            line = line[:-1] if line.endswith("\n") else line
+            yield line[:-1] if line.endswith("\r") else line
+    except UnicodeDecodeError:
+        binary.seek(0)
+        raise ValueError(utf8_problem(binary, name, at=lambda name, n: f"{name}: line {n} is", what="input")) from None
+    finally:
+        text.detach()
+
+
+def read_lines(path: str) -> list[str]:
+    """Every text of a file (or '-', standard input) as `encode` reads them: see iter_lines."""
+    binary, name = open_input(path)
+    with binary:
+        return list(iter_lines(binary, name))

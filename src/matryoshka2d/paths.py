@@ -20,4 +20,17 @@ def data_dir(user: str | os.PathLike | None = None) -> Path:
         tried.append(str(path))
         if user:
             break
-    raise FileNotFoundError(f"Data directory not found (tried {', '.join(tried)}); pass --data-dir")
+    raise FileNotFoundError(
+        f"Data directory not found (tried {', '.join(tried)}); set MATRYOSHKA2D_DATA, or pass --data-dir to the "
+        "commands that have it (eval, demo)"
+    )
+
+
+def sts_file(name: str, variant: str = "raw") -> Path:
+    """One file of the shared STS data, e.g. sts_file("stsb_dev.tsv")."""
+    return data_dir() / "sts" / variant / name
+
+
+def sts_dev_file() -> Path:
+    """STS-B dev: the only STS data a training run may use (for its dev score); the default --eval-file."""
+    return sts_file("stsb_dev.tsv")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
+from matryoshka2d.cli.args import add_safety_flags, parse_options
+from matryoshka2d.compress.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
 from matryoshka2d.losses import TASK_LOSSES
-from matryoshka2d.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
-from matryoshka2d.train_cli import _options, add_safety_flags
 from matryoshka2d.views import parse_cells
 
 
@@ -36,7 +36,7 @@ def _train_values(args, keys) -> dict:
 
 
 def cmd_two_step(args) -> int:
-    from matryoshka2d.two_step import TwoStepConfig, run_two_step
+    from matryoshka2d.compress.two_step import TwoStepConfig, run_two_step
 
     train = _train_values(
         args,
@@ -53,7 +53,7 @@ def cmd_two_step(args) -> int:
             "save_steps",
         ),
     )
-    loss_options = _options(args.loss_option, "--loss-option")
+    loss_options = parse_options(args.loss_option, "--loss-option")
     if loss_options:
         train["loss_options"] = loss_options
     config = TwoStepConfig(
@@ -78,8 +78,8 @@ def cmd_two_step(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from matryoshka2d.smae import pretrain
-    from matryoshka2d.train import TrainConfig
+    from matryoshka2d.compress.smae import pretrain
+    from matryoshka2d.training.config import TrainConfig
 
     # Defaults of the SMAE paper, sec. 4.1: AdamW lr 1e-4, weight decay 0.05, cosine schedule, warm-up 0.05.
     values = {

@@ -41,7 +41,7 @@ def demo_cells(num_layers: int, hidden: int) -> list[tuple[int, int]]:
 
 def run_cells(args) -> int:
     """Embed a few sentences at several cells and show similarities and time per cell."""
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
     n, d = encoder.num_layers, encoder.hidden_size
@@ -81,8 +81,9 @@ def done(start: float, what: str) -> None:
 
 def fine_tune(args, root: Path) -> Path:
     """A short 2dmse fine-tune, reused from the cache directory when a finished one is there."""
-    from matryoshka2d.backbones import cache_dir
-    from matryoshka2d.train import TrainConfig, Trainer
+    from matryoshka2d.models.backbones import cache_dir
+    from matryoshka2d.training.config import TrainConfig
+    from matryoshka2d.training.trainer import Trainer
 
     name = Path(args.model).name if os.sep in args.model else args.model
     out = cache_dir() / "demo" / f"{name}-2dmse-{args.steps}steps-bs{args.batch_size}"
@@ -123,7 +124,7 @@ def export_cell(encoder, layer: int, dim: int, out: Path) -> str:
 def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
     """A BEIR folder with the first `n_queries` judged queries and a corpus of their relevant documents filled
     up to `n_docs` with the corpus's first documents."""
-    from matryoshka2d.evaluate.commands import pick_split
+    from matryoshka2d.cli.evaluate import pick_split
     from matryoshka2d.evaluate.retrieval import load_beir
 
     split = pick_split(source, None)
@@ -139,14 +140,14 @@ def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
 
 
 def run_loop(args) -> int:
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.deploy.pick import layer_latency, run_pick
     from matryoshka2d.evaluate.grid import EncoderCells
     from matryoshka2d.evaluate.results import write_outputs
     from matryoshka2d.evaluate.retrieval import rank_metrics
     from matryoshka2d.evaluate.sts import evaluate_sts
+    from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.paths import data_dir
     from matryoshka2d.retrieval.index import build_index
-    from matryoshka2d.retrieval.pick import layer_latency, run_pick
     from matryoshka2d.retrieval.search import CellIndex
 
     begin = time.perf_counter()

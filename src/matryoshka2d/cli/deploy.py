@@ -8,7 +8,7 @@ import sys
 
 def cmd_export(args) -> int:
     from matryoshka2d.deploy.export import export_cell
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device="cpu")
     report = export_cell(
@@ -28,7 +28,7 @@ def cmd_export(args) -> int:
 
 def cmd_serve(args) -> int:
     from matryoshka2d.deploy.server import ServerLimits, serve
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes"):
         if getattr(args, name) < 1:

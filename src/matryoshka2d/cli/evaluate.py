@@ -18,8 +18,8 @@ def _log(message: str) -> None:
 
 def _embedder(args, default_cells=None) -> EncoderCells:
     """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults)."""
-    from matryoshka2d.encoder import ElasticEncoder
-    from matryoshka2d.train import check_device
+    from matryoshka2d.models.backbones import check_device
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     if args.max_length is not None and args.max_length < 1:
         raise ValueError(f"--max-length must be at least 1 token, got {args.max_length}")
@@ -53,8 +53,8 @@ def cmd_sts(args) -> int:
 
     root = data_dir(args.data_dir)
     embedder = _embedder(args)
-    if args.reducer:  # post-hoc PCA / Isomap / LLE cells instead of truncated ones (matryoshka2d.reducers)
-        from matryoshka2d.reducers import reducer_cells
+    if args.reducer:  # post-hoc PCA / Isomap / LLE cells instead of truncated ones (matryoshka2d.compress.reducers)
+        from matryoshka2d.compress.reducers import reducer_cells
 
         dims = parse_ints(args.dims, "dims")
         embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, args.reducer_samples, _log)
@@ -112,9 +112,9 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
     """--cascade / --query-layer: flat full-cell search next to the cascade and/or shallow queries."""
     import json
 
-    from matryoshka2d.encoder import ElasticEncoder
-    from matryoshka2d.evaluate.retrieval import cascade_markdown, evaluate_cascade
-    from matryoshka2d.retrieval.commands import parse_cascade
+    from matryoshka2d.cli.retrieval import parse_cascade
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.retrieval.cascade import cascade_markdown, evaluate_cascade
 
     encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
     result = evaluate_cascade(

@@ -22,7 +22,7 @@ def parse_cascade(text: str | None):
 
 
 def cmd_index_build(args) -> int:
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.retrieval.index import build_index, parse_cell_list
 
     cells = parse_cell_list(args.cells)
@@ -51,7 +51,7 @@ def cmd_index_build(args) -> int:
 
 def read_queries(path: str) -> list[str]:
     """One query per line of a text file, or the `text` of each line of a JSON-lines file (BEIR queries)."""
-    from matryoshka2d.evaluate.io import read_jsonl
+    from matryoshka2d.files import read_jsonl
 
     if path.endswith((".jsonl", ".jsonl.gz")):
         out = []
@@ -60,13 +60,13 @@ def read_queries(path: str) -> list[str]:
                 raise ValueError(f"{path} line {line}: no 'text' string field")
             out.append(obj["text"])
         return out
-    from matryoshka2d.cli import read_lines
+    from matryoshka2d.files import read_lines
 
     return [q for q in read_lines(path) if q.strip()]
 
 
 def cmd_search(args) -> int:
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.retrieval.index import parse_cell_list
     from matryoshka2d.retrieval.search import CellIndex
 
@@ -109,7 +109,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_pick(args) -> int:
-    from matryoshka2d.retrieval.pick import run_pick
+    from matryoshka2d.deploy.pick import run_pick
 
     return run_pick(args)
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import yaml
 
-from matryoshka2d import presets
+from matryoshka2d.cli.args import add_safety_flags, parse_options
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.methods import METHODS
-from matryoshka2d.train import DEFAULT_LOSSES, TrainConfig, train
+from matryoshka2d.training import presets
+from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig
+from matryoshka2d.training.trainer import train
 from matryoshka2d.views import parse_cells
 
 
@@ -22,22 +24,11 @@ def _method_help() -> str:
     return (
         "methods:\n"
         + "\n".join(lines)
-        + "\n\npresets (--preset NAME; sources in src/matryoshka2d/presets/NAME.yaml):\n"
+        + "\n\npresets (--preset NAME; sources in src/matryoshka2d/training/presets/NAME.yaml):\n"
         + "\n".join(recipes)
         + "\n\ndefault loss per kind of training data (without --loss):\n"
         + "\n".join(losses)
     )
-
-
-def _options(values: list[str] | None, flag: str) -> dict:
-    """key=value pairs; values parsed as YAML scalars/lists (k=128, sizes=[[1,32],[6,384]], dynamic_weights=true)."""
-    out = {}
-    for item in values or []:
-        if "=" not in item:
-            raise ValueError(f"{flag} expects key=value, got '{item}'")
-        key, value = item.split("=", 1)
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
-    return out
 
 
 def read_config_file(path: Path) -> dict:
@@ -66,9 +57,10 @@ def cmd_train(args) -> int:
         if args.processes < 1:
             raise ValueError(f"--processes must be at least 1, got {args.processes}")
         if args.processes > 1 and "WORLD_SIZE" not in os.environ:  # not yet inside torchrun: start it
-            from matryoshka2d.parallel import launch
+            from matryoshka2d.cli import main
+            from matryoshka2d.training.parallel import launch
 
-            return launch(args.argv, args.processes)
+            return launch(main, args.argv, args.processes)
     values: dict = {}
     if args.preset:
         values.update(presets.load(args.preset))
@@ -118,8 +110,8 @@ def cmd_train(args) -> int:
         values["eval_cell"] = list(parse_cells(args.eval_cell)[0])
     values["method_options"] = dict(values.get("method_options") or {})
     values["loss_options"] = dict(values.get("loss_options") or {})
-    values["method_options"].update(_options(args.method_option, "--method-option"))
-    values["loss_options"].update(_options(args.loss_option, "--loss-option"))
+    values["method_options"].update(parse_options(args.method_option, "--method-option"))
+    values["loss_options"].update(parse_options(args.loss_option, "--loss-option"))
     if args.sizes:
         values["method_options"]["sizes"] = [list(c) for c in parse_cells(args.sizes)]
     if args.layer or args.dim:
@@ -200,19 +192,3 @@ def register(sub, model_args) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     add_safety_flags(p)
     p.set_defaults(func=cmd_train)
-
-
-def add_safety_flags(p, overwrite: bool = True) -> None:
-    """--overwrite and --allow-pickle-checkpoint, shared by train and pretrain."""
-    if overwrite:
-        p.add_argument(
-            "--overwrite",
-            action="store_true",
-            help="train into an --output that already holds a model or run, deleting its checkpoints and log",
-        )
-    p.add_argument(
-        "--allow-pickle-checkpoint",
-        action="store_true",
-        help="when resuming, read a checkpoint written by an older matryoshka2d (state.pt, a pickle). RISK: "
-        "unpickling a file can run code planted in it; use only on checkpoints you wrote yourself",
-    )

@@ -7,7 +7,7 @@ embeddings of the evaluation sentences to d = 128, 64, 32, 16, 8.
 
 Choices the paper leaves open, and what we do:
 - Corpus: the first 2,000 *distinct* sentences of the file the user gives (one per line, or every text column
-  of a TSV, see matryoshka2d.data.read_sentences); duplicates would make LLE's local fits singular. Without a
+  of a TSV, see matryoshka2d.training.data.read_sentences); duplicates would make LLE's local fits singular. Without a
   file, the CLI uses the shared NLI training sentences (data/nli/train_triplets.tsv), our offline stand-in for
   Wikipedia.
 - Input: the cell's raw vectors, by default the full width at each evaluated layer (`source_dim` reduces a
@@ -233,7 +233,7 @@ def reducer_cells(
 ) -> ReducedCells:
     """The `eval sts --reducer` embedder: the layers (and encoder) of an EncoderCells, reduced to `dims`.
     The corpus defaults to the shared NLI training sentences, DATA/nli/train_triplets.tsv."""
-    from matryoshka2d.data import read_sentences
+    from matryoshka2d.training.data import read_sentences
 
     if corpus_file:
         path = Path(corpus_file)

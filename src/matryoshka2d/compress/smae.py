@@ -52,9 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from matryoshka2d.backbones import layer_stack
-from matryoshka2d.encoder import ElasticEncoder, pool
 from matryoshka2d.methods.starbucks import default_sizes
+from matryoshka2d.models.backbones import layer_stack
+from matryoshka2d.models.encoder import ElasticEncoder, pool
+from matryoshka2d.paths import sts_dev_file
+from matryoshka2d.training.data import read_training_data
+from matryoshka2d.training.trainer import Trainer
 
 ENCODER_MASK_RATIO = 0.2  # alpha_e: the authors' smae/README.md command, --mlm_probability 0.2
 DECODER_MASK_RATIO = 0.4  # alpha_d: the same command, --decoder_mlm_probability 0.4
@@ -387,49 +390,46 @@ class SMAEObjective(nn.Module):
 # ---- the run: the Trainer's loop, checkpoints and resume, with SMAE's objective ---------------------------
 
 
-def pretrain_trainer(config):
-    """A Trainer (matryoshka2d.train) whose step is the SMAE loss; same checkpoints, same exact resume."""
-    from matryoshka2d.data import read_training_data
-    from matryoshka2d.train import Trainer
+class SMAETrainer(Trainer):
+    """A Trainer whose step is the SMAE loss; the same loop, checkpoints and exact resume."""
 
-    class SMAETrainer(Trainer):
-        supports_processes = False  # its masked-token losses are per process; not wired to the gather
+    supports_processes = False  # its masked-token losses are per process; not wired to the gather
 
-        def build_method(self):
-            return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
+    def build_method(self):
+        return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
 
-        def build_task_loss(self):
-            return nn.Module()  # SMAE has no sentence-embedding loss; the objective holds its own terms
+    def build_task_loss(self):
+        return nn.Module()  # SMAE has no sentence-embedding loss; the objective holds its own terms
 
-        def read_data(self):
-            return read_training_data(self.config.data, sentences=True)
+    def read_data(self):
+        return read_training_data(self.config.data, sentences=True)
 
-        def prepare_batch(self, step: int):
-            return [None]  # one micro-batch; the texts are masked (and tokenized) in compute_loss
+    def prepare_batch(self, step: int):
+        return [None]  # one micro-batch; the texts are masked (and tokenized) in compute_loss
 
-        def compute_loss(self, step: int, micro_batch=None):
-            torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer does
-            texts = self.data.rows(self.batch_indices(step))[0][0]
-            batch = self.method.mask(self.encoder, texts, np.random.default_rng([self.config.seed, step, 2]))
-            return self.method.loss(self.encoder, batch)
+    def compute_loss(self, step: int, micro_batch=None):
+        torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer does
+        texts = self.data.rows(self.batch_indices(step))[0][0]
+        batch = self.method.mask(self.encoder, texts, np.random.default_rng([self.config.seed, step, 2]))
+        return self.method.loss(self.encoder, batch)
 
-        def check_eval_file(self) -> None:
-            if self.config.eval_file is not None:  # the default is optional for pre-training
-                super().check_eval_file()
+    def check_eval_file(self) -> None:
+        if self.config.eval_file is not None:  # the default is optional for pre-training
+            super().check_eval_file()
 
-        def evaluate(self) -> dict:
-            """STS-B dev at the full model, as a check of the sentence vector; skipped if there is no file."""
-            from matryoshka2d.paths import data_dir
+    def evaluate(self) -> dict:
+        """STS-B dev at the full model, as a check of the sentence vector; skipped if there is no file."""
+        if self.config.eval_file is None:
+            try:
+                default = sts_dev_file()
+            except FileNotFoundError:
+                default = None
+            if default is None or not default.is_file():
+                return {"step": self.step, "eval": None, "spearman": None, "note": "no STS dev file"}
+        return super().evaluate()
 
-            if self.config.eval_file is None:
-                try:
-                    default = data_dir() / "sts" / "raw" / "stsb_dev.tsv"
-                except FileNotFoundError:
-                    default = None
-                if default is None or not default.is_file():
-                    return {"step": self.step, "eval": None, "spearman": None, "note": "no STS dev file"}
-            return super().evaluate()
 
+def pretrain_trainer(config) -> SMAETrainer:
     if config.method != "smae":
         raise SMAEError(f"pretrain: unknown method '{config.method}'; the only pre-training method is smae")
     return SMAETrainer(config)

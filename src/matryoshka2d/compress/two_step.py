@@ -1,7 +1,7 @@
 """Two-step training of a pooler-compressed model (Wang et al., "On the Dimensionality of Sentence
 Embeddings", sec. 4, Algorithm 1), with the paper's Table 1/2 report.
 
-The model is an encoder plus a pooler head D -> d with tanh (matryoshka2d.pooler). Algorithm 1, as we run it:
+The model is an encoder plus a pooler head D -> d with tanh (matryoshka2d.models.pooler). Algorithm 1, as we run it:
   line 2   train the model end to end with out_dim = d (the target) and keep pooler_d (and encoder_d);
   line 3-5 train the model end to end with out_dim = d' for every candidate d', and evaluate each encoder_d'
            on the validation set E;
@@ -90,15 +90,15 @@ def check_dims(dims, hidden: int, what: str) -> list[int]:
 
 
 def _default_file(name: str) -> Path:
-    from matryoshka2d.paths import data_dir
+    from matryoshka2d.paths import sts_file
 
-    return data_dir() / "sts" / "raw" / name
+    return sts_file(name)
 
 
 def _score(model_dir: Path, path: Path, without_pooler: bool = False, device=None) -> float:
     """Spearman x 100 on one STS file at the full depth and the embedding width (the head's d, or D alone)."""
-    from matryoshka2d.encoder import ElasticEncoder
-    from matryoshka2d.train import sts_dev_score
+    from matryoshka2d.evaluate.sts import sts_dev_score
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     encoder = ElasticEncoder(str(model_dir), device=device)
     if without_pooler:
@@ -113,7 +113,8 @@ def _or_worst(score: float) -> float:
 
 def _train(values: dict, progress: bool, allow_pickle: bool = False) -> Path:
     """One `matryoshka2d train` run; a finished run with the same settings is reused, an unfinished one resumed."""
-    from matryoshka2d.train import TrainConfig, Trainer
+    from matryoshka2d.training.config import TrainConfig
+    from matryoshka2d.training.trainer import Trainer
 
     config = TrainConfig.from_dict(values)
     out = Path(config.output)
@@ -138,9 +139,9 @@ def _train(values: dict, progress: bool, allow_pickle: bool = False) -> Path:
 def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tuple[Path, bool]:
     """Algorithm 1, line 7: encoder_opt with pooler_d's trained head, saved as a model folder.
     Returns the folder and whether it was (re)built (a new encoder_opt makes any step-2 result stale)."""
-    from matryoshka2d.checkpoints import save_model_atomically
-    from matryoshka2d.encoder import ElasticEncoder
-    from matryoshka2d.pooler import PoolerHead
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.pooler import PoolerHead
+    from matryoshka2d.training.checkpoints import save_model_atomically
 
     marker = {"encoder": str(encoder_dir), "pooler": str(pooler_dir / "2_Dense")}
     meta = out / "matryoshka2d.json"
@@ -154,9 +155,9 @@ def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tup
 
 def run_two_step(config: TwoStepConfig, progress: bool = True, allow_pickle: bool = False) -> dict:
     """Run Algorithm 1 for every target dim; write two_step.json and two_step.md into the output folder."""
-    from matryoshka2d.encoder import ElasticEncoder
     from matryoshka2d.evaluate.sts import load_pairs
     from matryoshka2d.losses import TASK_LOSSES
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     start = time.perf_counter()
     clash = sorted(set(config.train) & set(MANAGED))

@@ -1,1 +1,1 @@
-"""Ship a cell: sentence-transformers folders and model cards, export (cut folder, ONNX, int8), and the server."""
+"""Ship a cell: export (cut folder, ONNX, int8), the OpenAI-compatible server, and the budget-aware cell picker."""

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.backbones import count_parameters
-from matryoshka2d.encoder import ElasticEncoder, pool
+from matryoshka2d.models.backbones import count_parameters
+from matryoshka2d.models.encoder import ElasticEncoder, pool
 
 FORMATS = ("st", "onnx")
 QUANTIZE = ("int8",)
@@ -258,7 +258,7 @@ class OnnxCellEncoder:
         import onnxruntime as ort
         from transformers import AutoTokenizer
 
-        from matryoshka2d.backbones import read_sentence_config
+        from matryoshka2d.models.st_folder import read_sentence_config
 
         folder = Path(folder)
         if not (folder / file).is_file():
@@ -291,10 +291,10 @@ def _score_int8(encoder, folder, layer, dim, normalize, sts_file, report: Export
     from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
 
     if sts_file is None:
-        from matryoshka2d.paths import data_dir
+        from matryoshka2d.paths import sts_file as shared_sts_file
 
         try:
-            sts_file = data_dir() / "sts" / "raw" / "stsb_test.tsv"
+            sts_file = shared_sts_file("stsb_test.tsv")
         except FileNotFoundError as exc:
             report.notes.append(f"STS-B score skipped: {exc}; pass --sts-file")
             return

@@ -105,8 +105,8 @@ def cost_key(info: dict) -> str:
 
 def layer_latency(model: str, pooling: str | None, remeasure: bool, log: Callable[[str], None]) -> tuple[dict, dict]:
     """ms per query at every layer of `model`, from the cache or measured now; and the timing record."""
-    from matryoshka2d.backbones import cache_dir
-    from matryoshka2d.encoder import ElasticEncoder
+    from matryoshka2d.models.backbones import cache_dir
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     encoder = ElasticEncoder(model, pooling=pooling, device="cpu")
     key = cost_key(encoder.info())

@@ -31,7 +31,7 @@ import numpy as np
 from fastapi import Request
 
 from matryoshka2d.allocator import trim_heap
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.models.encoder import ElasticEncoder
 
 ENCODING_FORMATS = ("float", "base64")
 KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user"}
@@ -171,8 +171,6 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
-    # Read the shape once: while the worker thread runs a cell, the encoder's layer stack is temporarily cut to
-    # that cell's depth, so asking the encoder for its depth from this thread could see the cut stack.
     num_layers, hidden_size, max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
     counter = copy.deepcopy(encoder.tokenizer)  # token counting in the event loop, apart from the model thread
     created = int(time.time())

@@ -39,8 +39,8 @@ from sklearn.metrics import f1_score
 from sklearn.model_selection import StratifiedKFold
 
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
-from matryoshka2d.evaluate.io import DataFormatError, read_tsv
 from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.files import DataFormatError, read_tsv
 
 SPLIT_REGS = [2.0**t for t in range(-2, 4)]  # SentEval SplitClassifier / InnerKFoldClassifier
 KFOLD_REGS = [2.0**t for t in range(-1, 6)]  # SentEval KFoldClassifier

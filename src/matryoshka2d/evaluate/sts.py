@@ -17,8 +17,8 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct, unit_rows
-from matryoshka2d.evaluate.io import DataFormatError, read_tsv
 from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.files import DataFormatError, read_tsv
 
 STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 VARIANTS = ("raw", "senteval_tok")
@@ -124,3 +124,11 @@ def evaluate_sts(
         "provenance": started,
     }
     return finish(result)
+
+
+def sts_dev_score(encoder, path: str | Path, layer: int, dim: int) -> float:
+    """Spearman x 100 of cosine vs gold on one STS file (sentence1, sentence2, score), at one cell."""
+    pairs = load_pairs(path)
+    n = len(pairs.sentences1)
+    vectors = encoder.encode(pairs.sentences1 + pairs.sentences2, layer=layer, dim=dim, normalize=True)
+    return spearman_x100(pairs.gold, (vectors[:n] * vectors[n:]).sum(1))

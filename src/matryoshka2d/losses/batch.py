@@ -1,6 +1,6 @@
 """What a task loss sees: the embeddings of one view of one batch, and the batch's labels.
 
-Three shapes of training data reach a loss (see matryoshka2d.data):
+Three shapes of training data reach a loss (see matryoshka2d.training.data):
 - triplets: columns [anchor, positive, negative], no labels;
 - scored pairs: columns [sentence1, sentence2], labels = float similarity scores;
 - NLI pairs: columns [premise, hypothesis], labels = class ids (0 entailment, 1 neutral, 2 contradiction).

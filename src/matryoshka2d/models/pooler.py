@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.backbones import BackboneError
+from matryoshka2d.models.backbones import BackboneError
 
 # The activations a Dense module may declare that we reproduce exactly (class paths as sentence-transformers
 # writes them with `fullname(...)`).

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.io import DataFormatError, read_jsonl
+from matryoshka2d.files import DataFormatError, read_jsonl
 from matryoshka2d.views import parse_cells
 
 FORMAT = 1

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.files import first_bad_utf8_line
 from matryoshka2d.losses.batch import NLI_LABELS
 
 KINDS = {
@@ -43,17 +44,7 @@ SCORE_RANGE = (0.0, 5.0)
 
 def utf8_error(path: Path) -> DataError:
     """The first line of a file that is not UTF-8, as an error naming the file and the line."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                return DataError(
-                    f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
-                    "save the file as UTF-8"
-                )
-    return DataError(f"{path}: not UTF-8 text; save the file as UTF-8")
+    return DataError(first_bad_utf8_line(path))
 
 
 def csv_error(path: Path, line_no: int, exc: csv.Error) -> DataError:

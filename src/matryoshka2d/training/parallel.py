@@ -153,28 +153,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(argv: list[str], rank: int, world: int, port: int) -> None:
-    """One process of the run: the environment torchrun would give it, then the command itself."""
+def _worker(entry, argv: list[str], rank: int, world: int, port: int) -> None:
+    """One process of the run: the environment torchrun would give it, then the command itself (`entry(argv)`,
+    the command line's main function, passed in so that training never imports the command line)."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of every process taking them all
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from matryoshka2d.cli import main
-
-    sys.exit(main(argv))
+    sys.exit(entry(argv))
 
 
-def launch(argv: list[str], processes: int) -> int:
-    """Run `matryoshka2d ARGV` in `processes` processes on this machine (a process group over localhost, as
-    torchrun's standalone mode sets up). If one process fails, the others are stopped: they would wait for it
-    forever. The exit code is the first failure's, else 0."""
+def launch(entry, argv: list[str], processes: int) -> int:
+    """Run `entry(ARGV)` (the `matryoshka2d` command's main) in `processes` processes on this machine (a
+    process group over localhost, as torchrun's standalone mode sets up). If one process fails, the others are
+    stopped: they would wait for it forever. The exit code is the first failure's, else 0."""
     import multiprocessing
 
     argv = without_option(argv, "--processes")
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
     port = _free_port()
-    workers = [context.Process(target=_worker, args=(argv, rank, processes, port)) for rank in range(processes)]
+    workers = [context.Process(target=_worker, args=(entry, argv, rank, processes, port)) for rank in range(processes)]
     print(f"training in {processes} processes (rank 0 writes the log, checkpoints and model)", flush=True)
     for worker in workers:
         worker.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -67,6 +68,18 @@ def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch
     # torch has fused AdamW kernels for CUDA and for CPU; elsewhere (mps, ...) leave torch's default.
     fused = True if device.type in ("cuda", "cpu") else None
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
+def lr_schedule(optimizer, total: int, warmup: int, kind: str) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `warmup` steps, then "linear" or "cosine" decay to 0 at step `total`."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else max(0.0, 1.0 - progress)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class Prefetcher:

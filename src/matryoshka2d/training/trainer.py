@@ -17,106 +17,33 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from matryoshka2d import checkpoints
-from matryoshka2d.data import TrainingData, read_training_data
-from matryoshka2d.encoder import ElasticEncoder
+from matryoshka2d.evaluate.sts import sts_dev_score
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, make_method
-from matryoshka2d.parallel import Processes
-from matryoshka2d.throughput import Prefetcher, adamw, autocast, grad_scaler, private_tokenizer, resolve_precision
-
-# The loss a run uses when none is given, per kind of training data (matryoshka2d.data). AnglE's terms depend
-# on the kind too (losses/angle.py): angle-emb 0.6.1's format C for triplets, format A for labelled pairs.
-DEFAULT_LOSSES = {
-    "triplets": ("angle", "AnglE as angle-emb trains triplets: in-batch negatives with and without hard negatives"),
-    "nli": ("angle", "AnglE as angle-emb trains labelled pairs: in-batch negatives over entailed pairs"),
-    "scored": ("angle", "AnglE for similarity scores: CoSENT on the scores plus the angle term"),
-    "sentences": ("simcse", "unsupervised SimCSE: plain sentences, dropout as the only noise"),
-}
-
-# Options that may change between a run and its resume: they do not change what is trained.
-RESUMABLE_CHANGES = (
-    "output",
-    "eval_steps",
-    "eval_file",
-    "eval_cell",
-    "save_steps",
-    "keep_checkpoints",
-    "device",
-    # how a step is computed or logged, not what it computes
-    "log_every",
-    "gradient_checkpointing",
-    "compile",
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.paths import sts_dev_file
+from matryoshka2d.training import checkpoints
+from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable
+from matryoshka2d.training.data import TrainingData, read_training_data
+from matryoshka2d.training.parallel import Processes
+from matryoshka2d.training.rundir import RunDir
+from matryoshka2d.training.throughput import (
+    Prefetcher,
+    adamw,
+    autocast,
+    grad_scaler,
+    lr_schedule,
+    private_tokenizer,
+    resolve_precision,
 )
-# What makes a folder "hold a model or a run": `train` does not write into it without --resume or --overwrite.
-RUN_MARKERS = (
-    "train_log.jsonl",
-    "checkpoints",
-    "matryoshka2d.json",
-    "modules.json",
-    "config.json",
-    "model.safetensors",
-)
-
-
-@dataclass
-class TrainConfig:
-    data: list[str]
-    output: str
-    model: str = "minilm-l6"
-    method: str = "plain"
-    loss: str | None = None  # None: the default loss for the kind of training data (DEFAULT_LOSSES)
-    steps: int | None = None  # None: `epochs` passes over the data
-    epochs: float = 1.0
-    batch_size: int = 32
-    lr: float = 5e-5  # 2DMSE sec. 4 and ESE sec. 4 (BERT-based models)
-    warmup_ratio: float = 0.1
-    lr_schedule: str = "linear"  # linear warm-up, then "linear" or "cosine" decay to 0
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    pooling: str | None = None
-    max_length: int | None = None
-    eval_steps: int = 0  # 0: evaluate only at the end
-    eval_file: str | None = None  # STS-B dev by default
-    eval_cell: list[int] | None = None  # [layer, dim]; default: the full model
-    save_steps: int = 200
-    keep_checkpoints: int = 2
-    method_options: dict = field(default_factory=dict)
-    loss_options: dict = field(default_factory=dict)
-    device: str | None = None
-    pooler_dim: int | None = None  # put a D -> d tanh pooler head on the encoder (dimensionality paper, sec. 3)
-    freeze_encoder: bool = False  # train only the pooler head (and the loss's own parameters): two-step, step 2
-    # decoder backbones (ESE sec. 3.1; matryoshka2d.decoders)
-    bidirectional: bool = False  # non-causal attention in a Llama/Qwen2/Mistral backbone, saved with the model
-    lora_r: int | None = None  # train LoRA adapters of this rank (peft) instead of all weights
-    lora_alpha: float | None = None  # default: lora_r
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] | None = None  # default: peft's choice for the architecture
-    # throughput (matryoshka2d.throughput)
-    precision: str | None = None  # bf16 | fp16 | fp32; default bf16 on CUDA where supported, else fp32
-    log_every: int = 10  # read the loss back from the device (a host sync) every N steps only
-    gradient_accumulation: int = 1  # split each batch into this many micro-batches (same data, less memory)
-    gradient_checkpointing: bool = False
-    compile: bool = False  # torch.compile the blocks inside every layer
-
-    @classmethod
-    def from_dict(cls, values: dict) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown training option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**values)
 
 
 def host_values(record: dict) -> dict:
@@ -124,95 +51,13 @@ def host_values(record: dict) -> dict:
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
-def check_device(device) -> None:
-    """A device torch knows and this machine has; the error names the option and what to use instead."""
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"--device {device}: not a device name torch knows; use cpu, cuda, cuda:0 or mps") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA GPU is available on this machine; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {device}: MPS is not available on this machine; use --device cpu")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"--device {device}: matryoshka2d runs on cpu, cuda or mps")
-
-
-def _number(config, name: str, kinds, low=None, high=None, low_open=False, allow_none=False) -> None:
-    value = getattr(config, name)
-    flag = "--" + name.replace("_", "-")
-    if value is None and allow_none:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, kinds)
-        or (isinstance(value, float) and not math.isfinite(value))
-    ):
-        raise ValueError(f"{flag} must be a finite number{' (an integer)' if kinds is int else ''}, got {value!r}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{flag} must be {'greater than' if low_open else 'at least'} {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{flag} must be at most {high}, got {value}")
-
-
-def check_config(config: TrainConfig) -> None:
-    """Everything about the options that can be checked before loading a model; each error names the option."""
-    _number(config, "batch_size", int, 1)
-    _number(config, "steps", int, 1, allow_none=True)
-    _number(config, "epochs", (int, float), 0, low_open=True)
-    _number(config, "lr", (int, float), 0, low_open=True)
-    _number(config, "warmup_ratio", (int, float), 0, 1)
-    _number(config, "weight_decay", (int, float), 0)
-    _number(config, "max_grad_norm", (int, float), 0, low_open=True)
-    _number(config, "seed", int, 0)
-    _number(config, "max_length", int, 1, allow_none=True)
-    _number(config, "eval_steps", int, 0)
-    _number(config, "save_steps", int, 0)
-    _number(config, "keep_checkpoints", int, 1)
-    _number(config, "pooler_dim", int, 1, allow_none=True)
-    for name in ("method_options", "loss_options"):
-        value = getattr(config, name)
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"{name} must be a mapping of key: value (in YAML, one 'key: value' per indented line; on the "
-                f"command line --{name[:-1].replace('_', '-')} key=value), got {value!r}"
-            )
-    if isinstance(config.data, str):
-        config.data = [config.data]
-    if not isinstance(config.data, list) or not config.data or not all(isinstance(d, str) for d in config.data):
-        raise ValueError(f"data must be a list of training files, got {config.data!r}")
-    if config.eval_cell is not None and (
-        not isinstance(config.eval_cell, (list, tuple))
-        or len(config.eval_cell) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in config.eval_cell)
-    ):
-        raise ValueError(f"eval_cell must be [layer, dim] (two positive integers), got {config.eval_cell!r}")
-    if config.lr_schedule not in ("linear", "cosine"):
-        raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
-    check_device(config.device)
-
-
-def sts_dev_score(encoder: ElasticEncoder, path: str | Path, layer: int, dim: int) -> float:
-    """Spearman x 100 of cosine vs gold on one STS file (sentence1, sentence2, score), at one cell."""
-    from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
-
-    pairs = load_pairs(path)
-    n = len(pairs.sentences1)
-    vectors = encoder.encode(pairs.sentences1 + pairs.sentences2, layer=layer, dim=dim, normalize=True)
-    return spearman_x100(pairs.gold, (vectors[:n] * vectors[n:]).sum(1))
-
-
 class Trainer:
-    supports_processes = True  # data-parallel over torchrun's processes (matryoshka2d.parallel)
+    supports_processes = True  # data-parallel over torchrun's processes (matryoshka2d.training.parallel)
 
     def __init__(self, config: TrainConfig):
         self.config = config
         self.out = Path(config.output)
+        self.run_dir = RunDir(self.out)
         check_config(config)
         self.check_eval_file()
         self.processes = Processes.from_env(config.device)
@@ -237,7 +82,7 @@ class Trainer:
         self._prepare_throughput()
         self.optimizer = adamw(params, config.lr, config.weight_decay, self.encoder.device)
         warmup = int(config.warmup_ratio * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factory(warmup))
+        self.scheduler = lr_schedule(self.optimizer, self.total_steps, warmup, config.lr_schedule)
         if self.processes.active:
             self.processes.broadcast_from_main([self.encoder, self.method, self.task_loss])
         self.step = 0
@@ -289,7 +134,8 @@ class Trainer:
 
     def _prepare_decoder(self) -> None:
         """ESE sec. 3.1 for decoder LLMs: bidirectional attention and LoRA (mean pooling is their default)."""
-        from matryoshka2d.decoders import add_lora, set_bidirectional
+        from matryoshka2d.models.decoders import set_bidirectional
+        from matryoshka2d.models.lora import add_lora
 
         cfg = self.config
         if cfg.bidirectional:
@@ -318,7 +164,7 @@ class Trainer:
         if cfg.compile:
             # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
             # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
-            from matryoshka2d.backbones import layer_stack
+            from matryoshka2d.models.backbones import layer_stack
 
             for layer in layer_stack(self.encoder.model):
                 for block in layer.children():
@@ -327,17 +173,6 @@ class Trainer:
         self._prefetch = Prefetcher(self.prepare_batch)
         self._pin = device.type == "cuda"
         self._lazy_records = False  # run() sets it: records keep device tensors until a logging step
-
-    def _lr_factory(self, warmup: int):
-        total, cosine = self.total_steps, self.config.lr_schedule == "cosine"
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress)) if cosine else max(0.0, 1.0 - progress)
-
-        return factor
 
     def _prepare_loss_parameters(self) -> None:
         """Losses with per-width parameters (the softmax classifier) get them now, so AdamW sees them."""
@@ -439,9 +274,7 @@ class Trainer:
     # ---- evaluation, checkpoints --------------------------------------------------------------------
 
     def eval_path(self) -> Path:
-        from matryoshka2d.paths import data_dir
-
-        return Path(self.config.eval_file) if self.config.eval_file else data_dir() / "sts" / "raw" / "stsb_dev.tsv"
+        return Path(self.config.eval_file) if self.config.eval_file else sts_dev_file()
 
     def check_eval_file(self) -> None:
         """Read the evaluation file now: a typo must not cost a whole run (it is read again at the end)."""
@@ -467,58 +300,32 @@ class Trainer:
         return {"step": self.step, "eval": f"{Path(path).name}@({layer},{dim})", "spearman": round(score, 2)}
 
     def checkpoint_dir(self) -> Path:
-        return self.out / "checkpoints"
+        return self.run_dir.checkpoints
 
     def save_checkpoint(self) -> Path:
-        """Write everything a resume needs (safetensors + JSON, with a manifest) into a temporary folder, then
-        rename it: a kill leaves no half (matryoshka2d.checkpoints)."""
-        root = self.checkpoint_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{self.step:07d}"
-        tmp = root / f".tmp-step-{self.step:07d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        checkpoints.write_checkpoint(
-            tmp,
-            {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss},
+        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
+        return self.run_dir.save_checkpoint(
+            self.step,
+            modules,
             self.optimizer,
             self.scheduler,
-            self.step,
             self.history,
             self.saved_config(),
             scaler=self.scaler,
+            keep=self.config.keep_checkpoints,
         )
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in sorted(root.glob("step-*"))[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
 
     def latest_checkpoint(self) -> Path | None:
-        found = checkpoints.candidates(self.checkpoint_dir())
-        return found[0] if found else None
+        return self.run_dir.latest_checkpoint()
 
     def saved_config(self) -> dict:
         """The run's options as JSON values, with the loss it uses even when that was the default."""
         return json.loads(json.dumps({**dataclasses.asdict(self.config), "loss": self.loss_name}))
 
     def check_same_run(self, checkpoint: Path, saved: dict) -> None:
-        """Refuse to resume a checkpoint whose training options differ from this run's, naming each."""
-        mine = self.saved_config()
-        # A checkpoint written before an option existed holds that option's default.
-        defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig(data=[], output=""))))
         if saved.get("loss") is None:  # written before the loss was recorded: the data's default loss
             saved = {**saved, "loss": self.default_loss()}
-        differ = [
-            f"{k} (checkpoint {saved.get(k, defaults.get(k))!r}, now {mine.get(k)!r})"
-            for k in mine
-            if k not in RESUMABLE_CHANGES and saved.get(k, defaults.get(k)) != mine.get(k)
-        ]
-        if differ:
-            raise ValueError(
-                f"cannot resume from {checkpoint}: the run differs in {'; '.join(differ)}. Resume with the "
-                "checkpoint's options, or start a new run with --overwrite or another --output"
-            )
+        check_resumable(checkpoint, saved, self.saved_config())
 
     def resume(self, allow_pickle: bool = False) -> bool:
         found = checkpoints.load_latest(
@@ -543,53 +350,22 @@ class Trainer:
         self.step, self.history = state["step"], state["history"]
         return True
 
-    def check_output(self, resume: bool, overwrite: bool) -> None:
-        """A folder holding another model or run is not written into unless the user says so."""
-        if not self.out.exists():
-            return
-        if not self.out.is_dir():
-            raise ValueError(f"--output {self.out} is a file, not a folder")
-        held = sorted(p.name for p in self.out.iterdir() if p.name in RUN_MARKERS)
-        if held and not (resume or overwrite):
-            raise ValueError(
-                f"--output {self.out} already holds a model or a run ({', '.join(held)}); pass --resume to continue "
-                "it, --overwrite to replace it, or choose another --output"
-            )
-        if overwrite and not resume and self.processes.main:
-            shutil.rmtree(self.checkpoint_dir(), ignore_errors=True)
-            (self.out / "train_log.jsonl").unlink(missing_ok=True)
-
-    def trim_log(self) -> None:
-        """After a resume, drop the log records of steps after the checkpoint: they are run again."""
-        path = self.out / "train_log.jsonl"
-        if not path.is_file():
-            return
-        kept = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= self.step:
-                kept.append(line)
-        tmp = path.with_name(".train_log.jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
-
     # ---- the run ------------------------------------------------------------------------------------
 
     def run(
         self, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
     ) -> Path:
         main = self.processes.main  # with several processes, rank 0 alone writes logs, checkpoints, the model
-        self.check_output(resume, overwrite)
+        self.run_dir.check(resume, overwrite)
+        if overwrite and not resume and main:
+            self.run_dir.clear_run()
         self.out.mkdir(parents=True, exist_ok=True)
         self.processes.barrier()
         if resume:
             if self.resume(allow_pickle=allow_pickle) and main:
                 print(f"resumed from step {self.step} of {self.total_steps}")
             if main:
-                self.trim_log()
+                self.run_dir.trim_log(self.step)
         log = (self.out / "train_log.jsonl").open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
         start, first_step = time.perf_counter(), self.step
         bar = tqdm(
@@ -649,7 +425,7 @@ class Trainer:
             "final_eval": final_eval,
         }
         self.encoder.eval()
-        from matryoshka2d.decoders import save_and_merge_lora
+        from matryoshka2d.models.lora import save_and_merge_lora
 
         keep = getattr(self.method, "keep_layers", None)
 

@@ -1,15 +1,10 @@
-"""The `matryoshka2d` command: thin wrappers that parse arguments, call the library and print."""
+"""`matryoshka2d info`, `encode` and `models`: a model's facts, one cell of a text file into a .npy, short names."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import io
 import itertools
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,15 +12,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
-
-COMMAND_MODULES = ("matryoshka2d.evaluate.commands", "matryoshka2d.train_cli", "matryoshka2d.compress_cli")
-COMMAND_MODULES += ("matryoshka2d.deploy.commands",)  # export, serve
-COMMAND_MODULES += ("matryoshka2d.retrieval.commands", "matryoshka2d.demo")  # index, search, pick; demo (issue 10)
+from matryoshka2d.files import iter_lines, open_input
 
 
 def _encoder(args):
-    from matryoshka2d.encoder import ElasticEncoder
-    from matryoshka2d.train import check_device
+    from matryoshka2d.models.backbones import check_device
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     check_device(getattr(args, "device", None))
     return ElasticEncoder(args.model, pooling=getattr(args, "pooling", None), device=getattr(args, "device", None))
@@ -44,55 +36,6 @@ ENCODE_CHUNK = 1024  # lines embedded per chunk: memory stays bounded whatever t
 # Tokens per batch once texts are long: 64 texts of up to 64 tokens batch as asked, 256-token texts 16 at a time.
 # A batch's activations grow with batch x length (x length for attention); this caps the peak at any input.
 TOKEN_BUDGET = 64 * 64
-
-
-def _open_input(path: str):
-    """The input as a seekable binary file (standard input is spooled to a temporary file, read twice)."""
-    if path == "-":
-        spool = tempfile.TemporaryFile()  # noqa: SIM115 - returned open; the caller closes it
-        shutil.copyfileobj(sys.stdin.buffer, spool)
-        spool.seek(0)
-        return spool, "standard input"
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"Input file {path} does not exist")
-    return file.open("rb"), path
-
-
-def iter_lines(binary, name: str):
-    """One text per line, split on '\\n' only (a '\\r' before it is dropped); Unicode line and paragraph
-    separators, form feeds and the like stay inside their text. A UTF-8 byte-order mark is skipped."""
-    binary.seek(0)
-    text = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="\n")
-    try:
-        for line in text:
-            line = line[:-1] if line.endswith("\n") else line
-            yield line[:-1] if line.endswith("\r") else line
-    except UnicodeDecodeError:
-        raise _utf8_error(binary, name) from None
-    finally:
-        text.detach()
-
-
-def _utf8_error(binary, name: str) -> ValueError:
-    """The decoder reads ahead in blocks, so find the first bad line itself by decoding line by line."""
-    binary.seek(0)
-    for line_no, raw in enumerate(binary, start=1):
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return ValueError(
-                f"{name}: line {line_no} is not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
-                "save the input as UTF-8"
-            )
-    return ValueError(f"{name}: not UTF-8 text; save the input as UTF-8")
-
-
-def read_lines(path: str) -> list[str]:
-    """Every text of a file (or '-', standard input) as `encode` reads them: see iter_lines."""
-    binary, name = _open_input(path)
-    with binary:
-        return list(iter_lines(binary, name))
 
 
 def npy_path(output: str) -> Path:
@@ -121,7 +64,7 @@ def cmd_encode(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     fix_mmap_threshold()  # activations must not fragment the heap (matryoshka2d.allocator)
-    binary, name = _open_input(args.input)
+    binary, name = open_input(args.input)
     with binary:
         count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work
         encoder = _encoder(args)
@@ -154,7 +97,7 @@ def cmd_encode(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from matryoshka2d.backbones import SHORT_NAMES, cache_dir, minilm_dir, prepare_mpnet
+    from matryoshka2d.models.backbones import SHORT_NAMES, cache_dir, minilm_dir, prepare_mpnet
 
     if args.action == "list":
         for name, what in SHORT_NAMES.items():
@@ -170,17 +113,7 @@ def cmd_models(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="matryoshka2d", description="Sentence embeddings elastic in depth (layers) and width (dims)."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def model_args(p, default="minilm-l6"):
-        p.add_argument("--model", default=default, help="short name (minilm-l6, mpnet-base), directory or hub id")
-        p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
-        p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-
+def register(sub, model_args) -> None:
     p = sub.add_parser("info", help="layers, hidden size, pooling and parameters of a model")
     p.add_argument("model", help="short name, directory or hub id")
     p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
@@ -205,23 +138,3 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
     mp.add_argument("--force", action="store_true", help="unpack again even if present")
     p.set_defaults(func=cmd_models)
-
-    # Larger command groups live next to their code; each module has register(subparsers, model_args).
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).register(sub, model_args)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --processes` starts it again
-    try:
-        return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
-        print(f"matryoshka2d {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

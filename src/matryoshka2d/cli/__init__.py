@@ -1,0 +1,45 @@
+"""The `matryoshka2d` command: one module per command group, each with `register(subparsers, model_args)`;
+a command parses its arguments, calls the library and prints."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from matryoshka2d.cli.args import model_args
+
+# In the order `matryoshka2d --help` lists them.
+COMMAND_MODULES = (
+    "matryoshka2d.cli.encode",  # info, encode, models
+    "matryoshka2d.cli.evaluate",  # eval
+    "matryoshka2d.cli.train",  # train
+    "matryoshka2d.cli.compress",  # two-step, pretrain
+    "matryoshka2d.cli.deploy",  # export, serve
+    "matryoshka2d.cli.retrieval",  # index, search, pick
+    "matryoshka2d.cli.demo",  # demo
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="matryoshka2d", description="Sentence embeddings elastic in depth (layers) and width (dims)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub, model_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --processes` starts it again
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
+        print(f"matryoshka2d {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,1 @@
+"""The model: backbones, exits, pooler heads, and its folder on disk."""

@@ -1,0 +1,243 @@
+"""sentence-transformers folders both ways: what a folder's modules say (pooling, length, Normalize, a Dense
+head), read through sentence-transformers' own module classes; and writing an encoder, or one cell of it, as a
+folder that `SentenceTransformer(path)`, `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)` all load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from matryoshka2d.models.backbones import POOLING_MODES, BackboneError, layer_stack
+from matryoshka2d.models.card import write_model_card
+from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
+
+# sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
+# pooling_mode_*_token flags) -> ours.
+ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last-token"}
+OUR_TO_ST_POOLING = {ours: theirs for theirs, ours in ST_POOLING.items()}
+
+
+@dataclass
+class SentenceConfig:
+    """What a sentence-transformers folder says about pooling, length, normalisation and a dense head.
+
+    `dense` is the folder's sentence-transformers Dense module, loaded by sentence-transformers itself.
+    """
+
+    pooling: str | None = None
+    max_length: int | None = None
+    normalize: bool = False
+    pooler_dir: str | None = None
+    dense: nn.Module | None = None
+
+
+def read_sentence_config(model_dir: str | None) -> SentenceConfig:
+    """Read a sentence-transformers folder's modules through sentence-transformers' own module classes.
+
+    Each module that modules.json lists is resolved and loaded by the installed sentence-transformers (so every
+    config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
+    except the Transformer, whose weights `load_transformer` loads; only its settings (max_seq_length) are read.
+    A plain Hugging Face folder (no modules.json) gives an empty config.
+    """
+    cfg = SentenceConfig()
+    if model_dir is None:
+        return cfg
+    root = Path(model_dir)
+    if not root.is_dir():
+        return cfg
+    modules_file = root / "modules.json"
+    if not modules_file.is_file():
+        bert_cfg = root / "sentence_bert_config.json"
+        if bert_cfg.is_file():
+            cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
+        return cfg
+    from sentence_transformers.util.misc import import_module_class
+
+    try:
+        modules = json.loads(modules_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
+    dense_dirs = []
+    for i, module in enumerate(modules):
+        kind, sub = module.get("type", ""), module.get("path", "")
+        where = f"{modules_file} entry {i} ({kind or 'no type'}, path '{sub}')"
+        try:
+            module_class = import_module_class(kind, str(root), trust_remote_code=False)
+        except Exception as exc:
+            raise BackboneError(f"{where}: sentence-transformers cannot resolve this module ({exc})") from None
+        name = module_class.__name__
+        try:
+            if name == "Transformer":
+                cfg.max_length = module_class.load_config(str(root), subfolder=sub).get("max_seq_length")
+            elif name == "Pooling":
+                pooling = module_class.load(str(root), subfolder=sub)
+                mode = pooling.pooling_mode
+                if mode not in ST_POOLING:
+                    raise BackboneError(
+                        f"{root / sub / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
+                        f"supports {', '.join(ST_POOLING)} (its names: {', '.join(POOLING_MODES)})"
+                    )
+                cfg.pooling = ST_POOLING[mode]
+            elif name == "Normalize":
+                cfg.normalize = True
+            elif name == "Dense":
+                if cfg.normalize:
+                    raise BackboneError(f"{where}: a Dense module after Normalize is not supported")
+                cfg.dense = module_class.load(str(root), subfolder=sub, trust_remote_code=False)
+                cfg.pooler_dir = str(root / sub)
+                dense_dirs.append(sub)
+            else:
+                raise BackboneError(
+                    f"{where}: module {name} is not supported; matryoshka2d reads Transformer, Pooling, Dense "
+                    "and Normalize"
+                )
+        except BackboneError:
+            raise
+        except Exception as exc:
+            raise BackboneError(f"{where}: sentence-transformers could not load it ({exc})") from None
+    if len(dense_dirs) > 1:
+        raise BackboneError(
+            f"{modules_file}: lists {len(dense_dirs)} Dense modules ({', '.join(dense_dirs)}); one is supported"
+        )
+    return cfg
+
+
+def head_from_dense(dense: nn.Module, where: str | None, hidden: int) -> PoolerHead:
+    """Our PoolerHead from a sentence-transformers Dense module that sentence-transformers loaded."""
+    activation = type(dense.activation_function)
+    name = f"{activation.__module__}.{activation.__qualname__}"
+    if getattr(dense, "use_residual", False):
+        raise BackboneError(f"{where}: Dense modules with use_residual are not supported")
+    if dense.in_features != hidden:
+        raise BackboneError(
+            f"{where}: the Dense module takes {dense.in_features} numbers but the model's pooled vectors have {hidden}"
+        )
+    try:
+        head = PoolerHead(dense.in_features, dense.out_features, activation=name, bias=dense.linear.bias is not None)
+    except BackboneError as exc:
+        raise BackboneError(f"{where}: {exc}") from None
+    head.linear.load_state_dict(dense.linear.state_dict())
+    return head
+
+
+def layer_count_attrs(config) -> dict[str, int]:
+    """The config fields that hold the number of layers (num_hidden_layers; n_layers for DistilBERT)."""
+    return {a: getattr(config, a) for a in ("num_hidden_layers", "n_layers") if hasattr(config, a)}
+
+
+# ---- writing ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def truncated_stack(model: nn.Module, depth: int):
+    """Temporarily cut the model's layer stack to its first `depth` layers, for saving a cut model only (the
+    exits never mutate the model: see ExitRequest)."""
+    stack = layer_stack(model)
+    if depth == len(stack):
+        yield stack
+        return
+    parent, name = _parent_of(model, stack)
+    setattr(parent, name, nn.ModuleList(list(stack)[:depth]))
+    try:
+        yield stack
+    finally:
+        setattr(parent, name, stack)
+
+
+def _parent_of(model: nn.Module, child: nn.Module) -> tuple[nn.Module, str]:
+    for module in model.modules():
+        for name, sub in module.named_children():
+            if sub is child:
+                return module, name
+    raise BackboneError("layer stack not found in its model")  # pragma: no cover - table guarantees it
+
+
+def save_folder(
+    self,
+    path: str | Path,
+    keep_layers: int | None = None,
+    metadata: dict | None = None,
+    dim: int | None = None,
+    normalize: bool | None = None,
+) -> Path:
+    """Write a sentence-transformers folder that loads with `SentenceTransformer(path)`,
+    `AutoModel.from_pretrained(path)` and `ElasticEncoder(path)`.
+
+    sentence-transformers writes the folder itself from its own modules: Transformer (safetensors weights,
+    tokenizer), Pooling, the pooler head as a Dense module if there is one, and Normalize when the model
+    normalizes, plus modules.json and config_sentence_transformers.json. A model card (README.md) follows.
+
+    `keep_layers` cuts the saved model to its first layers (config and weights: the layers above are not
+    written at all). `dim` keeps the first `dim` numbers of each embedding (an identity Dense module, exact,
+    before Normalize, so the folder gives the cell's vectors). `normalize` overrides the model's own
+    Normalize. `metadata` (method, training config, ...) goes to matryoshka2d.json.
+
+    Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    n = self.check_layer(keep_layers) if keep_layers else self.num_layers
+    width = self.check_dim(dim) if dim is not None else None
+    normalize = self.normalize_output if normalize is None else bool(normalize)
+    for stale in out.iterdir():
+        # Module folders of an earlier save into this folder (2_Dense, 2_Normalize, ...) must not survive.
+        if stale.is_dir() and re.fullmatch(r"\d+_\w+", stale.name):
+            shutil.rmtree(stale)
+    with truncated_stack(self.model, n):
+        original = layer_count_attrs(self.model.config)
+        for attr in original:
+            setattr(self.model.config, attr, n)
+        try:
+            self.model.save_pretrained(out, safe_serialization=True)
+        finally:
+            for attr, value in original.items():
+                setattr(self.model.config, attr, value)
+    self.tokenizer.save_pretrained(out)
+    model = sentence_transformer_modules(self, out, width, normalize)
+    model.save(str(out), create_model_card=False)
+    if metadata is not None:
+        (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+
+    write_model_card(out, self, layers=n, dim=width, normalize=normalize, metadata=metadata)
+    return out
+
+
+def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize: bool):
+    """A SentenceTransformer on the Hugging Face files in `folder`, with this encoder's modules after it."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    transformer = Transformer(str(folder), max_seq_length=self.max_length)
+    modules = [transformer, Pooling(self.transformer_size, pooling_mode=OUR_TO_ST_POOLING[self.pooling])]
+    if self.head is not None:
+        dense = Dense(
+            self.head.in_features,
+            self.head.out_features,
+            bias=self.head.linear.bias is not None,
+            activation_function=ACTIVATIONS[self.head.activation_name](),
+        )
+        dense.linear.load_state_dict({k: v.detach().float().cpu() for k, v in self.head.linear.state_dict().items()})
+        modules.append(dense)
+    if dim is not None and dim < self.hidden_size:
+        # Keep the first `dim` numbers: y = I[:dim] x is exact in floating point (products by 0 and 1).
+        modules.append(
+            Dense(
+                self.hidden_size,
+                dim,
+                bias=False,
+                activation_function=nn.Identity(),
+                init_weight=torch.eye(self.hidden_size)[:dim].clone(),
+            )
+        )
+    if normalize:
+        modules.append(Normalize())
+    return SentenceTransformer(modules=modules, device="cpu", similarity_fn_name="cosine")

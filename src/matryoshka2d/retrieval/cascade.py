@@ -1,0 +1,182 @@
+"""The cascade and the shallow query exit, evaluated against flat search (`eval retrieval --cascade` /
+`--query-layer`): nDCG@10 and the share of flat's top 10 each keeps, on a BEIR-format set."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from matryoshka2d.evaluate.results import provenance
+from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
+from matryoshka2d.retrieval.index import make_index
+from matryoshka2d.retrieval.search import cascade_search, flat_search, unit
+
+
+def recall_at(ranking: np.ndarray, qrels: list[dict[int, int]], k: int = 10) -> float:
+    """Mean share of each query's relevant documents found in its top k, x 100."""
+    return 100 * float(
+        np.mean(
+            [
+                sum(1 for d in ranked[:k] if rel.get(int(d), 0) > 0) / len(rel)
+                for ranked, rel in zip(ranking, qrels, strict=True)
+            ]
+        )
+    )
+
+
+def overlap_at(ranking: np.ndarray, reference: np.ndarray, k: int = 10) -> float:
+    """Mean share of the reference's top k that a ranking also has in its top k, x 100."""
+    shares = []
+    for mine, ref in zip(ranking[:, :k], reference[:, :k], strict=True):
+        want = {int(d) for d in ref if d >= 0}
+        shares.append(len(want & {int(d) for d in mine}) / max(len(want), 1))
+    return 100 * float(np.mean(shares))
+
+
+def evaluate_cascade(
+    encoder,
+    directories: Sequence[str | Path],
+    split: str,
+    cascade: tuple[tuple[int, int], tuple[int, int]] | None,
+    shortlist: int = 100,
+    query_layer: int | None = None,
+    batch_size: int = 64,
+    log: Callable[[str], None] | None = None,
+    show_progress: bool = True,
+) -> dict:
+    """Flat search at the full cell next to a cascade (small cell shortlist, full cell rerank) and/or queries
+    encoded at a shallow layer against full-depth documents, on faiss flat indexes.
+
+    Each row reports nDCG@10, recall@10, how much of flat full-cell search's top 10 it finds, and per-query
+    latency split into query encoding (one query at a time is not what a server does, so the whole query set
+    is encoded in batches and divided) and search (one query at a time, as a server would).
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    full = cascade[1] if cascade else (encoder.num_layers, encoder.hidden_size)
+    for n, d in [*(cascade or ()), full]:
+        encoder.check_layer(n), encoder.check_dim(d)
+    if query_layer is not None:
+        encoder.check_layer(query_layer)
+    if cascade and shortlist < 10:
+        raise ValueError(f"--shortlist {shortlist} is below the 10 results nDCG@10 needs")
+    sets = [load_beir(d, split) for d in directories]
+    started, start = provenance(), time.perf_counter()
+    rows = []
+    for ds in sets:
+        rows += _cascade_rows(encoder, ds, cascade, full, shortlist, query_layer, batch_size, log, show_progress)
+    result = {
+        "task": "retrieval-cascade",
+        "datasets": [s.name for s in sets],
+        "cascade": [list(c) for c in cascade] if cascade else None,
+        "shortlist": shortlist if cascade else None,
+        "query_layer": query_layer,
+        "rows": rows,
+        "model": encoder.info(),
+        "settings": {
+            "split": split,
+            "search": "faiss IndexFlatIP on L2-normalised vectors; one query per search call",
+            "query_encode_ms": "whole query set encoded in batches of the batch size, time divided by queries",
+            "documents": {s.name: len(s.doc_ids) for s in sets},
+            "queries": {s.name: len(s.query_ids) for s in sets},
+        },
+        "seconds": {"total": time.perf_counter() - start},
+        "provenance": started,
+    }
+    result["provenance"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return result
+
+
+def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, batch_size, log, progress) -> list[dict]:
+    """The rows of one dataset: documents encoded once at every layer any mode needs."""
+    doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *([query_layer] if query_layer else [])})
+    t0 = time.perf_counter()
+    docs = encoder.pooled_states(ds.doc_texts, doc_layers, batch_size, show_progress=progress)
+    log(f"{ds.name}: {len(ds.doc_texts)} documents at layers {doc_layers} in {time.perf_counter() - t0:.1f} s")
+    position = {d: i for i, d in enumerate(ds.doc_ids)}
+    exclude = np.array([position.get(q, -1) for q in ds.query_ids])
+    indexes = {}
+    n_queries = len(ds.query_texts)
+
+    def index(cell):
+        if cell not in indexes:
+            indexes[cell] = make_index(unit(docs[cell[0]][:, : cell[1]]), "flat", "float32")
+        return indexes[cell]
+
+    def queries(layers):
+        t = time.perf_counter()
+        pooled = encoder.pooled_states(ds.query_texts, sorted(set(layers)), batch_size)
+        return pooled, (time.perf_counter() - t) / n_queries
+
+    def one_by_one(search_one):
+        t = time.perf_counter()
+        parts = [search_one(i) for i in range(n_queries)]
+        return np.concatenate(parts), (time.perf_counter() - t) / n_queries
+
+    def flat_one(cell, q):
+        return lambda i: flat_search(index(cell), q[i : i + 1], 10, exclude[i : i + 1])[0]
+
+    modes = []
+    pooled, enc = queries([full[0]])
+    ranking, sec = one_by_one(flat_one(full, unit(pooled[full[0]][:, : full[1]])))
+    reference = ranking
+    modes.append((f"flat ({full[0]},{full[1]})", ranking, enc, sec))
+    if cascade:
+        small = cascade[0]
+        pooled, enc = queries([small[0], full[0]])
+        qs, qf = unit(pooled[small[0]][:, : small[1]]), unit(pooled[full[0]][:, : full[1]])
+        ranking, sec = one_by_one(
+            lambda i: cascade_search(
+                index(small), index(full), qs[i : i + 1], qf[i : i + 1], shortlist, 10, exclude[i : i + 1]
+            )[0]
+        )
+        modes.append((f"cascade ({small[0]},{small[1]}) top {shortlist} -> ({full[0]},{full[1]})", ranking, enc, sec))
+    if query_layer:
+        pooled, enc = queries([query_layer])
+        qa = unit(pooled[query_layer][:, : full[1]])
+        ranking, sec = one_by_one(flat_one(full, qa))
+        modes.append((f"queries at layer {query_layer} -> docs ({full[0]},{full[1]})", ranking, enc, sec))
+        sym = (query_layer, full[1])
+        ranking, sec = one_by_one(flat_one(sym, qa))
+        modes.append((f"flat ({sym[0]},{sym[1]}) (queries and docs at layer {query_layer})", ranking, enc, sec))
+    rows = []
+    for name, ranking, enc, sec in modes:
+        metrics = rank_metrics(ranking, ds.qrels)
+        rows.append(
+            {
+                "dataset": ds.name,
+                "mode": name,
+                "ndcg@10": metrics["ndcg@10"],
+                "recall@10": recall_at(ranking, ds.qrels, 10),
+                "overlap@10_with_flat": overlap_at(ranking, reference, 10),
+                "query_encode_ms": 1000 * enc,
+                "search_ms": 1000 * sec,
+            }
+        )
+        log(f"  {name}: nDCG@10 {metrics['ndcg@10']:.2f}")
+    return rows
+
+
+def cascade_markdown(result: dict) -> str:
+    prov = result["provenance"]
+    lines = [
+        f"# Cascade / asymmetric retrieval: {result['model']['model']}",
+        "",
+        f"- date: {prov['date']}; machine: {prov['machine']}; {prov['software']}",
+        f"- load average at start / end: {prov['load_average_at_start']} / {prov['load_average_at_end']}",
+        f"- command: `{prov['command']}`",
+        f"- {result['settings']['search']}; {result['settings']['query_encode_ms']}",
+        "",
+        "| dataset | mode | nDCG@10 | recall@10 | top-10 overlap with flat | query encode ms | search ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['dataset']} | {r['mode']} | {r['ndcg@10']:.2f} | {r['recall@10']:.2f} | "
+            f"{r['overlap@10_with_flat']:.1f}% | {r['query_encode_ms']:.2f} | {r['search_ms']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,157 @@
+"""The options of a training run (`matryoshka2d train`, YAML configs and presets), and their checks.
+
+Everything here can be checked before a model is loaded; each error names the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+from matryoshka2d.models.backbones import check_device
+
+# The loss a run uses when none is given, per kind of training data (matryoshka2d.training.data). AnglE's terms depend
+# on the kind too (losses/angle.py): angle-emb 0.6.1's format C for triplets, format A for labelled pairs.
+DEFAULT_LOSSES = {
+    "triplets": ("angle", "AnglE as angle-emb trains triplets: in-batch negatives with and without hard negatives"),
+    "nli": ("angle", "AnglE as angle-emb trains labelled pairs: in-batch negatives over entailed pairs"),
+    "scored": ("angle", "AnglE for similarity scores: CoSENT on the scores plus the angle term"),
+    "sentences": ("simcse", "unsupervised SimCSE: plain sentences, dropout as the only noise"),
+}
+
+# Options that may change between a run and its resume: they do not change what is trained.
+RESUMABLE_CHANGES = (
+    "output",
+    "eval_steps",
+    "eval_file",
+    "eval_cell",
+    "save_steps",
+    "keep_checkpoints",
+    "device",
+    # how a step is computed or logged, not what it computes
+    "log_every",
+    "gradient_checkpointing",
+    "compile",
+)
+
+
+@dataclass
+class TrainConfig:
+    data: list[str]
+    output: str
+    model: str = "minilm-l6"
+    method: str = "plain"
+    loss: str | None = None  # None: the default loss for the kind of training data (DEFAULT_LOSSES)
+    steps: int | None = None  # None: `epochs` passes over the data
+    epochs: float = 1.0
+    batch_size: int = 32
+    lr: float = 5e-5  # 2DMSE sec. 4 and ESE sec. 4 (BERT-based models)
+    warmup_ratio: float = 0.1
+    lr_schedule: str = "linear"  # linear warm-up, then "linear" or "cosine" decay to 0
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    pooling: str | None = None
+    max_length: int | None = None
+    eval_steps: int = 0  # 0: evaluate only at the end
+    eval_file: str | None = None  # STS-B dev by default
+    eval_cell: list[int] | None = None  # [layer, dim]; default: the full model
+    save_steps: int = 200
+    keep_checkpoints: int = 2
+    method_options: dict = field(default_factory=dict)
+    loss_options: dict = field(default_factory=dict)
+    device: str | None = None
+    pooler_dim: int | None = None  # put a D -> d tanh pooler head on the encoder (dimensionality paper, sec. 3)
+    freeze_encoder: bool = False  # train only the pooler head (and the loss's own parameters): two-step, step 2
+    # decoder backbones (ESE sec. 3.1; matryoshka2d.models.decoders)
+    bidirectional: bool = False  # non-causal attention in a Llama/Qwen2/Mistral backbone, saved with the model
+    lora_r: int | None = None  # train LoRA adapters of this rank (peft) instead of all weights
+    lora_alpha: float | None = None  # default: lora_r
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None  # default: peft's choice for the architecture
+    # throughput (matryoshka2d.training.throughput)
+    precision: str | None = None  # bf16 | fp16 | fp32; default bf16 on CUDA where supported, else fp32
+    log_every: int = 10  # read the loss back from the device (a host sync) every N steps only
+    gradient_accumulation: int = 1  # split each batch into this many micro-batches (same data, less memory)
+    gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the blocks inside every layer
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown training option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def _number(config, name: str, kinds, low=None, high=None, low_open=False, allow_none=False) -> None:
+    value = getattr(config, name)
+    flag = "--" + name.replace("_", "-")
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise ValueError(f"{flag} must be a finite number{' (an integer)' if kinds is int else ''}, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{flag} must be {'greater than' if low_open else 'at least'} {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{flag} must be at most {high}, got {value}")
+
+
+def check_config(config: TrainConfig) -> None:
+    """Everything about the options that can be checked before loading a model; each error names the option."""
+    _number(config, "batch_size", int, 1)
+    _number(config, "steps", int, 1, allow_none=True)
+    _number(config, "epochs", (int, float), 0, low_open=True)
+    _number(config, "lr", (int, float), 0, low_open=True)
+    _number(config, "warmup_ratio", (int, float), 0, 1)
+    _number(config, "weight_decay", (int, float), 0)
+    _number(config, "max_grad_norm", (int, float), 0, low_open=True)
+    _number(config, "seed", int, 0)
+    _number(config, "max_length", int, 1, allow_none=True)
+    _number(config, "eval_steps", int, 0)
+    _number(config, "save_steps", int, 0)
+    _number(config, "keep_checkpoints", int, 1)
+    _number(config, "pooler_dim", int, 1, allow_none=True)
+    for name in ("method_options", "loss_options"):
+        value = getattr(config, name)
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"{name} must be a mapping of key: value (in YAML, one 'key: value' per indented line; on the "
+                f"command line --{name[:-1].replace('_', '-')} key=value), got {value!r}"
+            )
+    if isinstance(config.data, str):
+        config.data = [config.data]
+    if not isinstance(config.data, list) or not config.data or not all(isinstance(d, str) for d in config.data):
+        raise ValueError(f"data must be a list of training files, got {config.data!r}")
+    if config.eval_cell is not None and (
+        not isinstance(config.eval_cell, (list, tuple))
+        or len(config.eval_cell) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in config.eval_cell)
+    ):
+        raise ValueError(f"eval_cell must be [layer, dim] (two positive integers), got {config.eval_cell!r}")
+    if config.lr_schedule not in ("linear", "cosine"):
+        raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
+    check_device(config.device)
+
+
+def check_resumable(checkpoint, saved: dict, mine: dict) -> None:
+    """Refuse to resume a checkpoint whose training options (`saved`) differ from this run's, naming each;
+    RESUMABLE_CHANGES may differ. A checkpoint written before an option existed holds that option's default."""
+    defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig(data=[], output=""))))
+    differ = [
+        f"{k} (checkpoint {saved.get(k, defaults.get(k))!r}, now {mine.get(k)!r})"
+        for k in mine
+        if k not in RESUMABLE_CHANGES and saved.get(k, defaults.get(k)) != mine.get(k)
+    ]
+    if differ:
+        raise ValueError(
+            f"cannot resume from {checkpoint}: the run differs in {'; '.join(differ)}. Resume with the "
+            "checkpoint's options, or start a new run with --overwrite or another --output"
+        )

@@ -1,0 +1,104 @@
+"""The layout of issue 17 kept what users see: every command's --help, and exits that several threads share."""
+
+import argparse
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SENTENCES, tiny_transformer
+from matryoshka2d.models.encoder import ElasticEncoder
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "help-before-layout.txt"
+# Module paths that moved (the only text --help may change): before -> after.
+MOVED_PATHS = {"src/matryoshka2d/presets/": "src/matryoshka2d/training/presets/"}
+
+
+def help_texts(parser: argparse.ArgumentParser, path: list[str]):
+    """(command path, --help text) for the parser and every subcommand under it, depth first."""
+    yield " ".join(path), parser.format_help()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from help_texts(sub, [*path, name])
+
+
+def test_every_help_text_equals_the_snapshot_taken_before_the_move(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # the width the snapshot was taken at
+    from matryoshka2d.cli import build_parser
+
+    now = "".join(f"===== {path}\n{text}" for path, text in help_texts(build_parser(), ["matryoshka2d"]))
+    before = SNAPSHOT.read_text(encoding="utf-8")
+    for old, new in MOVED_PATHS.items():
+        before = before.replace(old, new)
+    sections_now = dict(re.findall(r"===== (.*)\n((?:(?!=====).*\n)*)", now))
+    sections_before = dict(re.findall(r"===== (.*)\n((?:(?!=====).*\n)*)", before))
+    assert sorted(sections_now) == sorted(sections_before), "commands were added or removed"
+    for command, text in sections_before.items():
+        assert sections_now[command] == text, f"`{command} --help` changed"
+
+
+def test_python_dash_m_runs_the_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "matryoshka2d.cli", "--help"], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "usage: matryoshka2d" in out.stdout
+
+
+def test_public_names_stay_importable():
+    from matryoshka2d import BackboneError, ElasticEncoder  # noqa: F401
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_eight_threads_at_different_cells_get_the_sequential_vectors(arch, tokenizer):
+    encoder = ElasticEncoder.from_modules(
+        tiny_transformer(arch, tokenizer.vocab_size), tokenizer, pooling="mean", name=f"tiny-{arch}", device="cpu"
+    )
+    texts = [t for t in SENTENCES if t] * 3
+    cells = [(1, 8), (2, 16), (3, 32), (4, 32), (1, 32), (2, 8), (3, 16), (4, 8)]
+    expected = {cell: encoder.encode(texts, layer=cell[0], dim=cell[1], batch_size=4) for cell in cells}
+    results: dict[tuple[int, int], list[np.ndarray]] = {cell: [] for cell in cells}
+    start = threading.Barrier(len(cells))
+    errors = []
+
+    def work(cell):
+        try:
+            start.wait()
+            for _ in range(5):  # many short calls, so the threads' forward passes interleave
+                results[cell].append(encoder.encode(texts, layer=cell[0], dim=cell[1], batch_size=4))
+        except Exception as exc:  # reported below with its cell
+            errors.append((cell, exc))
+
+    threads = [threading.Thread(target=work, args=(cell,)) for cell in cells]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    for cell in cells:
+        assert len(results[cell]) == 5
+        for got in results[cell]:
+            np.testing.assert_array_equal(got, expected[cell], err_msg=f"cell {cell}")
+    assert encoder.num_layers == 4  # never cut, not even for a moment
+
+
+def test_an_exit_runs_only_its_layers(tiny_bert):
+    """The exit still stops the pass: layers above the deepest one asked for never run."""
+    from matryoshka2d.models.backbones import layer_stack
+
+    ran = []
+    handles = [
+        layer.register_forward_hook(lambda *_a, n=n: ran.append(n))
+        for n, layer in enumerate(layer_stack(tiny_bert.model), start=1)
+    ]
+    try:
+        tiny_bert.encode(["a cat sits"], layer=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert ran == [1, 2]
