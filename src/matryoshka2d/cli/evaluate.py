@@ -18,13 +18,11 @@ def _log(message: str) -> None:
 
 def _embedder(args, default_cells=None) -> EncoderCells:
     """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults)."""
-    from matryoshka2d.models.backbones import check_device
-    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.cli.args import load_encoder
 
     if args.max_length is not None and args.max_length < 1:
         raise ValueError(f"--max-length must be at least 1 token, got {args.max_length}")
-    check_device(args.device)
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    encoder = load_encoder(args, max_length=args.max_length, log=_log)
     layers, dims = parse_ints(args.layers, "layers"), parse_ints(args.dims, "dims")
     if default_cells is not None:
         default_layers, default_dims = default_cells(encoder.num_layers, encoder.hidden_size)
@@ -112,11 +110,11 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
     """--cascade / --query-layer: flat full-cell search next to the cascade and/or shallow queries."""
     import json
 
+    from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.cli.retrieval import parse_cascade
-    from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.retrieval.cascade import cascade_markdown, evaluate_cascade
 
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    encoder = load_encoder(args, max_length=args.max_length, log=_log)
     result = evaluate_cascade(
         encoder,
         dirs,
