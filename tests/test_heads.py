@@ -219,3 +219,21 @@ def test_training_with_exit_heads_trains_them_and_saves_them(tiny_dir, text_file
     assert saved.exit_heads.record["init"] == "identity"
     with pytest.raises(ValueError, match="method 'plain' trains no view below the last layer"):
         Trainer(TrainConfig(**{**config(tmp_path / "p", exit_heads="fit").__dict__, "method": "plain"}))
+
+
+def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
+    from matryoshka2d.evaluate.grid import EncoderCells
+
+    heads, _ = fit_heads(encoder, [sentences])
+    encoder.set_exit_heads(heads)
+    cells = EncoderCells(encoder, [1, 4], [8, 32], compare_heads=True)
+    texts = sentences[:12]
+    with_heads = cells.embed(texts)
+    without = cells.without_heads().embed(texts)
+    for layer, dim in cells.cells():
+        np.testing.assert_allclose(with_heads[(layer, dim)], encoder.encode(texts, layer=layer, dim=dim), atol=1e-5)
+        np.testing.assert_allclose(
+            without[(layer, dim)], encoder.encode(texts, layer=layer, dim=dim, heads=False), atol=1e-5
+        )
+    assert not np.allclose(with_heads[(1, 32)], without[(1, 32)])
+    np.testing.assert_array_equal(with_heads[(4, 32)], without[(4, 32)])  # the last layer has no head

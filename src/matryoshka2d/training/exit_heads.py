@@ -21,8 +21,8 @@ FIT_BATCH = 512
 
 
 def prepare(trainer) -> None:
-    """Put the heads on the encoder before the optimizer is built. A model with heads trained without --exit-heads would save stale heads: they are dropped,
-    and the run says so."""
+    """Put the heads on the encoder before the optimizer is built. A model with heads trained without
+    --exit-heads would save stale heads: they are dropped, and the run says so."""
     cfg, encoder = trainer.config, trainer.encoder
     if cfg.exit_heads is None:
         if encoder.exit_heads is not None:
