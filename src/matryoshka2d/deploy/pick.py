@@ -287,7 +287,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         "storage": args.storage,
         "timing": timing,
         "points": [p.__dict__ for p in points],
-        "recommended": {"layer": chosen.layer, "dim": chosen.dim, "reason": reason},
+        "recommended": {"layer": chosen.layer, "dim": chosen.dim, "score": chosen.score, "reason": reason},
     }
     (out / "pick.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(f"Pareto frontier ({label} vs encode time and bytes; recommended in bold):")
