@@ -109,6 +109,7 @@ def cmd_heads_fit(args) -> int:
         batches(),
         target=args.target,
         kind=args.kind,
+        select=args.select,
         layers=parse_ints(args.layers, "layers"),
         log=_log if not args.quiet else None,
     )
@@ -151,6 +152,13 @@ def register(sub, model_args) -> None:
     f.add_argument("--target", choices=["normalized", "raw"], default="normalized", help="last-layer vector as target")
     f.add_argument("--kind", choices=["affine", "mlp"], default="affine", help="affine (closed form) or a small MLP")
     f.add_argument("--layers", nargs="*", help="exits to fit (default: every layer below the last)")
+    f.add_argument(
+        "--select",
+        choices=["similarity", "mse"],
+        default="mse",
+        help="choose the ridge strength on the held-out tenth by squared error to the last layer's vectors (mse) "
+        "or by how well the heads keep its cosine similarities between sentences (similarity)",
+    )
     f.add_argument("--max-sentences", type=int, help="use at most this many distinct sentences (default: all)")
     f.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     f.add_argument("--quiet", action="store_true", help="no progress lines")

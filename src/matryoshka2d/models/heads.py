@@ -13,9 +13,10 @@ On disk (a model folder):
   record whose backbone checksum is not the folder's backbone, is refused when the folder is loaded.
 
 Fitting (`fit_heads`) streams: for each exit it accumulates the normal equations X'X and X'Y in float64 batch by
-batch, so memory does not grow with the data; every tenth sentence is held out, the ridge strength is the one of
-a small grid with the lowest held-out squared error (computed from held-out X'X, X'Y, Y'Y, no second pass), and
-the final head is refitted on all sentences with that strength.
+batch, so memory does not grow with the data; every tenth sentence is held out, and the ridge strength is the one of
+a small grid with the lowest held-out squared error (computed from held-out X'X, X'Y, Y'Y, no second pass; or,
+with select="similarity", the one whose heads best keep the last layer's cosine similarities between held-out
+sentences); the final head is refitted on all sentences with that strength.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ TARGETS = ("normalized", "raw")  # the last layer's vector scaled to length 1, o
 # measurement used 0.01 x n). The bias is never penalised.
 RIDGE_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 HELD_OUT_EVERY = 10  # every tenth sentence is held out to choose the ridge strength
+# How the ridge strength is chosen on the held-out sentences: "similarity" keeps the strength whose heads best
+# preserve the last layer's cosine similarities between held-out sentences (Pearson over random pairs, what STS
+# and retrieval use); "mse" the lowest squared error to the target vectors. The similarity criterion needs the
+# held-out vectors themselves, so it keeps a fixed-size sample of them (memory stays bounded).
+SELECTIONS = ("similarity", "mse")
+SIMILARITY_SAMPLE = 2000  # held-out sentences kept for the similarity criterion
+SIMILARITY_PAIRS = 20000
 
 
 class HeadsError(BackboneError):
@@ -267,6 +275,7 @@ class FitReport:
     target: str
     strengths: dict[int, float] = field(default_factory=dict)  # layer -> chosen lambda / n
     held_out_mse: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: mse}
+    held_out_similarity: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: r}
     seconds: float = 0.0
 
 
@@ -278,6 +287,7 @@ def fit_heads(
     layers: Sequence[int] | None = None,
     mlp_epochs: int = 20,
     seed: int = 0,
+    select: str = "mse",
     log: Callable[[str], None] | None = None,
 ) -> tuple[ExitHeads, FitReport]:
     """Fit exit heads on batches of distinct texts, with no labels: each exit's pooled vector is regressed onto
@@ -290,6 +300,8 @@ def fit_heads(
         raise HeadsError(f"--target {target}: choose one of {', '.join(TARGETS)}")
     if kind not in KINDS:
         raise HeadsError(f"--kind {kind}: choose one of {', '.join(KINDS)}")
+    if select not in SELECTIONS:
+        raise HeadsError(f"--select {select}: choose one of {', '.join(SELECTIONS)}")
     top = encoder.num_layers
     if top < 2:
         raise HeadsError(f"{encoder.name} has one layer: there is no exit below the last layer to fit a head for")
@@ -301,7 +313,8 @@ def fit_heads(
     fit = {n: NormalEquations.empty(d_in, d_out) for n in exits}
     held = {n: NormalEquations.empty(d_in, d_out) for n in exits}
     kept: dict[int, list[np.ndarray]] = {n: [] for n in [*exits, top]}
-    seen = 0
+    sample: dict[int, list[np.ndarray]] = {n: [] for n in [*exits, top]}  # held-out rows for the criterion
+    sampled, seen = 0, 0
     for texts in batches:
         texts = list(texts)
         if not texts:
@@ -325,6 +338,11 @@ def fit_heads(
                 kept[n].append(raw[n])
         if kind == "mlp":
             kept[top].append(y)
+        take = np.flatnonzero(out)[: max(0, SIMILARITY_SAMPLE - sampled)]
+        for n in exits:
+            sample[n].append(raw[n][take])
+        sample[top].append(y[take])
+        sampled += len(take)
         seen += len(texts)
         if log:
             log(f"heads fit: {seen} sentences encoded")
@@ -338,13 +356,23 @@ def fit_heads(
         )
     report = FitReport(sentences=seen, held_out=held[exits[0]].rows, target=target)
     heads = ExitHeads(exits, d_in, d_out, kind)
+    pairs = _pairs(sampled, seed)
+    target_cos = _cosines(np.concatenate(sample[top]), pairs) if sampled else None
     for n in exits:
-        errors = {}
+        errors, similarity = {}, {}
         for ratio in RIDGE_GRID:
             solution = fit[n].solve(ratio * train_rows)
             errors[ratio] = held[n].squared_error(solution) / max(1, held[n].rows) if held[n].rows else 0.0
-        best = min(errors, key=errors.get) if held[n].rows else 1e-2
-        report.held_out_mse[n], report.strengths[n] = errors, best
+            if target_cos is not None:
+                mapped = np.concatenate(sample[n]) @ solution[:-1] + solution[-1]
+                similarity[ratio] = float(np.corrcoef(_cosines(mapped, pairs), target_cos)[0, 1])
+        if not held[n].rows:
+            best = 1e-2
+        elif select == "similarity" and similarity:
+            best = max(similarity, key=similarity.get)
+        else:
+            best = min(errors, key=errors.get)
+        report.held_out_mse[n], report.held_out_similarity[n], report.strengths[n] = errors, similarity, best
         everything = NormalEquations(fit[n].xtx + held[n].xtx, fit[n].xty + held[n].xty, fit[n].yty + held[n].yty)
         solution = everything.solve(best * (train_rows + held[n].rows))
         with torch.no_grad():
@@ -362,8 +390,22 @@ def fit_heads(
         "sentences": report.sentences,
         "held_out": report.held_out,
         "ridge_lambda_over_n": {str(n): v for n, v in report.strengths.items()},
+        "ridge_chosen_by": f"held-out {select}",
     }
     return heads, report
+
+
+def _pairs(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random distinct pairs (i, j) of `rows` held-out sentences, the same for every ridge strength."""
+    rng = np.random.default_rng(seed)
+    i, j = rng.integers(0, max(rows, 1), SIMILARITY_PAIRS), rng.integers(0, max(rows, 1), SIMILARITY_PAIRS)
+    keep = i != j
+    return i[keep], j[keep]
+
+
+def _cosines(x: np.ndarray, pairs: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    unit = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    return (unit[pairs[0]] * unit[pairs[1]]).sum(1)
 
 
 def _train_mlp_residuals(heads: ExitHeads, x: dict[int, np.ndarray], y: np.ndarray, epochs: int, seed: int) -> None:
