@@ -3,6 +3,8 @@ the same model (index and query model, result files and the model pick times, a 
 corpus), and damaged indexes and bad flags end in a one-line error (exit 2), never a traceback. The cases and
 their messages are listed in docs/reliability.md, section 8."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -76,3 +78,27 @@ def test_resume_never_replaces_a_finished_model(tiny_dir, files, tmp_path, capsy
     one_line_error(capsys, "a saved model (config.json)")
     assert main(train_args(tiny_dir, files, run, "--resume", "--overwrite", "--lr", "0.5")) == 0
     assert snapshot(run) != before
+
+
+def test_every_eval_cell_is_evaluated(tiny_dir, files, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(tiny_dir, files, run, "--eval-cell", "1:16,2:32", "--eval-steps", "1")) == 0
+    records = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval"]) for r in records if "eval" in r]
+    assert evals == [(1, "dev.tsv@(1,16)"), (1, "dev.tsv@(2,32)"), (2, "dev.tsv@(1,16)"), (2, "dev.tsv@(2,32)")]
+    meta = json.loads((run / "matryoshka2d.json").read_text())
+    assert [r["eval"] for r in meta["final_evals"]] == ["dev.tsv@(1,16)", "dev.tsv@(2,32)"]
+    assert meta["final_eval"] == meta["final_evals"][0]
+    assert "step 1: STS dev.tsv@(2,32) spearman" in capsys.readouterr().out
+    # Each cell is checked against the model before the first step.
+    assert main(train_args(tiny_dir, files, tmp_path / "bad", "--eval-cell", "1:16,9:8")) == 2
+    one_line_error(capsys, "layer 9 is out of range")
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(("extra", "needle"), [(["--layer", "0", "--dim", "0"], "(0,0)"), (["--dim", "0"], "(4,0)")])
+def test_separate_refuses_zero_layer_or_dim(tiny_dir, files, tmp_path, capsys, extra, needle):
+    out = tmp_path / "run"
+    assert main(train_args(tiny_dir, files, out, "--method", "separate", *extra)) == 2
+    one_line_error(capsys, f"separate: the cell {needle} is outside the model's 4 layers x 32 dims", "--layer must be")
+    assert not (out / "matryoshka2d.json").exists()
