@@ -60,8 +60,11 @@ def evaluate_cascade(
     full = cascade[1] if cascade else (encoder.num_layers, encoder.hidden_size)
     for n, d in [*(cascade or ()), full]:
         encoder.check_layer(n), encoder.check_dim(d)
-    if query_layer is not None:
-        encoder.check_layer(query_layer)
+    if query_layer is not None and encoder.check_layer(query_layer) > full[0]:
+        raise ValueError(
+            f"--query-layer {query_layer} is deeper than the documents of the full cell {full[0]}:{full[1]}: queries "
+            f"exit at most at the documents' layer; use --query-layer {full[0]} or less"
+        )
     if cascade and shortlist < 10:
         raise ValueError(f"--shortlist {shortlist} is below the 10 results nDCG@10 needs")
     sets = [load_beir(d, split) for d in directories]
