@@ -284,3 +284,41 @@ def test_eval_retrieval_refuses_a_query_layer_deeper_than_the_documents(tiny_dir
     assert main([*args, "--cascade", "1:8,3:32", "--query-layer", "4", "--output", str(tmp_path / "o")]) == 2
     one_line_error(capsys, "--query-layer 4 is deeper than the documents of the full cell 3:32")
     assert not (tmp_path / "o").exists()
+
+
+# ---- result files and the model pick times ------------------------------------------------------------------------
+
+
+def test_pick_checks_that_results_and_the_timed_model_are_one_model(
+    tiny_dir, other_weights_dir, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+
+    from test_eval_sts import sts_tree
+
+    sts_tree(tmp_path / "data")
+    common = ["--pooling", "mean", "--data-dir", str(tmp_path / "data"), "--layers", "1,4", "--dims", "8,32", "--quiet"]
+    for name, model in (("a", tiny_dir), ("b", other_weights_dir)):
+        assert main(["eval", "sts", "--model", str(model), *common, "--output", str(tmp_path / name)]) == 0
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    b = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert a["model"]["weights_sha256"] != b["model"]["weights_sha256"]
+    capsys.readouterr()
+    pick = ["pick", "--results", str(tmp_path / "a"), "--output", str(tmp_path / "pick")]
+    assert main([*pick, "--model", str(other_weights_dir)]) == 2
+    one_line_error(capsys, "are of", "but the model timed", "has other weights", "another's timings")
+    assert not (tmp_path / "pick").exists()  # refused before timing anything or writing
+    assert main(["pick", "--results", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    one_line_error(capsys, "the result files are of different models")
+    assert main(pick) == 0  # the model named in the results: its own
+    assert "warning" not in capsys.readouterr().err
+    # A result file written before the checksum was recorded: a warning, not a refusal.
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "a", old)
+    del a["model"]["weights_sha256"]
+    (old / "results.json").write_text(json.dumps(a))
+    assert main(["pick", "--results", str(old), "--model", str(other_weights_dir)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "record no weights checksum" in err and "Traceback" not in err

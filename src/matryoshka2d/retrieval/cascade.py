@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.results import provenance
+from matryoshka2d.evaluate.results import model_record, provenance
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
 from matryoshka2d.retrieval.index import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search, unit
@@ -79,7 +79,7 @@ def evaluate_cascade(
         "shortlist": shortlist if cascade else None,
         "query_layer": query_layer,
         "rows": rows,
-        "model": encoder.info(),
+        "model": model_record(encoder),
         "settings": {
             "split": split,
             "search": "faiss IndexFlatIP on L2-normalised vectors; one query per search call",
