@@ -322,3 +322,22 @@ def test_pick_checks_that_results_and_the_timed_model_are_one_model(
     assert main(["pick", "--results", str(old), "--model", str(other_weights_dir)]) == 0
     err = capsys.readouterr().err
     assert "warning: " in err and "record no weights checksum" in err and "Traceback" not in err
+
+
+# ---- serve ---------------------------------------------------------------------------------------------------------
+
+
+def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys):
+    import socket
+
+    missing = str(tmp_path / "no-model")  # never loaded: the address is checked first
+    assert main(["serve", "--model", missing, "--port", "70000"]) == 2
+    one_line_error(capsys, "--port must be 0..65535", "got 70000")
+    assert main(["serve", "--model", missing, "--port", "-1"]) == 2
+    one_line_error(capsys, "--port must be 0..65535")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", missing, "--host", "127.0.0.1", "--port", str(port)]) == 2
+        one_line_error(capsys, f"--port {port}: cannot listen there")
