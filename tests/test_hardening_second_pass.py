@@ -7,49 +7,16 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
+import test_hardening as first_pass
 from matryoshka2d.cli import main
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("second-pass-data")
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(16):
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    (root / "triplets.tsv").write_text("\n".join(rows) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (root / "dev.tsv").write_text("\n".join([*dev, "old dog\tsmall cat\t0"]) + "\n")
-    return root
+# The first pass's fixtures (training and dev files, one torch thread) and its one-line-error check.
+files, one_thread, one_line_error = first_pass.files, first_pass.one_thread, first_pass.one_line_error
 
 
 def train_args(model, files, out, *extra):
-    args = ["train", "--model", str(model), "--pooling", "mean", "--data", str(files / "triplets.tsv")]
-    args += ["--eval-file", str(files / "dev.tsv"), "--batch-size", "8", "--steps", "2", "--output", str(out)]
-    return [*args, *extra]
-
-
-def one_line_error(capsys, *needles) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+    return first_pass.train_args(model, files, out, "--steps", "2", *extra)  # the last --steps counts
 
 
 def snapshot(folder):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import DataFormatError, read_jsonl
+from matryoshka2d.files import DataFormatError, file_sha256, read_jsonl
 from matryoshka2d.views import parse_cells
 
 FORMAT = 1
@@ -132,14 +132,6 @@ def input_sha256(block: Sequence[tuple[str, str]]) -> str:
     digest = hashlib.sha256()
     for key, text in block:
         digest.update(json.dumps([key, text], ensure_ascii=False).encode("utf-8") + b"\n")
-    return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
     return digest.hexdigest()
 
 

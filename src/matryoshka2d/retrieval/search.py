@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, file_sha256, read_manifest
+from matryoshka2d.files import file_sha256
+from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, read_manifest
 
 
 def unit(x: np.ndarray) -> np.ndarray:
