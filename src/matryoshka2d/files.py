@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import io
 import json
 import math
@@ -26,6 +27,15 @@ from pathlib import Path
 
 class DataFormatError(ValueError):
     """An evaluation file is missing or malformed; the message names the file and, when known, the line."""
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks (checkpoints and index files are checked with it)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def where(path: Path, line: int | None = None) -> str:

@@ -30,10 +30,11 @@ def load_encoder(args, model: str | None = None, log=None, **options):
     from matryoshka2d.models.encoder import ElasticEncoder
 
     device = options.pop("device", getattr(args, "device", None))
+    pooling = options.pop("pooling", getattr(args, "pooling", None))
     check_device(device)
     no_heads = bool(getattr(args, "no_heads", False))
     encoder = ElasticEncoder(
-        model or args.model, pooling=getattr(args, "pooling", None), device=device, heads=not no_heads, **options
+        model or args.model, pooling=pooling, device=device, heads=not no_heads, **options
     )
     if no_heads:
         said = "exit heads left off (--no-heads)" if encoder.folder_has_heads else "--no-heads: it has no exit heads"

@@ -26,6 +26,27 @@ def cmd_export(args) -> int:
     return 0
 
 
+def check_listen(host: str, port: int) -> None:
+    """The address can be listened on, checked before the model loads: a port out of range or taken, or a host
+    that is not this machine's, is a message naming the flag (uvicorn would fail with a traceback, or only after
+    the model loaded)."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be 0..65535 (0: any free port), got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+
+
 def cmd_serve(args) -> int:
     from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.server import ServerLimits, serve
@@ -35,6 +56,7 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
+    check_listen(args.host, args.port)
     encoder = load_encoder(args)
     limits = ServerLimits(
         max_inputs=args.max_inputs,

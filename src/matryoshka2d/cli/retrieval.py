@@ -77,8 +77,10 @@ def cmd_search(args) -> int:
     if not texts:
         raise ValueError(f"--queries {args.queries}: no queries in the file")
     index = CellIndex(args.index, nprobe=args.nprobe, ef_search=args.ef_search)
-    model = args.model or index.manifest["model"]["location"] or index.manifest["model"]["model"]
-    encoder = load_encoder(args, model=model)
+    built = index.manifest["model"]
+    model = args.model or built.get("location") or built.get("model")
+    # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
+    encoder = load_encoder(args, model=model, pooling=args.pooling or built.get("pooling"))
     cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
     hits = index.search(
         encoder,

@@ -109,15 +109,16 @@ def cmd_train(args) -> int:
         if getattr(args, flag, False):
             values[flag] = True
     if args.eval_cell:
-        values["eval_cell"] = list(parse_cells(args.eval_cell)[0])
+        cells = [list(c) for c in parse_cells(args.eval_cell)]
+        values["eval_cell"] = cells[0] if len(cells) == 1 else cells  # several: each is evaluated
     values["method_options"] = dict(values.get("method_options") or {})
     values["loss_options"] = dict(values.get("loss_options") or {})
     values["method_options"].update(parse_options(args.method_option, "--method-option"))
     values["loss_options"].update(parse_options(args.loss_option, "--loss-option"))
     if args.sizes:
         values["method_options"]["sizes"] = [list(c) for c in parse_cells(args.sizes)]
-    if args.layer or args.dim:
-        values["method_options"].update({k: v for k, v in (("layer", args.layer), ("dim", args.dim)) if v})
+    if args.layer is not None or args.dim is not None:  # 0 is passed on, to be refused, not dropped
+        values["method_options"].update({k: v for k, v in (("layer", args.layer), ("dim", args.dim)) if v is not None})
     missing = [k for k in ("data", "output") if not values.get(k)]
     if missing:
         raise ValueError(f"train needs {' and '.join('--' + m for m in missing)} (or in --config)")
@@ -162,7 +163,7 @@ def register(sub, model_args) -> None:
     p.add_argument("--output", help="folder for the trained model, logs and checkpoints")
     p.add_argument("--eval-steps", type=int, help="evaluate on STS-B dev every N steps (and always at the end)")
     p.add_argument("--eval-file", help="STS file for the periodic evaluation (default STS-B dev)")
-    p.add_argument("--eval-cell", help="layer:dim to evaluate (default: the full model)")
+    p.add_argument("--eval-cell", help="layer:dim to evaluate, or several: 1:16,2:32 (default: the full model)")
     p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
     p.add_argument("--sizes", help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
     p.add_argument("--layer", type=int, help="separate: train the model cut to this many layers")

@@ -417,7 +417,7 @@ class SMAETrainer(Trainer):
         if self.config.eval_file is not None:  # the default is optional for pre-training
             super().check_eval_file()
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> list[dict]:
         """STS-B dev at the full model, as a check of the sentence vector; skipped if there is no file."""
         if self.config.eval_file is None:
             try:
@@ -425,7 +425,7 @@ class SMAETrainer(Trainer):
             except FileNotFoundError:
                 default = None
             if default is None or not default.is_file():
-                return {"step": self.step, "eval": None, "spearman": None, "note": "no STS dev file"}
+                return [{"step": self.step, "eval": None, "spearman": None, "note": "no STS dev file"}]
         return super().evaluate()
 
 

@@ -10,6 +10,10 @@ Cost is two numbers per cell:
   architecture, machine and thread count, and cached in the cache directory (`--remeasure` refreshes it).
 - bytes per vector: dim x the bytes of the stored number (float32 4, float16 2, int8 1).
 
+Quality and cost must describe one model: result files record the weights checksum of the model they
+evaluated (evaluate/results.py), and pick compares it across the result files and with the model it times.
+A mismatch is refused; a result file written before the checksum was recorded gets a warning.
+
 A cell is on the frontier when no other cell scores at least as well at no more time and no more bytes (and
 is strictly better in one). Every cell the picker recommends is on the frontier.
 """
@@ -56,9 +60,29 @@ class Point:
         return f"({self.layer},{self.dim})"
 
 
+def _checksum(result: dict) -> str | None:
+    model = result.get("model")
+    return model.get("weights_sha256") if isinstance(model, dict) else None
+
+
+def _described(path: str, result: dict) -> str:
+    from matryoshka2d.models.identity import short
+
+    model = result.get("model") if isinstance(result.get("model"), dict) else {}
+    return f"{path} (model {model.get('model', '?')}, weights sha256 {short(_checksum(result))})"
+
+
 def load_quality(paths: list[str]) -> tuple[dict[tuple[int, int], float], str, dict]:
-    """Per-cell quality, a description of it, and the first result's model info."""
+    """Per-cell quality, a description of it, and the first result's model info (with the weights checksum
+    of the first result that records one). Result files of different models are refused."""
     results = [load_result(p) for p in paths]
+    recorded = [(p, r) for p, r in zip(paths, results, strict=True) if _checksum(r)]
+    for path, result in recorded[1:]:
+        if _checksum(result) != _checksum(recorded[0][1]):
+            raise ValueError(
+                f"the result files are of different models: {_described(*recorded[0])} and "
+                f"{_described(path, result)}; pick averages the scores of one model"
+            )
     grids = [grid_of(r["average"], r["metric"]) for r in results]
     shared = set(grids[0]).intersection(*grids[1:])
     if not shared:
@@ -67,7 +91,30 @@ def load_quality(paths: list[str]) -> tuple[dict[tuple[int, int], float], str, d
     if len(results) > 1:
         label = f"mean of {label}"
     quality = {cell: sum(g[cell] for g in grids) / len(grids) for cell in shared}
-    return quality, label, results[0].get("model", {})
+    model = dict(results[0].get("model", {}))
+    if recorded:
+        model["weights_sha256"] = _checksum(recorded[0][1])
+    return quality, label, model
+
+
+def check_timed_model(paths: list[str], model: dict, timed_checksum: str, timed_name: str, log) -> None:
+    """The model pick times is the one the result files evaluated (their weights checksum), or a warning when
+    the files are older than the checksum."""
+    from matryoshka2d.models.identity import short
+
+    recorded = model.get("weights_sha256")
+    if recorded is None:
+        log(
+            f"warning: {', '.join(paths)} record no weights checksum (written by an earlier matryoshka2d): pick "
+            f"cannot check that {timed_name}, which it times, is the model they evaluated"
+        )
+    elif recorded != timed_checksum:
+        raise ValueError(
+            f"the results in {', '.join(paths)} are of {model.get('model', '?')} (weights sha256 {short(recorded)}), "
+            f"but the model timed, {timed_name}, has other weights (sha256 {short(timed_checksum)}): pick would "
+            "combine one model's scores with another's timings; pass --model with the evaluated model, or evaluate "
+            "this one"
+        )
 
 
 def measure_latency(encoder, layers: list[int], repeats: int = 3) -> dict[int, float]:
@@ -103,12 +150,24 @@ def cost_key(info: dict) -> str:
     return f"{'/'.join(map(str, parts))} | {cpu} x{os.cpu_count()} | torch threads {torch.get_num_threads()}"
 
 
-def layer_latency(model: str, pooling: str | None, remeasure: bool, log: Callable[[str], None]) -> tuple[dict, dict]:
-    """ms per query at every layer of `model`, from the cache or measured now; and the timing record."""
+def layer_latency(
+    model: str,
+    pooling: str | None,
+    remeasure: bool,
+    log: Callable[[str], None],
+    check: Callable[[str], None] | None = None,
+) -> tuple[dict, dict]:
+    """ms per query at every layer of `model`, from the cache or measured now; and the timing record, with the
+    weights checksum of the model loaded (the cache is per architecture; the checksum is of this model).
+    `check(checksum)` runs before anything is measured."""
     from matryoshka2d.models.backbones import cache_dir
     from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.identity import weights_sha256
 
     encoder = ElasticEncoder(model, pooling=pooling, device="cpu")
+    checksum = weights_sha256(encoder)
+    if check is not None:
+        check(checksum)
     key = cost_key(encoder.info())
     cache = cache_dir() / "layer_latency.json"
     table = {}
@@ -132,7 +191,8 @@ def layer_latency(model: str, pooling: str | None, remeasure: bool, log: Callabl
         table[key] = record
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    return {int(k): v for k, v in record["ms_per_query"].items()}, {**record, "key": key}
+    timed = {**record, "key": key, "weights_sha256": checksum}
+    return {int(k): v for k, v in record["ms_per_query"].items()}, timed
 
 
 def mark_frontier(points: list[Point]) -> None:
@@ -245,7 +305,13 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         name = args.model or model.get("location") or model.get("model")
         if not name:
             raise ValueError(f"{args.results[0]}: the result names no model; pass --model")
-        latency, timing = layer_latency(name, model.get("pooling"), args.remeasure, log)
+        latency, timing = layer_latency(
+            name,
+            model.get("pooling"),
+            args.remeasure,
+            log,
+            check=lambda checksum: check_timed_model(args.results, model, checksum, name, log),
+        )
     missing = sorted({n for n, _ in quality} - set(latency))
     if missing:
         raise ValueError(f"the results have layers {missing} that the timed model does not (it has {len(latency)})")

@@ -39,7 +39,7 @@ from sklearn.metrics import f1_score
 from sklearn.model_selection import StratifiedKFold
 
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
-from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.evaluate.results import finish, model_record, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
 
 SPLIT_REGS = [2.0**t for t in range(-2, 4)]  # SentEval SplitClassifier / InnerKFoldClassifier
@@ -391,7 +391,7 @@ def evaluate_classification(
         "layers": sorted({n for n, _ in cell_list}),
         "dims": sorted({d for _, d in cell_list}),
         "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": embedder.info(),
+        "model": model_record(embedder),
         "settings": {
             "data_dir": str(Path(directory).resolve()),
             "label_column": label_column,

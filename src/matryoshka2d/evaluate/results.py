@@ -46,6 +46,20 @@ def provenance() -> dict:
     }
 
 
+def model_record(embedder) -> dict:
+    """What a result records about its model: the embedder's description plus the weights checksum of the
+    encoder underneath (models/identity.py), so that `pick` can tell whether the model it times is this one."""
+    import torch
+
+    from matryoshka2d.models.identity import weights_sha256
+
+    info = dict(embedder.info())
+    encoder = getattr(embedder, "encoder", embedder)  # a cell embedder wraps an encoder; or the encoder itself
+    if isinstance(encoder, torch.nn.Module):
+        info["weights_sha256"] = weights_sha256(encoder)
+    return info
+
+
 def cell_average(scores: list[dict], metric: str) -> dict[Cell, float]:
     """Mean of `metric` over the datasets that report it, per (layer, dim)."""
     sums: dict[Cell, list[float]] = {}

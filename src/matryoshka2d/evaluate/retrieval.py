@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct, unit_rows
-from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.evaluate.results import finish, model_record, provenance
 from matryoshka2d.files import DataFormatError, read_jsonl, read_tsv
 
 METRICS = ("ndcg@10", "mrr@10", "recall@100")
@@ -211,7 +211,7 @@ def evaluate_retrieval(
         "layers": sorted({n for n, _ in cell_list}),
         "dims": sorted({d for _, d in cell_list}),
         "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": embedder.info(),
+        "model": model_record(embedder),
         "settings": {
             "split": split,
             "search": "exact inner product on L2-normalised vectors (cosine), numpy",

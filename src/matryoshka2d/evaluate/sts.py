@@ -17,7 +17,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct, unit_rows
-from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.evaluate.results import finish, model_record, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
 
 STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
@@ -112,7 +112,7 @@ def evaluate_sts(
         "layers": sorted({n for n, _ in cells_list}),
         "dims": sorted({d for _, d in cells_list}),
         "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": embedder.info(),
+        "model": model_record(embedder),
         "settings": {
             "data_dir": str(Path(data_dir).resolve()),
             "variant": variant,

@@ -17,10 +17,14 @@ class Separate(Method):
 
     def __init__(self, num_layers: int, hidden_size: int, layer: int | None = None, dim: int | None = None):
         super().__init__(num_layers, hidden_size)
-        self.layer = layer or num_layers
-        self.dim = dim or hidden_size
+        # None means the full size; 0 is a mistake, not "the default" (issue 22: it trained the full model).
+        self.layer = num_layers if layer is None else layer
+        self.dim = hidden_size if dim is None else dim
         if not (1 <= self.layer <= num_layers and 1 <= self.dim <= hidden_size):
-            raise ValueError(f"separate: ({self.layer},{self.dim}) is outside the model's {num_layers} x {hidden_size}")
+            raise ValueError(
+                f"separate: the cell ({self.layer},{self.dim}) is outside the model's {num_layers} layers x "
+                f"{hidden_size} dims; --layer must be 1..{num_layers} and --dim 1..{hidden_size}"
+            )
 
     @property
     def keep_layers(self) -> int:

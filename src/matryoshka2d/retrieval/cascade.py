@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.results import provenance
+from matryoshka2d.evaluate.results import model_record, provenance
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
 from matryoshka2d.retrieval.index import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search, unit
@@ -60,8 +60,11 @@ def evaluate_cascade(
     full = cascade[1] if cascade else (encoder.num_layers, encoder.hidden_size)
     for n, d in [*(cascade or ()), full]:
         encoder.check_layer(n), encoder.check_dim(d)
-    if query_layer is not None:
-        encoder.check_layer(query_layer)
+    if query_layer is not None and encoder.check_layer(query_layer) > full[0]:
+        raise ValueError(
+            f"--query-layer {query_layer} is deeper than the documents of the full cell {full[0]}:{full[1]}: queries "
+            f"exit at most at the documents' layer; use --query-layer {full[0]} or less"
+        )
     if cascade and shortlist < 10:
         raise ValueError(f"--shortlist {shortlist} is below the 10 results nDCG@10 needs")
     sets = [load_beir(d, split) for d in directories]
@@ -76,7 +79,7 @@ def evaluate_cascade(
         "shortlist": shortlist if cascade else None,
         "query_layer": query_layer,
         "rows": rows,
-        "model": encoder.info(),
+        "model": model_record(encoder),
         "settings": {
             "split": split,
             "search": "faiss IndexFlatIP on L2-normalised vectors; one query per search call",

@@ -2,8 +2,9 @@
 
 A build directory holds:
 
-- `manifest.json`: the model's identity, the cells, the index kind and storage, the corpus, and while a build
-  is running, the shards that are done; `complete` turns true at the end.
+- `manifest.json`: the model's identity, the cells, the index kind and storage, the corpus, the sha256 of each
+  shard's input documents, and while a build is running, the shards that are done; `complete` turns true at
+  the end, with the size and sha256 of `ids.txt` and of every `.faiss` file.
 - `shards/shard-00000.npz`, ...: one file per block of documents (their ids and one float32 array per cell,
   unit rows), written atomically before the manifest names them. A killed build re-runs only the shard it was in.
 - `ids.txt`: document ids in index order (faiss id i is line i + 1).
@@ -13,6 +14,9 @@ The corpus is read as a stream (JSON lines, optionally gzipped, with `_id` and `
 BEIR; a document is `title + " " + text`), so memory holds one shard of texts at a time while encoding. Each
 shard is encoded up to the deepest requested layer once, pooling every requested layer on the way
 (ElasticEncoder.pooled_states), and every cell is a leading slice of its layer's vector.
+
+A resumed build reads the documents of its finished shards again and compares their sha256 with the manifest's:
+a corpus edited in place (even at the same size) is refused instead of mixing old vectors with new documents.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import DataFormatError, read_jsonl
+from matryoshka2d.files import DataFormatError, file_sha256, read_jsonl
 from matryoshka2d.views import parse_cells
 
 FORMAT = 1
@@ -91,13 +96,8 @@ def make_index(vectors: np.ndarray, kind: str, storage: str):
 
 def model_identity(encoder) -> dict:
     """What identifies the model that made the vectors: its description plus a checksum of its weights."""
-    import torch
+    from matryoshka2d.models.identity import weights_sha256
 
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in sorted(encoder.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(tensor.detach().float().cpu().numpy().tobytes())
     info = encoder.info()
     return {
         "model": info["model"],
@@ -106,7 +106,7 @@ def model_identity(encoder) -> dict:
         "hidden_size": info["hidden_size"],
         "pooling": info["pooling"],
         "max_length": info["max_length"],
-        "weights_sha256": digest.hexdigest(),
+        "weights_sha256": weights_sha256(encoder),
     }
 
 
@@ -127,6 +127,14 @@ def read_corpus(path: str | Path) -> Iterator[tuple[str, str]]:
         yield key, (f"{title} {obj['text']}" if title else obj["text"]).strip()
 
 
+def input_sha256(block: Sequence[tuple[str, str]]) -> str:
+    """sha256 of a shard's input: each document's id and text, in order (what its vectors were made from)."""
+    digest = hashlib.sha256()
+    for key, text in block:
+        digest.update(json.dumps([key, text], ensure_ascii=False).encode("utf-8") + b"\n")
+    return digest.hexdigest()
+
+
 def _write_json(path: Path, value: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
@@ -142,9 +150,60 @@ def read_manifest(directory: str | Path) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise IndexBuildError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
-    if manifest.get("format") != FORMAT:
-        raise IndexBuildError(f"{path}: format {manifest.get('format')!r}, this version reads format {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise IndexBuildError(f"{path}: format {found!r}, this version reads format {FORMAT}")
+    check_manifest(manifest, path)
     return manifest
+
+
+SHARD_NAME = re.compile(r"shard-\d{5}\.npz")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_manifest(manifest: dict, path: Path) -> None:
+    """Every field a reader turns into a file name or a loop is what `index build` writes: cells are pairs of
+    positive integers (so `cell-<layer>x<dim>.faiss` names a file in the directory, never a path), shards are
+    plain `shard-NNNNN.npz` names, counts are integers. Anything else is refused, naming the field."""
+
+    def bad(field: str, value, want: str) -> IndexBuildError:
+        return IndexBuildError(
+            f"{path}: '{field}' must be {want}, got {json.dumps(value)[:80]}; the manifest was changed "
+            "by hand or damaged: rebuild the index with `matryoshka2d index build ... --overwrite`"
+        )
+
+    cells = manifest.get("cells")
+    if (
+        not isinstance(cells, list)
+        or not cells
+        or not all(isinstance(c, list) and len(c) == 2 and all(_positive_int(v) for v in c) for c in cells)
+    ):
+        raise bad("cells", cells, "a list of [layer, dim] pairs of positive integers")
+    if manifest.get("index") not in INDEX_KINDS:
+        raise bad("index", manifest.get("index"), f"one of {', '.join(INDEX_KINDS)}")
+    if manifest.get("storage") not in STORAGES:
+        raise bad("storage", manifest.get("storage"), f"one of {', '.join(STORAGES)}")
+    model = manifest.get("model")
+    if not isinstance(model, dict) or not all(_positive_int(model.get(k)) for k in ("layers", "hidden_size")):
+        raise bad("model", model, "the model's description with positive integer 'layers' and 'hidden_size'")
+    documents = manifest.get("documents")
+    if not isinstance(documents, int) or isinstance(documents, bool) or documents < 0:
+        raise bad("documents", documents, "a count of documents")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, str) and SHARD_NAME.fullmatch(s) for s in shards):
+        raise bad("shards", shards, "a list of shard-NNNNN.npz names")
+    inputs = manifest.get("shard_inputs")
+    if inputs is not None and (not isinstance(inputs, list) or not all(isinstance(h, str) for h in inputs)):
+        raise bad("shard_inputs", inputs, "a list of sha256 hex digests")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+        for v in files.values()
+    ):
+        raise bad("files", files, "a mapping of file name to its bytes and sha256")
 
 
 def build_index(
@@ -191,7 +250,10 @@ def build_index(
         "normalized": True,
         "metric": "inner product on L2-normalised vectors (cosine)",
     }
-    manifest = {**settings, "shards": [], "documents": 0, "complete": False}
+    manifest = {**settings, "shards": [], "shard_inputs": [], "documents": 0, "complete": False}
+    docs = read_corpus(corpus)
+    if limit is not None:
+        docs = itertools.islice(docs, limit)
     if (out / "manifest.json").is_file() and not overwrite:
         old = read_manifest(out)
         differs = [k for k in settings if k != "format" and old.get(k) != settings[k]]
@@ -200,6 +262,7 @@ def build_index(
                 f"{out}: holds a build with different {', '.join(differs)}; pass --overwrite to replace it or "
                 "choose another --output"
             )
+        _check_inputs(old, docs, out, corpus, log)  # reads the finished shards' documents: docs goes on after them
         if old.get("complete"):
             log(f"{out}: already complete ({old['documents']} documents); nothing to do")
             return old
@@ -212,11 +275,6 @@ def build_index(
     _write_json(out / "manifest.json", manifest)
 
     layers = sorted({n for n, _ in cells})
-    done_docs = manifest["documents"]
-    docs = read_corpus(corpus)
-    if limit is not None:
-        docs = itertools.islice(docs, limit)
-    docs = itertools.islice(docs, done_docs, None)  # skip what finished shards already hold
     start = time.perf_counter()
     new_docs = 0
     while True:
@@ -236,6 +294,7 @@ def build_index(
         np.savez(tmp, ids=np.array(ids, dtype=object).astype(str), **arrays)
         os.replace(tmp, shard)
         manifest["shards"].append(shard.name)
+        manifest["shard_inputs"].append(input_sha256(block))
         manifest["documents"] += len(block)
         _write_json(out / "manifest.json", manifest)
         new_docs += len(block)
@@ -252,6 +311,31 @@ def build_index(
     return manifest
 
 
+def _check_inputs(manifest: dict, docs: Iterator[tuple[str, str]], out: Path, corpus: Path, log) -> None:
+    """The documents of every finished shard, read from the corpus now, are the ones its vectors were made from
+    (sha256 of ids and texts): an in-place edit of the corpus, even one that keeps its size, is refused."""
+    inputs = manifest.get("shard_inputs")
+    if inputs is None:  # written before the shards' inputs were recorded
+        if manifest.get("complete"):
+            log(f"{out}: built by an earlier version without checksums of its documents; the corpus is not checked")
+            return
+        raise IndexBuildError(
+            f"{out}: an unfinished build by an earlier version, without checksums of its shards' documents, so an "
+            "edited corpus could not be detected; pass --overwrite to build the index again"
+        )
+    size = manifest["shard_size"]
+    for i, expected in enumerate(inputs):
+        first = i * size
+        count = min(size, manifest["documents"] - first)
+        block = list(itertools.islice(docs, count))
+        if len(block) != count or input_sha256(block) != expected:
+            raise IndexBuildError(
+                f"{out}: --corpus {corpus} changed since this build encoded it: documents {first + 1}..{first + count} "
+                f"(shard {i + 1}) are not the ones their vectors were made from; pass --overwrite to build the index "
+                "again, or restore the corpus"
+            )
+
+
 def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
     """Join the shards into ids.txt and one faiss index per cell; mark the manifest complete."""
     import faiss
@@ -260,6 +344,8 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
     ids = [str(i) for s in shards for i in s["ids"]]
     (out / "ids.txt").write_text("\n".join(ids) + "\n", encoding="utf-8")
     manifest["factory"] = {}
+    # Size and sha256 of every file a search reads: a damaged or swapped file is named before faiss reads it.
+    manifest["files"] = {"ids.txt": {"bytes": (out / "ids.txt").stat().st_size, "sha256": file_sha256(out / "ids.txt")}}
     for cell in [tuple(c) for c in manifest["cells"]]:
         vectors = np.ascontiguousarray(np.concatenate([s[cell_name(cell)] for s in shards]))
         t0 = time.perf_counter()
@@ -267,6 +353,7 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
         path = out / f"{cell_name(cell)}.faiss"
         faiss.write_index(index, str(path) + ".tmp")
         os.replace(str(path) + ".tmp", path)
+        manifest["files"][path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         manifest["factory"][cell_name(cell)] = factory_string(manifest["index"], manifest["storage"], len(vectors))
         log(
             f"  ({cell[0]},{cell[1]}): {manifest['factory'][cell_name(cell)]} index of {len(vectors)} vectors "

@@ -6,7 +6,11 @@
   deeper of the two layers; the documents' full vectors are read back from the full cell's faiss index.
 - asymmetric: `query_layer=n` encodes queries with only n layers and compares them with documents encoded at
   the index's (deeper) layers. Only a model trained for it (methods/asymmetric.py) puts layer-n queries in the
-  last layer's space; on other models it shows how far apart the spaces are.
+  last layer's space; on other models it shows how far apart the spaces are. A query exit deeper than the
+  documents' layer is refused: it would cost more than the documents' own exit and no method trains it.
+
+Before a search, the index is checked against what `index build` recorded: the query model's weights checksum
+and pooling against the manifest's, each file's size and sha256, and each faiss index's width and count.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.files import file_sha256
 from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, read_manifest
 
 
@@ -91,11 +96,17 @@ class Hits:
     description: str
 
 
+REBUILD = "rebuild the index with `matryoshka2d index build ... --overwrite`"
+
+
 class CellIndex:
     """The indexes of one build directory, loaded on first use; searched with an encoder of the same model."""
 
     def __init__(self, directory: str | Path, nprobe: int = 16, ef_search: int = 64):
         self.directory = Path(directory)
+        for flag, value in (("--nprobe", nprobe), ("--ef-search", ef_search)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise IndexBuildError(f"{flag} must be at least 1, got {value!r}")
         self.manifest = read_manifest(self.directory)
         if not self.manifest.get("complete"):
             raise IndexBuildError(
@@ -103,9 +114,38 @@ class CellIndex:
                 "run the same `matryoshka2d index build` command again to resume it"
             )
         self.cells: list[Cell] = [tuple(c) for c in self.manifest["cells"]]
-        self.ids = (self.directory / "ids.txt").read_text(encoding="utf-8").splitlines()
+        ids_path = self._checked_file("ids.txt")
+        try:
+            self.ids = ids_path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise IndexBuildError(f"{ids_path}: not UTF-8 text (byte {exc.start}); {REBUILD}") from None
+        if len(self.ids) != self.manifest["documents"]:
+            raise IndexBuildError(
+                f"{ids_path}: {len(self.ids)} ids, but the index holds {self.manifest['documents']} documents "
+                f"(manifest.json); {REBUILD}"
+            )
         self.nprobe, self.ef_search = nprobe, ef_search
         self._indexes: dict[Cell, object] = {}
+
+    def _checked_file(self, name: str) -> Path:
+        """The file, after its size and sha256 matched what the build recorded (indexes built before the
+        record was kept are checked by shape only, in `index`)."""
+        path = self.directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing from the index directory; {REBUILD}")
+        want = self.manifest.get("files", {}).get(name)
+        if want is not None:
+            size = path.stat().st_size
+            if size != want["bytes"]:
+                raise IndexBuildError(
+                    f"{path}: {size} bytes, but the build wrote {want['bytes']} (truncated or replaced); {REBUILD}"
+                )
+            if file_sha256(path) != want["sha256"]:
+                raise IndexBuildError(
+                    f"{path}: its sha256 differs from the one the build recorded in manifest.json (the file was "
+                    f"changed or swapped with another); {REBUILD}"
+                )
+        return path
 
     def index(self, cell: Cell):
         if cell not in self.cells:
@@ -114,7 +154,19 @@ class CellIndex:
         if cell not in self._indexes:
             import faiss
 
-            index = faiss.read_index(str(self.directory / f"{cell_name(cell)}.faiss"))
+            path = self._checked_file(f"{cell_name(cell)}.faiss")
+            if path.stat().st_size == 0:
+                raise IndexBuildError(f"{path}: empty, not a faiss index; {REBUILD}")
+            try:
+                index = faiss.read_index(str(path))
+            except RuntimeError as exc:  # faiss reports a damaged file as a RuntimeError with its C++ context
+                reason = str(exc).splitlines()[-1].split(": ", 1)[-1][:120]
+                raise IndexBuildError(f"{path}: not a readable faiss index ({reason}); {REBUILD}") from None
+            if index.d != cell[1] or index.ntotal != len(self.ids):
+                raise IndexBuildError(
+                    f"{path}: holds {index.ntotal} vectors of {index.d} numbers, but cell {cell[0]}:{cell[1]} of this "
+                    f"index has {len(self.ids)} of {cell[1]} (a file of another cell or another build); {REBUILD}"
+                )
             if self.manifest["index"] == "ivf":
                 faiss.extract_index_ivf(index).nprobe = self.nprobe
             elif self.manifest["index"] == "hnsw":
@@ -127,12 +179,42 @@ class CellIndex:
         return max(self.cells)
 
     def check_encoder(self, encoder) -> None:
-        """The query model must be the index's model (same depth and width; same weights when known)."""
+        """The query model must be the index's model: same depth and width, same weights (the manifest's
+        weights_sha256 against the query model's) and the same pooling. A model of the same shape with other
+        weights would return confident, meaningless neighbours."""
+        from matryoshka2d.models.identity import short, weights_sha256
+
         want = self.manifest["model"]
+        built = f"{want.get('model')}" + (f" ({want['location']})" if want.get("location") else "")
         if (encoder.num_layers, encoder.hidden_size) != (want["layers"], want["hidden_size"]):
             raise IndexBuildError(
-                f"{self.directory}: built with {want['model']} ({want['layers']} layers x {want['hidden_size']}), "
+                f"{self.directory}: built with {built} ({want['layers']} layers x {want['hidden_size']}), "
                 f"but the query model {encoder.name} has {encoder.num_layers} x {encoder.hidden_size}"
+            )
+        if want.get("weights_sha256"):
+            mine = weights_sha256(encoder)
+            if mine != want["weights_sha256"]:
+                raise IndexBuildError(
+                    f"{self.directory}: built with {built}, weights sha256 {short(want['weights_sha256'])}, but the "
+                    f"query model {encoder.name} has other weights (sha256 {short(mine)}); search with the index's "
+                    "model (leave out --model) or build an index with this one"
+                )
+        if want.get("pooling") and encoder.pooling != want["pooling"]:
+            raise IndexBuildError(
+                f"{self.directory}: documents were pooled with {want['pooling']}, the query model with "
+                f"{encoder.pooling}; pass --pooling {want['pooling']} (or leave it out)"
+            )
+
+    def check_query_layer(self, query_layer: int, cells: Sequence[Cell]) -> None:
+        """Asymmetric search runs queries through fewer layers than the documents: a query exit deeper than a
+        searched cell's documents is refused (it costs more than the documents' own exit, and no method trains a
+        deep query against shallow documents)."""
+        shallowest = min(cells)
+        if query_layer > shallowest[0]:
+            raise IndexBuildError(
+                f"--query-layer {query_layer} is deeper than the documents of cell {shallowest[0]}:{shallowest[1]} "
+                f"(encoded at layer {shallowest[0]}): queries exit at most at the documents' layer; use "
+                f"--query-layer {shallowest[0]} or less, or search a deeper cell"
             )
 
     def search(
@@ -148,9 +230,9 @@ class CellIndex:
         self.check_encoder(encoder)
         if top_k < 1 or shortlist < 1:
             raise ValueError(f"--top-k and --shortlist must be at least 1 (got {top_k}, {shortlist})")
-        if query_layer is not None:
-            encoder.check_layer(query_layer)
         cells = list(cascade) if cascade else [cell or self.full_cell]
+        if query_layer is not None:
+            self.check_query_layer(encoder.check_layer(query_layer), cells)
         for c in cells:
             self.index(c)  # load (and check) before timing
         t0 = time.perf_counter()

@@ -19,7 +19,6 @@ and last on the way in.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from matryoshka2d.files import file_sha256
+
 TENSORS, STATE, CONFIG, MANIFEST = "tensors.safetensors", "state.json", "config.json", "manifest.json"
 LEGACY = "state.pt"
 FORMAT = "matryoshka2d-checkpoint"
@@ -38,14 +39,6 @@ PICKLE_FLAG = "--allow-pickle-checkpoint"
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, damaged or in a format that is not read without opting in; names which."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -116,7 +109,7 @@ def write_checkpoint(
     files = {}
     for name in (TENSORS, STATE, CONFIG):
         _fsync(folder / name)
-        files[name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+        files[name] = {"bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "files": files}, indent=2))
     _fsync(folder / MANIFEST)
 
@@ -144,7 +137,7 @@ def verify(folder: Path) -> None:
         size = path.stat().st_size
         if size != expected.get("bytes"):
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected.get('bytes')} (truncated?)")
-        if _sha256(path) != expected.get("sha256"):
+        if file_sha256(path) != expected.get("sha256"):
             raise CheckpointError(f"{path}: sha256 differs from the manifest (the file was changed or damaged)")
 
 

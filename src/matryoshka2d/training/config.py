@@ -57,7 +57,7 @@ class TrainConfig:
     max_length: int | None = None
     eval_steps: int = 0  # 0: evaluate only at the end
     eval_file: str | None = None  # STS-B dev by default
-    eval_cell: list[int] | None = None  # [layer, dim]; default: the full model
+    eval_cell: list | None = None  # [layer, dim], or a list of them ([[1, 16], [2, 32]]); default: the full model
     save_steps: int = 200
     keep_checkpoints: int = 2
     method_options: dict = field(default_factory=dict)
@@ -138,15 +138,34 @@ def check_config(config: TrainConfig) -> None:
         config.data = [config.data]
     if not isinstance(config.data, list) or not config.data or not all(isinstance(d, str) for d in config.data):
         raise ValueError(f"data must be a list of training files, got {config.data!r}")
-    if config.eval_cell is not None and (
-        not isinstance(config.eval_cell, (list, tuple))
-        or len(config.eval_cell) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in config.eval_cell)
-    ):
-        raise ValueError(f"eval_cell must be [layer, dim] (two positive integers), got {config.eval_cell!r}")
+    if config.eval_cell is not None:
+        eval_cells(config)
     if config.lr_schedule not in ("linear", "cosine"):
         raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
     check_device(config.device)
+
+
+def eval_cells(config: TrainConfig) -> list[tuple[int, int]] | None:
+    """The cells to evaluate: eval_cell is one [layer, dim] or a list of them; None: the full model."""
+    value = config.eval_cell
+    if value is None:
+        return None
+
+    def cell(item) -> bool:
+        return (
+            isinstance(item, (list, tuple))
+            and len(item) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in item)
+        )
+
+    if cell(value):
+        return [tuple(value)]
+    if isinstance(value, (list, tuple)) and value and all(cell(item) for item in value):
+        return [tuple(item) for item in value]
+    raise ValueError(
+        f"eval_cell must be [layer, dim] (two positive integers) or a list of them, got {value!r}; on the command "
+        "line --eval-cell 2:64 or --eval-cell 1:16,2:32"
+    )
 
 
 def check_resumable(checkpoint, saved: dict, mine: dict) -> None:

@@ -11,13 +11,24 @@ in as constants. The gradient of the whole-batch loss is then the sum, over proc
 through its own rows: one all-reduce (sum) of the encoder's gradients per step. The loss's own parameters (the
 softmax head) see the whole batch in every process already and are not reduced. Every process starts from rank
 0's weights and takes the same optimizer step, so the weights stay identical without further messages.
+
+The processes `launch` starts live and die together: SIGTERM or SIGINT to the launcher is passed on to every
+worker; a worker dies with its launcher even when the launcher is killed with SIGKILL (Linux's parent-death
+signal, and a watchdog thread that notices the parent is gone, for other systems); a worker that dies stops the
+others and is named with its cause (a signal or an exit code) instead of the surviving workers' gloo errors.
+What a kill leaves behind is what it leaves in one process: the last atomic checkpoint (training/rundir.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
+import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,41 +164,162 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(entry, argv: list[str], rank: int, world: int, port: int) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LOST_CONTACT = 3  # a worker's exit code when a collective failed because another process is gone
+WATCH_SECONDS = 0.5  # how often a worker's watchdog looks for its launcher
+KILL_AFTER_SECONDS = 10.0  # a worker still alive this long after SIGTERM gets SIGKILL
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process end when `parent` (its launcher) does, even by SIGKILL, which no handler sees: Linux
+    sends the parent-death signal (prctl PR_SET_PDEATHSIG, SIGKILL); everywhere a daemon thread exits the process
+    once its parent pid changes (the orphan was adopted). A launcher that died before this ran is noticed at once."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl in this libc: the watchdog below still works
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_SECONDS)
+        os._exit(1)  # the launcher is gone: nobody would read our results or stop us
+
+    threading.Thread(target=watch, name="matryoshka2d-launcher-watchdog", daemon=True).start()
+
+
+def _lost_contact(exc: BaseException) -> bool:
+    """An error from a collective call because another process of the run is gone (gloo or NCCL)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("gloo", "Gloo", "NCCL", "Connection reset"))
+
+
+def _reason(exc: BaseException) -> str:
+    """The gist of a collective's error: '[.../gloo/.../pair.cc:537] Read error [...]: Connection reset by peer.
+    This is typically caused by ...' becomes 'Read error [...]: Connection reset by peer'."""
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)  # the C++ source location
+    return line.split(". ")[0][:160]
+
+
+def _worker(entry, argv: list[str], rank: int, world: int, port: int, parent: int) -> None:
     """One process of the run: the environment torchrun would give it, then the command itself (`entry(argv)`,
     the command line's main function, passed in so that training never imports the command line)."""
+    die_with_parent(parent)
+    # Ctrl-C reaches the whole process group; the launcher alone handles it and stops the workers with SIGTERM,
+    # whose default action ends a worker at once, even inside a collective call that is waiting for a dead peer.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore; a worker killed while holding it registered leaves the
+    # resource tracker printing a "leaked semaphore" warning. A thread lock is all one process needs.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of every process taking them all
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    sys.exit(entry(argv))
+    try:
+        code = entry(argv)
+    except Exception as exc:
+        if not _lost_contact(exc):
+            raise
+        # The launcher names the process that died; this one only says it lost contact (no gloo traceback).
+        print(f"process {rank} of {world}: lost contact with the other processes ({_reason(exc)})", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(LOST_CONTACT)
+    sys.exit(code)
+
+
+def exit_cause(code: int) -> str:
+    """A multiprocessing exit code in words: a negative code is the signal that ended the process."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    if code == LOST_CONTACT:
+        return "lost contact with the other processes"
+    return f"exited with code {code}"
 
 
 def launch(entry, argv: list[str], processes: int) -> int:
     """Run `entry(ARGV)` (the `matryoshka2d` command's main) in `processes` processes on this machine (a
     process group over localhost, as torchrun's standalone mode sets up). If one process fails, the others are
-    stopped: they would wait for it forever. The exit code is the first failure's, else 0."""
+    stopped: they would wait for it forever; the failure is named (which process, which signal or exit code).
+    SIGTERM and SIGINT to the launcher stop every worker. The exit code: a worker's own error code (2: a
+    message it printed), 1 for a worker killed or crashed, 128 + the signal when the launcher was stopped, else 0."""
     import multiprocessing
 
     argv = without_option(argv, "--processes")
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
     port = _free_port()
-    workers = [context.Process(target=_worker, args=(entry, argv, rank, processes, port)) for rank in range(processes)]
-    print(f"training in {processes} processes (rank 0 writes the log, checkpoints and model)", flush=True)
-    for worker in workers:
-        worker.start()
-    failed = 0
-    while any(w.is_alive() for w in workers):
+    parent = os.getpid()
+    workers = [
+        context.Process(target=_worker, args=(entry, argv, rank, processes, port, parent)) for rank in range(processes)
+    ]
+    stopped_by: list[int] = []  # the signal the launcher got, if any
+    ours: set[int] = set()  # workers this launcher stopped (their SIGTERM is not a cause)
+    stopping_since: list[float] = []
+
+    def stop_all() -> None:
+        if not stopping_since:
+            stopping_since.append(time.monotonic())
         for worker in workers:
-            worker.join(timeout=0.2)
-            if worker.exitcode not in (None, 0) and not failed:
-                failed = worker.exitcode
-                for other in workers:
-                    if other.is_alive():
-                        other.terminate()
-    for worker in workers:
-        worker.join()
-        if not failed and worker.exitcode:
-            failed = worker.exitcode
-    return failed if failed > 0 else (1 if failed else 0)
+            if worker.pid is not None and worker.is_alive():
+                ours.add(worker.pid)
+                worker.terminate()
+
+    def forward(signum, _frame) -> None:
+        stopped_by.append(signum)
+        stop_all()
+
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        print(f"training in {processes} processes (rank 0 writes the log, checkpoints and model)", flush=True)
+        for worker in workers:
+            worker.start()
+            if stopped_by:  # a signal arrived while starting: the workers started so far were stopped
+                stop_all()
+        while any(w.is_alive() for w in workers):
+            for worker in workers:
+                worker.join(timeout=0.2)
+                if worker.exitcode not in (None, 0):
+                    stop_all()
+            if stopping_since and time.monotonic() - stopping_since[0] > KILL_AFTER_SECONDS:
+                for worker in workers:
+                    if worker.is_alive():
+                        worker.kill()  # SIGTERM did not end it (stuck in the kernel, or a handler)
+        for worker in workers:
+            worker.join()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped_by:
+        name = signal.Signals(stopped_by[0]).name
+        print(f"matryoshka2d train: stopped by {name}; all {processes} processes were stopped", file=sys.stderr)
+        return 128 + stopped_by[0]
+    failures = [(rank, w) for rank, w in enumerate(workers) if w.exitcode]
+    if not failures:
+        return 0
+    # The cause: a process that failed on its own (not stopped by us, not only cut off from a dead one).
+    causes = [(r, w) for r, w in failures if w.pid not in ours and w.exitcode != LOST_CONTACT] or failures
+    rank, worker = causes[0]
+    if worker.exitcode == 2:  # the command's own error: the worker printed the message
+        return 2
+    print(
+        f"matryoshka2d train: error: process {rank} of {processes} (pid {worker.pid}) {exit_cause(worker.exitcode)}; "
+        f"the other processes were stopped",
+        file=sys.stderr,
+    )
+    return 1

@@ -24,6 +24,8 @@ RUN_MARKERS = (
     "config.json",
     "model.safetensors",
 )
+# What makes a folder hold a saved model (a finished run or any model folder): `--resume` never replaces one.
+MODEL_MARKERS = ("matryoshka2d.json", "modules.json", "config.json", "model.safetensors")
 
 
 class RunDir:
@@ -56,6 +58,29 @@ class RunDir:
                 f"--output {self.path} already holds a model or a run ({', '.join(held)}); pass --resume to continue "
                 "it, --overwrite to replace it, or choose another --output"
             )
+        if resume and not overwrite and self.latest_checkpoint() is None:
+            model = self.saved_model()
+            if model is not None:
+                raise ValueError(
+                    f"--resume: {self.path} holds {model} and no checkpoint to resume from (no {self.checkpoints}); "
+                    "--resume never replaces a model: pass --overwrite to train a new one in its place, or choose "
+                    "another --output"
+                )
+
+    def saved_model(self) -> str | None:
+        """What saved model the folder holds, in words (with its step count when a run wrote it), or None."""
+        held = [name for name in MODEL_MARKERS if (self.path / name).exists()]
+        if not held:
+            return None
+        try:
+            meta = json.loads((self.path / "matryoshka2d.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            meta = None
+        if isinstance(meta, dict) and isinstance(meta.get("steps"), int):
+            method = meta["method"].get("method") if isinstance(meta.get("method"), dict) else None
+            how = f", method {method}" if method else ""
+            return f"a finished model ({meta['steps']} steps{how}, per matryoshka2d.json)"
+        return f"a saved model ({', '.join(held)})"
 
     def clear_run(self) -> None:
         """--overwrite without --resume: the old checkpoints and log go (the model is replaced when saved)."""

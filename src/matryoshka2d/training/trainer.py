@@ -31,7 +31,7 @@ from matryoshka2d.methods import Method, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training import checkpoints, exit_heads
-from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable
+from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable, eval_cells
 from matryoshka2d.training.data import TrainingData, read_training_data
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
@@ -69,8 +69,8 @@ class Trainer:
         )
         self._prepare_pooler()
         self._prepare_decoder()
-        if config.eval_cell is not None:
-            self.encoder.check_layer(config.eval_cell[0]), self.encoder.check_dim(config.eval_cell[1])
+        for layer, dim in eval_cells(config) or []:
+            self.encoder.check_layer(layer), self.encoder.check_dim(dim)
         self.method = self.build_method()
         self.loss_name = config.loss or self.default_loss()
         self.task_loss = self.build_task_loss()
@@ -292,14 +292,19 @@ class Trainer:
             flag = "--eval-file" if self.config.eval_file else "the default evaluation file (set --eval-file)"
             raise ValueError(f"{flag}: {exc}") from None
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> list[dict]:
+        """One record per evaluated cell (--eval-cell, one or several; default the full model)."""
         path = self.eval_path()
-        layer, dim = self.config.eval_cell or (self.encoder.num_layers, self.encoder.hidden_size)
-        keep = getattr(self.method, "keep_layers", None)
-        if keep:
-            layer = min(layer, keep)
-        score = sts_dev_score(self.encoder, path, layer, dim)
-        return {"step": self.step, "eval": f"{Path(path).name}@({layer},{dim})", "spearman": round(score, 2)}
+        records = []
+        for layer, dim in eval_cells(self.config) or [(self.encoder.num_layers, self.encoder.hidden_size)]:
+            keep = getattr(self.method, "keep_layers", None)
+            if keep:
+                layer = min(layer, keep)
+            score = sts_dev_score(self.encoder, path, layer, dim)
+            records.append(
+                {"step": self.step, "eval": f"{Path(path).name}@({layer},{dim})", "spearman": round(score, 2)}
+            )
+        return records
 
     def checkpoint_dir(self) -> Path:
         return self.run_dir.checkpoints
@@ -394,9 +399,9 @@ class Trainer:
                     and self.step % self.config.eval_steps == 0
                     and self.step < self.total_steps
                 ):
-                    result = self.evaluate()
-                    log.write(json.dumps(result) + "\n")
-                    bar.write(f"step {self.step}: STS {result['eval']} spearman {result['spearman']}")
+                    for result in self.evaluate():
+                        log.write(json.dumps(result) + "\n")
+                        bar.write(f"step {self.step}: STS {result['eval']} spearman {result['spearman']}")
                 if main and self.config.save_steps and self.step % self.config.save_steps == 0:
                     self.save_checkpoint()
                 log.flush()
@@ -410,9 +415,9 @@ class Trainer:
             self.processes.barrier()  # until rank 0 has saved the model
             self.processes.close()
             return self.out
-        final_eval = self.evaluate()
+        final_evals = self.evaluate()
         with (self.out / "train_log.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps(final_eval) + "\n")
+            f.writelines(json.dumps(record) + "\n" for record in final_evals)
         steps_run = self.step - first_step
         metadata = {
             "method": self.method.config(),
@@ -425,7 +430,8 @@ class Trainer:
             "seconds_this_run": round(seconds, 1),
             "seconds_per_step": round(seconds / steps_run, 4) if steps_run else None,
             "processes": self.processes.world,
-            "final_eval": final_eval,
+            "final_eval": final_evals[0],  # the first --eval-cell (or the full model)
+            "final_evals": final_evals,  # every --eval-cell
         }
         self.encoder.eval()
         from matryoshka2d.models.lora import save_and_merge_lora
