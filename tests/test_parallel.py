@@ -107,6 +107,20 @@ def test_two_processes_train_the_weights_of_one(no_dropout_dir, data, tmp_path):
     assert len(losses(tmp_path / "two")) == 4  # rank 0 alone writes the log
 
 
+def test_two_processes_accumulating_micro_batches_train_the_weights_of_one(no_dropout_dir, data, tmp_path):
+    """Gradient caching across processes: batches of 7 in micro-batches of 2, 2, 2 and 1 rows, each split over
+    two processes (the last one leaves process 1 a stand-in row only), give the whole batch's step."""
+    common = ["--method", "ese", "--method-option", "k=16", "--method-option", "beta=1", "--steps", "3"]
+    common += ["--save-steps", "0", "--log-every", "1"]
+    assert main(train_args(no_dropout_dir, data, tmp_path / "one", *common)) == 0
+    args = train_args(no_dropout_dir, data, tmp_path / "two", *common, "--processes", "2")
+    assert main([*args, "--gradient-accumulation", "4"]) == 0
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=2e-5)
+
+
 def test_a_two_process_run_resumes_to_the_same_weights(no_dropout_dir, data, tmp_path):
     common = ["--method", "ese", "--method-option", "k=16", "--steps", "4", "--save-steps", "2", "--processes", "2"]
     assert main(train_args(no_dropout_dir, data, tmp_path / "whole", *common)) == 0

@@ -74,7 +74,9 @@ class TrainConfig:
     # throughput (matryoshka2d.training.throughput)
     precision: str | None = None  # bf16 | fp16 | fp32; default bf16 on CUDA where supported, else fp32
     log_every: int = 10  # read the loss back from the device (a host sync) every N steps only
-    gradient_accumulation: int = 1  # split each batch into this many micro-batches (same data, less memory)
+    # split each batch into this many micro-batches: the same loss and gradient as the whole batch, by gradient
+    # caching (matryoshka2d.training.gradcache), at the price of a second forward pass; less memory
+    gradient_accumulation: int = 1
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the blocks inside every layer
 
@@ -119,6 +121,14 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "save_steps", int, 0)
     _number(config, "keep_checkpoints", int, 1)
     _number(config, "pooler_dim", int, 1, allow_none=True)
+    for name in ("log_every", "gradient_accumulation"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+    if config.gradient_accumulation > config.batch_size:
+        raise ValueError(
+            f"gradient_accumulation {config.gradient_accumulation} splits a batch of {config.batch_size} into "
+            "micro-batches; it cannot exceed batch_size"
+        )
     for name in ("method_options", "loss_options"):
         value = getattr(config, name)
         if not isinstance(value, dict):

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 from matryoshka2d.evaluate.sts import sts_dev_score
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
-from matryoshka2d.methods import Method, make_method
+from matryoshka2d.methods import Method, Plan, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
-from matryoshka2d.training import checkpoints
+from matryoshka2d.training import checkpoints, gradcache
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable
 from matryoshka2d.training.data import TrainingData, read_training_data
 from matryoshka2d.training.parallel import Processes
@@ -147,14 +147,6 @@ class Trainer:
 
     def _prepare_throughput(self) -> None:
         cfg, device = self.config, self.encoder.device
-        for name in ("log_every", "gradient_accumulation"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-        if cfg.gradient_accumulation > cfg.batch_size:
-            raise ValueError(
-                f"gradient_accumulation {cfg.gradient_accumulation} splits a batch of {cfg.batch_size} into "
-                "micro-batches; it cannot exceed batch_size"
-            )
         self.precision = resolve_precision(cfg.precision, device)
         self.scaler = grad_scaler(self.precision, device)
         if cfg.gradient_checkpointing:
@@ -215,21 +207,35 @@ class Trainer:
 
     def compute_loss(self, step: int, micro_batch=None) -> tuple[torch.Tensor, dict]:
         """The loss of one step (or of one micro-batch of it), on the device, and its parts."""
+        plan = self.start_step(step)
+        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        return self.objective(plan, self.gather(plan, self.embed(features, plan), rows), labels)
+
+    def start_step(self, step: int) -> Plan:
+        """Seed the step's dropout and draw its plan (layers, widths) from the step's own generator."""
         # Dropout draws differ per process (their rows differ); the plan (layers, widths) is the same in all.
         torch.manual_seed(self.config.seed * 1_000_003 + step + 7919 * self.processes.rank)
-        plan = self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
-        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        return self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
+
+    def embed(self, features: list[dict], plan: Plan) -> list[dict[int, torch.Tensor]]:
+        """Per column, the pooled full-width state of every layer the plan needs (one forward pass per column)."""
         device = self.encoder.device
         with autocast(self.precision, device):
-            per_column = [
+            return [
                 self.encoder({k: v.to(device, non_blocking=True) for k, v in f.items()}, plan.layers) for f in features
             ]
-        if self.processes.active:  # the whole batch's embeddings, own rows with their graph (parallel.py)
-            local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
-            whole = self.processes.gather_rows(local, rows, dim=2)
-            per_column = [dict(zip(plan.layers, column, strict=True)) for column in whole]
-        # The method's and the task loss's arithmetic (similarities, softmaxes, ESE's PCA) runs in fp32.
-        label_tensor = None if labels is None else torch.as_tensor(labels, device=device)
+
+    def gather(self, plan: Plan, per_column: list[dict], rows: int) -> list[dict]:
+        """With several processes, the whole batch's embeddings: own rows with their graph (parallel.py)."""
+        if not self.processes.active:
+            return per_column
+        local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
+        whole = self.processes.gather_rows(local, rows, dim=2)
+        return [dict(zip(plan.layers, column, strict=True)) for column in whole]
+
+    def objective(self, plan: Plan, per_column: list[dict], labels) -> tuple[torch.Tensor, dict]:
+        """The method's loss on the batch's embeddings; its arithmetic (similarities, softmaxes, PCA) runs in fp32."""
+        label_tensor = None if labels is None else torch.as_tensor(labels, device=self.encoder.device)
         states = {
             layer: EmbeddedBatch([pooled[layer].float() for pooled in per_column], self.data.kind, label_tensor)
             for layer in plan.layers
@@ -238,21 +244,22 @@ class Trainer:
         parts.update({k: v for k, v in plan.info.items()})
         return loss, parts
 
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def train_step(self) -> dict:
         """One optimizer step. Inside run() the loss and gradient norm stay on the device (no host sync; the
-        record holds tensors, read back on logging steps only); called directly, the record holds floats."""
+        record holds tensors, read back on logging steps only); called directly, the record holds floats.
+        With several micro-batches the loss is still the whole batch's, by gradient caching (gradcache.py)."""
         self.encoder.train()
         step = self.step
         micro_batches = self._prefetch.get(step, step + 1 if step + 1 < self.total_steps else None)
-        total, parts_sum = None, {}
-        for micro in micro_batches:
-            loss, parts = self.compute_loss(step, micro)
-            loss = loss / len(micro_batches)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0) + v
-        parts = parts_sum if len(micro_batches) == 1 else {k: v / len(micro_batches) for k, v in parts_sum.items()}
+        if len(micro_batches) == 1:
+            loss, parts = self.compute_loss(step, micro_batches[0])
+            self.backward(loss)
+        else:
+            loss, parts = gradcache.accumulate(self, step, micro_batches)
+        total = loss.detach()
         if self.processes.active:
             self.processes.sum_gradients([p for p in self.encoder.parameters() if p.requires_grad])
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
