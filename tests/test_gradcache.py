@@ -120,9 +120,17 @@ CASES = [
     ("triplets", "plain", "angle", None),
     ("triplets", "mrl", "angle", None),
     ("triplets", "2dmse", "angle", None),  # + the KL of in-batch similarity distributions
+    (
+        "triplets",
+        "2dmse",
+        "angle",
+        {"kl": "features", "kl_widths": "full", "kl_normalize": True, "views": "st", "min_layer": 0},
+    ),
     ("triplets", "ese", "angle", {"k": 16, "beta": 1.0, "compress_target": "dependency"}),  # + PCA of the batch
     ("triplets", "ese", "angle", {"k": 16, "beta": 1.0, "layers": "angle-emb", "dynamic_weights": True}),
+    ("triplets", "ese", "angle", {"k": 16, "beta": 1.0, "full_loss": False}),
     ("triplets", "starbucks", "angle", None),
+    ("triplets", "starbucks", "infonce", {"kl": "features", "kl_teacher": "full", "kl_detach": False}),
     ("triplets", "asymmetric", "angle", None),
     ("triplets", "separate", "angle", {"layer": 2, "dim": 16}),
     # every task loss

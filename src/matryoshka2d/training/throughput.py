@@ -64,6 +64,22 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
+def checkpoint_and_compile(encoder, gradient_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing (less memory, a second forward in backward) and torch.compile of the layers."""
+    if gradient_checkpointing:
+        if not getattr(encoder.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"gradient_checkpointing: {encoder.name} does not support it")
+        encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
+        # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
+        from matryoshka2d.models.backbones import layer_stack
+
+        for layer in layer_stack(encoder.model):
+            for block in layer.children():
+                block.compile(dynamic=True)
+
+
 def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
     # torch has fused AdamW kernels for CUDA and for CPU; elsewhere (mps, ...) leave torch's default.
     fused = True if device.type in ("cuda", "cpu") else None

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from matryoshka2d.training.throughput import (
     Prefetcher,
     adamw,
     autocast,
+    checkpoint_and_compile,
     grad_scaler,
     lr_schedule,
     private_tokenizer,
@@ -91,9 +93,12 @@ class Trainer:
     # ---- what is trained, on what (subclasses such as the SMAE pre-trainer replace these) ---------------
 
     def build_method(self) -> Method:
-        return make_method(
-            self.config.method, self.encoder.num_layers, self.encoder.hidden_size, **self.config.method_options
-        )
+        cfg, encoder = self.config, self.encoder
+        method = make_method(cfg.method, encoder.num_layers, encoder.hidden_size, **cfg.method_options)
+        for warning in method.adapt_to_backbone(encoder.pooling, encoder.normalize_output):
+            if self.processes.main:
+                print(f"warning: {warning}", file=sys.stderr)
+        return method
 
     def default_loss(self) -> str:
         """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
@@ -149,18 +154,7 @@ class Trainer:
         cfg, device = self.config, self.encoder.device
         self.precision = resolve_precision(cfg.precision, device)
         self.scaler = grad_scaler(self.precision, device)
-        if cfg.gradient_checkpointing:
-            if not getattr(self.encoder.model, "supports_gradient_checkpointing", False):
-                raise ValueError(f"gradient_checkpointing: {self.encoder.name} does not support it")
-            self.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:
-            # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
-            # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
-            from matryoshka2d.models.backbones import layer_stack
-
-            for layer in layer_stack(self.encoder.model):
-                for block in layer.children():
-                    block.compile(dynamic=True)
+        checkpoint_and_compile(self.encoder, cfg.gradient_checkpointing, cfg.compile)
         self._tokenizer = private_tokenizer(self.encoder.tokenizer)
         self._prefetch = Prefetcher(self.prepare_batch)
         self._pin = device.type == "cuda"
