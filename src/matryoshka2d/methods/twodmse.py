@@ -80,7 +80,8 @@ class TwoDMSE(Method):
             raise ValueError("2dmse: shallow_weighting=inverse divides by n, so it needs min_layer 1 or more")
         if views == "st" and kl_widths != "full":
             raise ValueError(
-                "2dmse: views=st compares the layers at full width only, as sentence-transformers does; set kl_widths=full"
+                "2dmse: views=st compares the layers at full width only, as sentence-transformers does; "
+                "set kl_widths=full"
             )
         self.shallow_weighting, self.kl_kind, self.kl_widths = shallow_weighting, kl, kl_widths
         self.kl_factor, self.kl_detach = kl_factor, bool(kl_detach)

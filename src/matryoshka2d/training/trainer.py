@@ -33,7 +33,7 @@ from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training import checkpoints, gradcache
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable
-from matryoshka2d.training.data import TrainingData, read_training_data
+from matryoshka2d.training.data import TrainingData, read_training_data, without_repeated_texts
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.throughput import (
@@ -42,15 +42,11 @@ from matryoshka2d.training.throughput import (
     autocast,
     checkpoint_and_compile,
     grad_scaler,
+    host_values,
     lr_schedule,
     private_tokenizer,
     resolve_precision,
 )
-
-
-def host_values(record: dict) -> dict:
-    """The record with every device tensor (loss, gradient norm, the method's loss parts) read back as a float."""
-    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
 class Trainer:
@@ -80,9 +76,9 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
-        params = [p for m in (self.encoder, self.method, self.task_loss) for p in m.parameters() if p.requires_grad]
         self._prepare_throughput()
-        self.optimizer = adamw(params, config.lr, config.weight_decay, self.encoder.device)
+        modules = [self.encoder, self.method, self.task_loss]
+        self.optimizer = adamw(modules, config.lr, config.weight_decay, config.weight_decay_exempt, self.encoder.device)
         warmup = int(config.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.total_steps, warmup, config.lr_schedule)
         if self.processes.active:
@@ -174,7 +170,10 @@ class Trainer:
     def batch_indices(self, step: int) -> np.ndarray:
         epoch, position = divmod(step, self.steps_per_epoch)
         order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.data))
-        return order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
+        rows = order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
+        if not self.config.filter_duplicates:
+            return rows
+        return without_repeated_texts(self.data, rows, self._tokenizer, self.encoder.max_length)
 
     def prepare_batch(self, step: int) -> list[tuple[list[dict], np.ndarray | None]]:
         """Step's rows, split into `gradient_accumulation` micro-batches, each column tokenized on the CPU
