@@ -179,6 +179,14 @@ def test_with_dropout_the_replay_redraws_the_masks_of_the_first_pass(tiny_dir, d
     assert_same(accumulated(trainer(tiny_dir, data, kind, method, loss, 4, options)), reference)
 
 
+def test_the_replay_is_exact_under_activation_checkpointing(tiny_dir, data):
+    """Checkpointing runs each layer's forward again in backward; the replayed masks still match the first pass."""
+    reference = direct(trainer(tiny_dir, data, "triplets", "2dmse", "angle", 4))
+    t = trainer(tiny_dir, data, "triplets", "2dmse", "angle", 4)
+    t.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_same(accumulated(t), reference)
+
+
 def test_a_replay_without_the_saved_random_state_would_not_be_exact(tiny_dir, data, monkeypatch):
     """The control: dropout is on in the model above, so restoring the random state is what makes it exact."""
     reference = direct(trainer(tiny_dir, data, "triplets", "plain", "infonce", 4))

@@ -203,3 +203,37 @@ def test_cli_names_the_starbucks_size_that_does_not_grow(tiny_dir, tmp_path, cap
     assert main([*args, "--method", "starbucks", "--sizes", "2:16,3:8"]) == 2
     err = capsys.readouterr().err
     assert "starbucks size (3,8) is narrower than (2,16)" in err and "Traceback" not in err
+
+
+def test_the_2dmse_era_loss_preset_is_angle_emb_0_3_on_triplets():
+    """angle-emb v0.3.10 AngleLoss on triplets (format B, L931-952), w1 = w2 = w3 = 1, cosine and in-batch tau
+    20, angle tau 1: CoSENT over (q, p) = 1 and (q, n) = 0, one cross-entropy of each query against all
+    positives and negatives, and the angle ranking over the same pairs, added up."""
+    from matryoshka2d.losses import make_task_loss
+    from matryoshka2d.training import presets
+
+    torch.manual_seed(2)
+    q, p, n = (torch.randn(6, 16, dtype=torch.float64) for _ in range(3))
+    ours = make_task_loss("angle", **presets.load("2dmse-angle-0.3")["loss_options"])(
+        EmbeddedBatch([q, p, n], "triplets")
+    )
+
+    def ranking(scores, labels):  # log(1 + sum over (i, j) with label_i < label_j of exp(s_i - s_j))
+        pairs = [scores[i] - scores[j] for i in range(len(scores)) for j in range(len(scores)) if labels[i] < labels[j]]
+        return math.log1p(sum(math.exp(x) for x in pairs))
+
+    def angle(u, v):  # |sum of (u / v) as complex numbers, times |v| / |u||
+        a, b, c, d = u[:8], u[8:], v[:8], v[8:]
+        z = (c**2 + d**2).sum()
+        re, im = (a * c + b * d) / z, (b * c - a * d) / z
+        ratio = math.sqrt(float((a**2 + b**2).sum() / z))
+        return abs(float((re + im).sum()) / ratio)
+
+    u, v = torch.cat([q, q]), torch.cat([p, n])
+    labels = [1] * 6 + [0] * 6
+    cosine = [20 * float(torch.nn.functional.cosine_similarity(x, y, dim=0)) for x, y in zip(u, v, strict=True)]
+    candidates = torch.nn.functional.normalize(torch.cat([p, n]), dim=-1)
+    logits = 20 * torch.nn.functional.normalize(q, dim=-1) @ candidates.T
+    ce = float(torch.nn.functional.cross_entropy(logits, torch.arange(6)))
+    expected = ranking(cosine, labels) + ce + ranking([angle(x, y) for x, y in zip(u, v, strict=True)], labels)
+    assert ours.item() == pytest.approx(expected, rel=1e-9)
