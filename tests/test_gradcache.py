@@ -21,26 +21,6 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def no_dropout_dir(tmp_path_factory, tokenizer):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    path = tmp_path_factory.mktemp("tiny-no-dropout")
-    tf.AutoModel.from_config(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """40 rows of each kind of training data (a batch of 32, texts of different lengths)."""
     rng = np.random.default_rng(3)

@@ -189,17 +189,7 @@ def test_starbucks_teacher_full_is_the_full_model_whatever_the_list():
 def test_cli_names_the_starbucks_size_that_does_not_grow(tiny_dir, tmp_path, capsys):
     data = tmp_path / "t.tsv"
     data.write_text("anchor\tpositive\tnegative\nred cat\tred cat runs\tblue dog\n")
-    args = [
-        "train",
-        "--model",
-        str(tiny_dir),
-        "--pooling",
-        "mean",
-        "--data",
-        str(data),
-        "--output",
-        str(tmp_path / "o"),
-    ]
+    args = f"train --model {tiny_dir} --pooling mean --data {data} --output {tmp_path / 'o'}".split()
     assert main([*args, "--method", "starbucks", "--sizes", "2:16,3:8"]) == 2
     err = capsys.readouterr().err
     assert "starbucks size (3,8) is narrower than (2,16)" in err and "Traceback" not in err
