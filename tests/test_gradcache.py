@@ -65,16 +65,20 @@ def trainer(model, data, kind, method, loss, accumulation, method_options=None):
 
 
 def gradients(t):
+    """The gradients the step left, which are then cleared: one trainer (same weights) serves several steps."""
     modules = {"encoder": t.encoder, "method": t.method, "task_loss": t.task_loss}
-    return {
+    grads = {
         f"{name}.{key}": p.grad.clone()
         for name, module in modules.items()
         for key, p in module.named_parameters()
         if p.grad is not None
     }
+    t.optimizer.zero_grad(set_to_none=True)
+    return grads
 
 
 def one_batch(t, step=0):
+    t.config.gradient_accumulation = 1
     (micro,) = t.prepare_batch(step)
     loss, _ = t.compute_loss(step, micro)
     t.backward(loss)
@@ -82,6 +86,7 @@ def one_batch(t, step=0):
 
 
 def accumulated(t, step=0):
+    t.config.gradient_accumulation = 4
     micro = t.prepare_batch(step)
     assert [rows for _, _, rows in micro] == [8, 8, 8, 8]
     loss, _ = gradcache.accumulate(t, step, micro)
@@ -126,13 +131,13 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "method", "loss", "options"), CASES)
 def test_accumulating_four_micro_batches_of_8_equals_one_batch_of_32(no_dropout_dir, data, kind, method, loss, options):
-    whole = one_batch(trainer(no_dropout_dir, data, kind, method, loss, 1, options))
-    parts = accumulated(trainer(no_dropout_dir, data, kind, method, loss, 4, options))
-    assert_same(parts, whole)
+    t = trainer(no_dropout_dir, data, kind, method, loss, 4, options)
+    assert_same(accumulated(t), one_batch(t))
 
 
 def direct(t, step=0):
     """The whole batch's loss backpropagated through the four micro-batches' forward passes kept alive."""
+    t.config.gradient_accumulation = 4
     micro = t.prepare_batch(step)
     plan = t.start_step(step)
     per_micro = [t.embed(features, plan) for features, _, _ in micro]
@@ -155,24 +160,25 @@ DROPOUT_CASES = [
 
 @pytest.mark.parametrize(("kind", "method", "loss", "options"), DROPOUT_CASES)
 def test_with_dropout_the_replay_redraws_the_masks_of_the_first_pass(tiny_dir, data, kind, method, loss, options):
-    reference = direct(trainer(tiny_dir, data, kind, method, loss, 4, options))
-    assert_same(accumulated(trainer(tiny_dir, data, kind, method, loss, 4, options)), reference)
+    t = trainer(tiny_dir, data, kind, method, loss, 4, options)
+    assert_same(accumulated(t), direct(t))
 
 
 def test_the_replay_is_exact_under_activation_checkpointing(tiny_dir, data):
     """Checkpointing runs each layer's forward again in backward; the replayed masks still match the first pass."""
-    reference = direct(trainer(tiny_dir, data, "triplets", "2dmse", "angle", 4))
     t = trainer(tiny_dir, data, "triplets", "2dmse", "angle", 4)
+    reference = direct(t)
     t.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_same(accumulated(t), reference)
 
 
 def test_a_replay_without_the_saved_random_state_would_not_be_exact(tiny_dir, data, monkeypatch):
     """The control: dropout is on in the model above, so restoring the random state is what makes it exact."""
-    reference = direct(trainer(tiny_dir, data, "triplets", "plain", "infonce", 4))
+    t = trainer(tiny_dir, data, "triplets", "plain", "infonce", 4)
+    reference = direct(t)
     monkeypatch.setattr(gradcache.RandomState, "__enter__", lambda self: None)
     monkeypatch.setattr(gradcache.RandomState, "__exit__", lambda self, *exc: None)
-    loss, grads = accumulated(trainer(tiny_dir, data, "triplets", "plain", "infonce", 4))
+    loss, grads = accumulated(t)
     torch.testing.assert_close(loss, reference[0], **TOLERANCE)  # the loss comes from the first pass
     worst = max(float((grads[k] - reference[1][k]).abs().max()) for k in grads)
     assert worst > 1e-3

@@ -86,29 +86,26 @@ def test_two_processes_train_the_weights_of_one(no_dropout_dir, data, tmp_path):
     assert len(losses(tmp_path / "two")) == 4  # rank 0 alone writes the log
 
 
-def test_two_processes_accumulating_micro_batches_train_the_weights_of_one(no_dropout_dir, data, tmp_path):
+def test_a_two_process_run_with_accumulation_is_one_process_run_and_resumes_to_the_same_weights(
+    no_dropout_dir, data, tmp_path
+):
     """Gradient caching across processes: batches of 7 in micro-batches of 2, 2, 2 and 1 rows, each split over
-    two processes (the last one leaves process 1 a stand-in row only), give the whole batch's step."""
-    common = ["--method", "ese", "--method-option", "k=16", "--method-option", "beta=1", "--steps", "3"]
-    common += ["--save-steps", "0", "--log-every", "1"]
-    assert main(train_args(no_dropout_dir, data, tmp_path / "one", *common)) == 0
-    args = train_args(no_dropout_dir, data, tmp_path / "two", *common, "--processes", "2")
-    assert main([*args, "--gradient-accumulation", "4"]) == 0
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
-    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=2e-5)
-
-
-def test_a_two_process_run_resumes_to_the_same_weights(no_dropout_dir, data, tmp_path):
-    common = ["--method", "ese", "--method-option", "k=16", "--steps", "4", "--save-steps", "2", "--processes", "2"]
+    two processes (the last one leaves process 1 a stand-in row only), give the whole batch's step, that of
+    one process without accumulation; and a killed run resumes to the very weights of an uninterrupted one."""
+    method = ["--method", "ese", "--method-option", "k=16", "--method-option", "beta=1", "--steps", "4"]
+    common = [*method, "--save-steps", "2", "--log-every", "1", "--processes", "2", "--gradient-accumulation", "4"]
     assert main(train_args(no_dropout_dir, data, tmp_path / "whole", *common)) == 0
+    assert main(train_args(no_dropout_dir, data, tmp_path / "one", *method, "--save-steps", "0")) == 0
+    np.testing.assert_allclose(losses(tmp_path / "whole"), losses(tmp_path / "one"), rtol=1e-5)
+    whole, one = weights(tmp_path / "whole"), weights(tmp_path / "one")
+    for key in one:
+        torch.testing.assert_close(whole[key], one[key], rtol=1e-4, atol=2e-5)
     # As if killed after step 2: only the step-2 checkpoint is there.
     (tmp_path / "cut" / "checkpoints").mkdir(parents=True)
     step2 = tmp_path / "whole" / "checkpoints" / "step-0000002"
     shutil.copytree(step2, tmp_path / "cut" / "checkpoints" / step2.name)
     assert main(train_args(no_dropout_dir, data, tmp_path / "cut", *common, "--resume")) == 0
-    whole, cut = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    cut = weights(tmp_path / "cut")
     for key in whole:
         torch.testing.assert_close(cut[key], whole[key], rtol=0, atol=1e-6)
 
