@@ -240,6 +240,8 @@ def test_smae_errors(encoder, tokenizer, tiny_dir, corpus, tmp_path):
     encoder.add_pooler(8)
     with pytest.raises(SMAEError, match="has a pooler head"):
         SMAEObjective(encoder)
+    with pytest.raises(SMAEError, match="smae: gradient_accumulation is not supported"):
+        pretrain_trainer(config(tiny_dir, corpus, tmp_path, gradient_accumulation=2))
     with pytest.raises(SMAEError, match="unknown method 'mlm'"):
         pretrain_trainer(config(tiny_dir, corpus, tmp_path, method="mlm"))
     empty = tmp_path / "empty.txt"

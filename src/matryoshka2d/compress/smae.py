@@ -408,6 +408,8 @@ class SMAETrainer(Trainer):
     supports_processes = False  # its masked-token losses are per process; not wired to the gather
 
     def build_method(self):
+        if self.config.gradient_accumulation != 1:  # its batch is masked and run whole (prepare_batch below)
+            raise SMAEError("smae: gradient_accumulation is not supported; lower --batch-size to save memory")
         return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
 
     def build_task_loss(self):
