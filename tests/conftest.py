@@ -66,6 +66,21 @@ def tiny_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def no_dropout_dir(tmp_path_factory, tokenizer):
+    """A tiny random BERT without dropout, as a folder: runs that see the same rows compute the same numbers."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **TINY
+    )
+    path = tmp_path_factory.mktemp("tiny-no-dropout")
+    tf.AutoModel.from_config(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def minilm():
     return ElasticEncoder("minilm-l6", device="cpu")
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from matryoshka2d.losses.align import feature_kl
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
-from matryoshka2d.methods.ese import pca_target, pca_targets
+from matryoshka2d.methods.ese import fixed_signs, pca_target, pca_targets
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.views import View, nested_dims, parse_cells
 
@@ -75,7 +75,7 @@ def test_ese_compress_target_and_terms():
     assert target.shape == (10, 4) and not target.requires_grad
     a = torch.softmax(x.T @ x / 4.0, dim=-1)
     u, s, _ = torch.linalg.svd(a)
-    torch.testing.assert_close(target, x @ u[:, :4] @ torch.diag(s[:4]))
+    torch.testing.assert_close(target, x @ fixed_signs(u[:, :4]) @ torch.diag(s[:4]))
     method = make_method("ese", 3, 16, k=4, beta=1.0, compress_target="dependency")
     states = {
         i: EmbeddedBatch([torch.randn(5, 16, requires_grad=True)] * 2, "scored", torch.ones(5)) for i in (1, 2, 3)

@@ -120,6 +120,23 @@ def test_the_decoder_sees_only_the_first_d_numbers(encoder, tokenizer):
     assert len(encoder.model.encoder.layer) == 4 and objective.decoder[0] is not encoder.model.encoder.layer[0]
 
 
+def test_mean_reduction_is_the_sum_over_twice_the_sizes(encoder):
+    """ielab's smae/modeling.py averages (mlm + mae) / 2 over the sizes; the paper's eq. 9 sums."""
+    encoder.eval()
+    texts = ["a red cat runs fast", "old dogs sleep", "big fish swims"]
+    totals = {}
+    for reduction in ("sum", "mean"):
+        objective = SMAEObjective(encoder, sizes=[(1, 16), (2, 32), (4, 32)], reduction=reduction, seed=3)
+        batch = objective.mask(encoder, texts, np.random.default_rng(0))
+        with torch.no_grad():
+            totals[reduction], parts = objective.loss(encoder, batch)
+        assert sum(parts.values()) == pytest.approx(float(totals["sum"]), rel=1e-5)
+        assert objective.config()["reduction"] == reduction
+    assert float(totals["mean"]) == pytest.approx(float(totals["sum"]) / (2 * 3), rel=1e-6)
+    with pytest.raises(SMAEError, match="reduction must be 'sum' .* or 'mean' .*, got 'max'"):
+        SMAEObjective(encoder, reduction="max")
+
+
 def config(tiny_dir, corpus, out, **kw):
     base = dict(
         model=str(tiny_dir),
@@ -223,6 +240,8 @@ def test_smae_errors(encoder, tokenizer, tiny_dir, corpus, tmp_path):
     encoder.add_pooler(8)
     with pytest.raises(SMAEError, match="has a pooler head"):
         SMAEObjective(encoder)
+    with pytest.raises(SMAEError, match="smae: gradient_accumulation is not supported"):
+        pretrain_trainer(config(tiny_dir, corpus, tmp_path, gradient_accumulation=2))
     with pytest.raises(SMAEError, match="unknown method 'mlm'"):
         pretrain_trainer(config(tiny_dir, corpus, tmp_path, method="mlm"))
     empty = tmp_path / "empty.txt"

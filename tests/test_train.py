@@ -240,13 +240,16 @@ def test_every_preset_builds_its_method_and_loss_and_cites_a_source():
 
     names = presets.available()
     assert {"2dmse-paper", "ese-paper", "ese-angle-emb", "starbucks-paper", "st-matryoshka2d"} <= set(names)
+    assert {"2dmse-authors", "2dmse-angle-0.3"} <= set(names)
     for name in names:
         options = presets.load(name)
         TrainConfig.from_dict({**options, "data": ["x.tsv"], "output": "o"})  # only known training options
         make_method(options["method"], 6, 384, **options.get("method_options", {}))
         make_task_loss(options["loss"], **options.get("loss_options", {}))
         assert len(presets.source(name)) > 80
-    with pytest.raises(ValueError, match="unknown preset 'ese'; choose one of 2dmse-paper"):
+    with pytest.raises(
+        ValueError, match="unknown preset 'ese'; choose one of 2dmse-angle-0.3, 2dmse-authors, 2dmse-paper"
+    ):
         presets.load("ese")
 
 

@@ -24,8 +24,11 @@ Readings of points the paper leaves to its code (github.com/ielab/Starbucks, sma
 - The vector fed to the decoder: the paper uses the [CLS] embedding because its models are CLS-pooled. We use
   the model's own sentence vector (its pooling, mean for minilm-l6), so that pre-training shapes the vector
   fine-tuning will use; `bottleneck="cls"` takes the [CLS] token state as in the paper.
-- Loss: eq. 8 adds the two MLM losses and eq. 9 sums over sizes; the authors' code takes the mean of both
-  instead, a constant factor (2 x number of sizes) that AdamW mostly absorbs. We follow the paper: the sum.
+- Loss: eq. 8 adds the two MLM losses and eq. 9 sums over sizes ("summing the MLM loss for all pairs");
+  the authors' code averages instead (ielab/Starbucks smae/modeling.py, BertFor2DMaekMatryoshkaMaskedLM.forward
+  L159-171: (mlm + mae) / 2 per size, then / the number of sizes). The factor (2 x number of sizes) is not
+  absorbed by AdamW in the first steps when gradients are clipped at 1.0. `reduction=`: "sum" (the paper, the
+  default) or "mean" (their code).
 - The decoder layer starts as a copy of the backbone's first layer (the authors keep layer 1 of the pretrained
   BERT as the decoder); the embeddings and the MLM head are shared, not copied.
 - The MLM head: our short-name backbones are loaded with AutoModel, and all-MiniLM-L6-v2's folder holds no MLM
@@ -272,6 +275,7 @@ class SMAEObjective(nn.Module):
         decoder_mask_ratio: float = DECODER_MASK_RATIO,
         bottleneck: str = "pooled",
         seed: int = 0,
+        reduction: str = "sum",
     ):
         super().__init__()
         model = encoder.model
@@ -295,6 +299,11 @@ class SMAEObjective(nn.Module):
                 raise SMAEError(f"smae: {what} must be between 0 and 1 (exclusive), got {ratio}")
         if bottleneck not in ("pooled", "cls"):
             raise SMAEError(f"smae: bottleneck must be 'pooled' or 'cls', got '{bottleneck}'")
+        if reduction not in ("sum", "mean"):
+            raise SMAEError(
+                f"smae: reduction must be 'sum' (the paper's eq. 9) or 'mean' (ielab's code), got '{reduction}'"
+            )
+        self.reduction = reduction
         num_layers, width = encoder.num_layers, encoder.transformer_size
         self.sizes = sorted(tuple(int(v) for v in s) for s in (sizes or default_sizes(num_layers, width)))
         for layer, dim in self.sizes:
@@ -364,7 +373,7 @@ class SMAEObjective(nn.Module):
         return F.cross_entropy(self.mlm_head.logits(hidden[chosen], word).float(), batch.decoder_labels[chosen])
 
     def loss(self, encoder: ElasticEncoder, batch: MaskedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Eq. 9: the sum over sizes of the encoder MLM loss and the decoder MAE loss."""
+        """Eq. 9: the sum over sizes of the encoder MLM loss and the decoder MAE loss (or their mean)."""
         features = {"input_ids": batch.encoder_ids, "attention_mask": batch.attention_mask, **batch.extra}
         states = encoder.token_states(features, {n for n, _ in self.sizes})
         total, parts = None, {}
@@ -373,6 +382,8 @@ class SMAEObjective(nn.Module):
             mae = self.decoder_loss(encoder, self.sentence_vector(encoder, states[n], batch.attention_mask), d, batch)
             parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = float(mlm.detach()), float(mae.detach())
             total = mlm + mae if total is None else total + mlm + mae
+        if self.reduction == "mean":  # ielab's code: (mlm + mae) / 2 per size, then the mean over sizes
+            total = total / (2 * len(self.sizes))
         return total, parts
 
     def config(self) -> dict:
@@ -382,6 +393,7 @@ class SMAEObjective(nn.Module):
             "encoder_mask_ratio": self.encoder_mask_ratio,
             "decoder_mask_ratio": self.decoder_mask_ratio,
             "bottleneck": self.bottleneck,
+            "reduction": self.reduction,
             "decoder_layers": len(self.decoder),
             "mlm_head": self.head_source,
         }
@@ -396,6 +408,8 @@ class SMAETrainer(Trainer):
     supports_processes = False  # its masked-token losses are per process; not wired to the gather
 
     def build_method(self):
+        if self.config.gradient_accumulation != 1:  # its batch is masked and run whole (prepare_batch below)
+            raise SMAEError("smae: gradient_accumulation is not supported; lower --batch-size to save memory")
         return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
 
     def build_task_loss(self):

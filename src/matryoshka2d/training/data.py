@@ -333,3 +333,34 @@ def _tsv_texts(path: Path, opener):
                 text = row[pos].strip()
                 if text:
                     yield text
+
+
+def without_repeated_texts(data: TrainingData, rows: np.ndarray, tokenizer, max_length: int | None) -> np.ndarray:
+    """The batch's rows without those that repeat a text already in the batch: angle-emb's `filter_duplicate`
+    (0.6.1 `AngleDataCollator.__call__`, angle_emb/angle.py L124-244; on by default in `AnglE.fit` and in
+    v0.3.8-0.5.x, off in the 0.6 command line).
+
+    As there: a text's key is its token ids with special tokens, truncated to the maximum length (texts that
+    differ only in case meet under an uncased tokenizer); a row's texts are checked in column order against
+    every text seen so far in the batch, its own included, and the first repeat drops the whole row, while
+    the texts before the repeat stay seen. The batch gets smaller, as it does there.
+    """
+    if data.kind == "sentences":
+        raise ValueError(
+            "filter_duplicates: plain sentences are two copies of each sentence by design (SimCSE), so every row "
+            "would be dropped; turn filter_duplicates off for this data"
+        )
+    columns, _ = data.rows(rows)
+    texts = [text for row in zip(*columns, strict=True) for text in row]
+    ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    width, seen, keep = len(columns), set(), []
+    for i, row in enumerate(rows):
+        for key in map(tuple, ids[i * width : (i + 1) * width]):
+            if key in seen:
+                break
+            seen.add(key)
+        else:
+            keep.append(row)
+    if not keep:
+        raise ValueError("filter_duplicates dropped every row of a batch: each repeats a text of its own row")
+    return np.asarray(keep, dtype=rows.dtype)

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,28 +28,25 @@ from tqdm.auto import tqdm
 from matryoshka2d.evaluate.sts import sts_dev_score
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
-from matryoshka2d.methods import Method, make_method
+from matryoshka2d.methods import Method, Plan, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
-from matryoshka2d.training import checkpoints, exit_heads
+from matryoshka2d.training import checkpoints, exit_heads, gradcache, surgery
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable, eval_cells
-from matryoshka2d.training.data import TrainingData, read_training_data
+from matryoshka2d.training.data import TrainingData, read_training_data, without_repeated_texts
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.throughput import (
     Prefetcher,
     adamw,
     autocast,
+    checkpoint_and_compile,
     grad_scaler,
+    host_values,
     lr_schedule,
     private_tokenizer,
     resolve_precision,
 )
-
-
-def host_values(record: dict) -> dict:
-    """The record with every device tensor (loss, gradient norm, the method's loss parts) read back as a float."""
-    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
 class Trainer:
@@ -67,8 +65,7 @@ class Trainer:
         self.encoder = ElasticEncoder(
             config.model, pooling=config.pooling, max_length=config.max_length, device=config.device
         )
-        self._prepare_pooler()
-        self._prepare_decoder()
+        surgery.prepare_model(self.encoder, config)  # pooler head and freeze, bidirectional attention, LoRA
         for layer, dim in eval_cells(config) or []:
             self.encoder.check_layer(layer), self.encoder.check_dim(dim)
         self.method = self.build_method()
@@ -79,10 +76,12 @@ class Trainer:
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
         exit_heads.prepare(self)
-        params = [p for m in (self.encoder, self.method, self.task_loss) for p in m.parameters() if p.requires_grad]
-        groups = exit_heads.parameter_groups(self, params)  # the heads with their own learning rate
         self._prepare_throughput()
-        self.optimizer = adamw(groups, config.lr, config.weight_decay, self.encoder.device)
+        modules, cfg = [self.encoder, self.method, self.task_loss], config
+        heads_apart = exit_heads.regroup(self)  # the heads with their own learning rate
+        self.optimizer = adamw(
+            modules, cfg.lr, cfg.weight_decay, cfg.weight_decay_exempt, self.encoder.device, heads_apart
+        )
         warmup = int(config.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.total_steps, warmup, config.lr_schedule)
         if self.processes.active:
@@ -93,9 +92,12 @@ class Trainer:
     # ---- what is trained, on what (subclasses such as the SMAE pre-trainer replace these) ---------------
 
     def build_method(self) -> Method:
-        return make_method(
-            self.config.method, self.encoder.num_layers, self.encoder.hidden_size, **self.config.method_options
-        )
+        cfg, encoder = self.config, self.encoder
+        method = make_method(cfg.method, encoder.num_layers, encoder.hidden_size, **cfg.method_options)
+        for warning in method.adapt_to_backbone(encoder.pooling, encoder.normalize_output):
+            if self.processes.main:
+                print(f"warning: {warning}", file=sys.stderr)
+        return method
 
     def default_loss(self) -> str:
         """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
@@ -119,58 +121,11 @@ class Trainer:
             )
         return data
 
-    def _prepare_pooler(self) -> None:
-        """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze."""
-        dim = self.config.pooler_dim
-        if dim is not None:
-            head = self.encoder.head
-            if head is None or head.out_features != dim:
-                if head is not None:
-                    print(f"replacing the model's {head.describe()} head by a fresh {dim}-dim pooler")
-                self.encoder.add_pooler(dim, seed=self.config.seed)
-        if self.config.freeze_encoder:
-            if self.encoder.head is None:
-                raise ValueError("freeze_encoder trains only the pooler head: give pooler_dim or a model with one")
-            for p in self.encoder.model.parameters():
-                p.requires_grad_(False)
-
-    def _prepare_decoder(self) -> None:
-        """ESE sec. 3.1 for decoder LLMs: bidirectional attention and LoRA (mean pooling is their default)."""
-        from matryoshka2d.models.decoders import set_bidirectional
-        from matryoshka2d.models.lora import add_lora
-
-        cfg = self.config
-        if cfg.bidirectional:
-            set_bidirectional(self.encoder.model, self.encoder.name)
-        if cfg.lora_r is not None:
-            if cfg.freeze_encoder:
-                raise ValueError("lora_r and freeze_encoder exclude each other: LoRA trains adapters in the encoder")
-            add_lora(self.encoder, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
-
     def _prepare_throughput(self) -> None:
         cfg, device = self.config, self.encoder.device
-        for name in ("log_every", "gradient_accumulation"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-        if cfg.gradient_accumulation > cfg.batch_size:
-            raise ValueError(
-                f"gradient_accumulation {cfg.gradient_accumulation} splits a batch of {cfg.batch_size} into "
-                "micro-batches; it cannot exceed batch_size"
-            )
         self.precision = resolve_precision(cfg.precision, device)
         self.scaler = grad_scaler(self.precision, device)
-        if cfg.gradient_checkpointing:
-            if not getattr(self.encoder.model, "supports_gradient_checkpointing", False):
-                raise ValueError(f"gradient_checkpointing: {self.encoder.name} does not support it")
-            self.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:
-            # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
-            # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
-            from matryoshka2d.models.backbones import layer_stack
-
-            for layer in layer_stack(self.encoder.model):
-                for block in layer.children():
-                    block.compile(dynamic=True)
+        checkpoint_and_compile(self.encoder, cfg.gradient_checkpointing, cfg.compile)
         self._tokenizer = private_tokenizer(self.encoder.tokenizer)
         self._prefetch = Prefetcher(self.prepare_batch)
         self._pin = device.type == "cuda"
@@ -190,7 +145,10 @@ class Trainer:
     def batch_indices(self, step: int) -> np.ndarray:
         epoch, position = divmod(step, self.steps_per_epoch)
         order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.data))
-        return order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
+        rows = order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
+        if not self.config.filter_duplicates:
+            return rows
+        return without_repeated_texts(self.data, rows, self._tokenizer, self.encoder.max_length)
 
     def prepare_batch(self, step: int) -> list[tuple[list[dict], np.ndarray | None]]:
         """Step's rows, split into `gradient_accumulation` micro-batches, each column tokenized on the CPU
@@ -217,21 +175,35 @@ class Trainer:
 
     def compute_loss(self, step: int, micro_batch=None) -> tuple[torch.Tensor, dict]:
         """The loss of one step (or of one micro-batch of it), on the device, and its parts."""
+        plan = self.start_step(step)
+        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        return self.objective(plan, self.gather(plan, self.embed(features, plan), rows), labels)
+
+    def start_step(self, step: int) -> Plan:
+        """Seed the step's dropout and draw its plan (layers, widths) from the step's own generator."""
         # Dropout draws differ per process (their rows differ); the plan (layers, widths) is the same in all.
         torch.manual_seed(self.config.seed * 1_000_003 + step + 7919 * self.processes.rank)
-        plan = self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
-        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        return self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
+
+    def embed(self, features: list[dict], plan: Plan) -> list[dict[int, torch.Tensor]]:
+        """Per column, the pooled full-width state of every layer the plan needs (one forward pass per column)."""
         device = self.encoder.device
         with autocast(self.precision, device):
-            per_column = [
+            return [
                 self.encoder({k: v.to(device, non_blocking=True) for k, v in f.items()}, plan.layers) for f in features
             ]
-        if self.processes.active:  # the whole batch's embeddings, own rows with their graph (parallel.py)
-            local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
-            whole = self.processes.gather_rows(local, rows, dim=2)
-            per_column = [dict(zip(plan.layers, column, strict=True)) for column in whole]
-        # The method's and the task loss's arithmetic (similarities, softmaxes, ESE's PCA) runs in fp32.
-        label_tensor = None if labels is None else torch.as_tensor(labels, device=device)
+
+    def gather(self, plan: Plan, per_column: list[dict], rows: int) -> list[dict]:
+        """With several processes, the whole batch's embeddings: own rows with their graph (parallel.py)."""
+        if not self.processes.active:
+            return per_column
+        local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
+        whole = self.processes.gather_rows(local, rows, dim=2)
+        return [dict(zip(plan.layers, column, strict=True)) for column in whole]
+
+    def objective(self, plan: Plan, per_column: list[dict], labels) -> tuple[torch.Tensor, dict]:
+        """The method's loss on the batch's embeddings; its arithmetic (similarities, softmaxes, PCA) runs in fp32."""
+        label_tensor = None if labels is None else torch.as_tensor(labels, device=self.encoder.device)
         states = {
             layer: EmbeddedBatch([pooled[layer].float() for pooled in per_column], self.data.kind, label_tensor)
             for layer in plan.layers
@@ -240,21 +212,22 @@ class Trainer:
         parts.update({k: v for k, v in plan.info.items()})
         return loss, parts
 
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def train_step(self) -> dict:
         """One optimizer step. Inside run() the loss and gradient norm stay on the device (no host sync; the
-        record holds tensors, read back on logging steps only); called directly, the record holds floats."""
+        record holds tensors, read back on logging steps only); called directly, the record holds floats.
+        With several micro-batches the loss is still the whole batch's, by gradient caching (gradcache.py)."""
         self.encoder.train()
         step = self.step
         micro_batches = self._prefetch.get(step, step + 1 if step + 1 < self.total_steps else None)
-        total, parts_sum = None, {}
-        for micro in micro_batches:
-            loss, parts = self.compute_loss(step, micro)
-            loss = loss / len(micro_batches)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0) + v
-        parts = parts_sum if len(micro_batches) == 1 else {k: v / len(micro_batches) for k, v in parts_sum.items()}
+        if len(micro_batches) == 1:
+            loss, parts = self.compute_loss(step, micro_batches[0])
+            self.backward(loss)
+        else:
+            loss, parts = gradcache.accumulate(self, step, micro_batches)
+        total = loss.detach()
         if self.processes.active:
             self.processes.sum_gradients([p for p in self.encoder.parameters() if p.requires_grad])
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
