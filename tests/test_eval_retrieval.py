@@ -101,7 +101,7 @@ def test_query_with_its_own_id_in_the_corpus_does_not_find_itself(tmp_path):
     [
         (
             lambda r: (r / "corpus.jsonl").write_text('{"_id": "d1", "text": "a"}\n{"_id": "d2", "text": \n'),
-            r"corpus.jsonl line 2: invalid JSON",
+            r"corpus.jsonl line 2: not valid JSON",
         ),
         (lambda r: (r / "corpus.jsonl").write_text('{"text": "a"}\n'), r"corpus.jsonl line 1: no '_id' field"),
         (

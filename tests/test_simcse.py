@@ -101,7 +101,7 @@ def test_sentence_corpus_errors(tmp_path):
         read_training_data([str(empty)])
     bad = tmp_path / "bad.tsv"
     bad.write_text("sentence\tlabel\nok\t1\nbroken\n")
-    with pytest.raises(DataError, match=r"bad.tsv:3: 1 fields, expected 2"):
+    with pytest.raises(DataError, match=r"bad.tsv:3: 1 tab-separated columns, the header has 2"):
         read_sentences(bad)
     no_text = tmp_path / "ids.tsv"
     no_text.write_text("id\tlabel\n1\t2\n")

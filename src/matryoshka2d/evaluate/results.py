@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.files import read_json
 
 TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
 
@@ -205,10 +206,7 @@ def load_result(path: str | Path) -> dict:
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no results.json (give a result directory or its results.json)")
-    try:
-        result = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} line {exc.lineno}: not valid JSON ({exc.msg})") from exc
+    result = read_json(file)
     missing = [k for k in ("task", "metric", "average", "layers", "dims") if k not in result]
     if missing:
         raise ValueError(f"{file}: not a matryoshka2d result (missing {', '.join(missing)})")

@@ -21,7 +21,7 @@ import numpy as np
 
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct, unit_rows
 from matryoshka2d.evaluate.results import finish, provenance
-from matryoshka2d.files import DataFormatError, read_jsonl, read_tsv
+from matryoshka2d.files import DataFormatError, read_beir, read_tsv
 
 METRICS = ("ndcg@10", "mrr@10", "recall@100")
 DEPTH = 100  # the deepest rank any metric looks at
@@ -49,26 +49,11 @@ def corpus_file(directory: Path) -> Path:
     raise DataFormatError(f"{directory}: no corpus.jsonl or corpus.jsonl.gz")
 
 
-def _read_records(path: Path, need_title: bool) -> tuple[list[str], list[str]]:
-    ids, texts, seen = [], [], {}
-    for line, obj in read_jsonl(path):
-        if "_id" not in obj:
-            raise DataFormatError(f"{path} line {line}: no '_id' field")
-        if not isinstance(obj.get("text"), str):
-            raise DataFormatError(f"{path} line {line}: no 'text' string field")
-        key = str(obj["_id"])
-        if key in seen:
-            raise DataFormatError(f"{path} line {line}: _id {key!r} already used on line {seen[key]}")
-        seen[key] = line
-        text = obj["text"]
-        if need_title:
-            title = obj.get("title") or ""
-            text = (f"{title} {text}" if title else text).strip()
-        ids.append(key)
-        texts.append(text)
-    if not ids:
+def _read_records(path: Path, titles: bool) -> tuple[list[str], list[str]]:
+    records = list(read_beir(path, titles))
+    if not records:
         raise DataFormatError(f"{path}: empty file")
-    return ids, texts
+    return [key for _, key, _ in records], [text for _, _, text in records]
 
 
 def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
@@ -76,8 +61,8 @@ def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
     directory = Path(directory)
     if not directory.is_dir():
         raise DataFormatError(f"{directory}: dataset directory not found")
-    doc_ids, doc_texts = _read_records(corpus_file(directory), need_title=True)
-    all_qids, all_qtexts = _read_records(directory / "queries.jsonl", need_title=False)
+    doc_ids, doc_texts = _read_records(corpus_file(directory), titles=True)
+    all_qids, all_qtexts = _read_records(directory / "queries.jsonl", titles=False)
     qrels_path = directory / "qrels" / f"{split}.tsv"
     if not qrels_path.is_file():
         have = sorted(p.stem for p in (directory / "qrels").glob("*.tsv")) if (directory / "qrels").is_dir() else []

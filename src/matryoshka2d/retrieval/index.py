@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import DataFormatError, read_jsonl
+from matryoshka2d.files import DataFormatError, read_beir, read_json
 from matryoshka2d.views import parse_cells
 
 FORMAT = 1
@@ -112,19 +112,8 @@ def model_identity(encoder) -> dict:
 
 def read_corpus(path: str | Path) -> Iterator[tuple[str, str]]:
     """(id, text) per document of a JSON-lines corpus (.jsonl or .jsonl.gz); a bad line names file and line."""
-    path = Path(path)
-    seen: set[str] = set()
-    for line, obj in read_jsonl(path):
-        if "_id" not in obj:
-            raise DataFormatError(f"{path} line {line}: no '_id' field")
-        if not isinstance(obj.get("text"), str):
-            raise DataFormatError(f"{path} line {line}: no 'text' string field")
-        key = str(obj["_id"])
-        if key in seen:
-            raise DataFormatError(f"{path} line {line}: _id {key!r} appears twice")
-        seen.add(key)
-        title = obj.get("title") or ""
-        yield key, (f"{title} {obj['text']}" if title else obj["text"]).strip()
+    for _, key, text in read_beir(path, titles=True):
+        yield key, text
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -138,10 +127,7 @@ def read_manifest(directory: str | Path) -> dict:
     path = directory / "manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no manifest.json (not an index built by `matryoshka2d index build`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise IndexBuildError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
+    manifest = read_json(path, IndexBuildError)
     if manifest.get("format") != FORMAT:
         raise IndexBuildError(f"{path}: format {manifest.get('format')!r}, this version reads format {FORMAT}")
     return manifest
