@@ -46,17 +46,13 @@ def npy_path(output: str) -> Path:
 
 def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
     """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
+    from matryoshka2d.models.encoder import length_batches
+
     ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
-    lengths = np.array([len(x) for x in ids])
-    order = np.argsort(-lengths, kind="stable")
     out = np.empty((len(texts), dim), dtype=np.float32)
-    start = 0
-    while start < len(order):
-        size = max(1, min(batch_size, TOKEN_BUDGET // max(1, int(lengths[order[start]]))))
-        idx = order[start : start + size]
+    for idx in length_batches([len(x) for x in ids], batch_size, TOKEN_BUDGET):
         batch = [texts[i] for i in idx]
-        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=size, normalize=normalize)
-        start += size
+        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=len(idx), normalize=normalize)
     return out
 
 

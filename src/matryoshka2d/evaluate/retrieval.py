@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct, unit_rows
+from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
 from matryoshka2d.evaluate.results import finish, provenance
 from matryoshka2d.files import DataFormatError, read_beir, read_tsv
+from matryoshka2d.views import unit_rows
 
 METRICS = ("ndcg@10", "mrr@10", "recall@100")
 DEPTH = 100  # the deepest rank any metric looks at

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct, unit_rows
+from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct
 from matryoshka2d.evaluate.results import finish, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
+from matryoshka2d.views import unit_rows
 
 STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 VARIANTS = ("raw", "senteval_tok")
@@ -65,16 +66,18 @@ def spearman_x100(gold: np.ndarray, predicted: np.ndarray) -> float:
     return float(spearmanr(gold, predicted).statistic * 100)
 
 
+def pair_spearman(pairs: PairSet, vectors: np.ndarray, rows: dict[str, int]) -> float:
+    """Spearman x 100 of the cosine of each pair against gold; `vectors` has a row per distinct sentence and
+    `rows` says which (as embed_distinct returns them)."""
+    unit = unit_rows(vectors)
+    a = unit[np.fromiter((rows[s] for s in pairs.sentences1), dtype=np.int64, count=len(pairs.sentences1))]
+    b = unit[np.fromiter((rows[s] for s in pairs.sentences2), dtype=np.int64, count=len(pairs.sentences2))]
+    return spearman_x100(pairs.gold, np.einsum("ij,ij->i", a, b))
+
+
 def score_cells(cells: dict[Cell, np.ndarray], rows: dict[str, int], pairs: PairSet) -> dict[Cell, float]:
     """Spearman x 100 of the cosine of each pair against gold, for each cell."""
-    i1 = np.fromiter((rows[s] for s in pairs.sentences1), dtype=np.int64, count=len(pairs.sentences1))
-    i2 = np.fromiter((rows[s] for s in pairs.sentences2), dtype=np.int64, count=len(pairs.sentences2))
-    out = {}
-    for cell, x in cells.items():
-        unit = unit_rows(x)
-        cosine = np.einsum("ij,ij->i", unit[i1], unit[i2])
-        out[cell] = spearman_x100(pairs.gold, cosine)
-    return out
+    return {cell: pair_spearman(pairs, x, rows) for cell, x in cells.items()}
 
 
 def evaluate_sts(
@@ -129,6 +132,10 @@ def evaluate_sts(
 def sts_dev_score(encoder, path: str | Path, layer: int, dim: int) -> float:
     """Spearman x 100 of cosine vs gold on one STS file (sentence1, sentence2, score), at one cell."""
     pairs = load_pairs(path)
-    n = len(pairs.sentences1)
-    vectors = encoder.encode(pairs.sentences1 + pairs.sentences2, layer=layer, dim=dim, normalize=True)
-    return spearman_x100(pairs.gold, (vectors[:n] * vectors[n:]).sum(1))
+    rows = distinct_rows(pairs)
+    return pair_spearman(pairs, encoder.encode(list(rows), layer=layer, dim=dim), rows)
+
+
+def distinct_rows(pairs: PairSet) -> dict[str, int]:
+    """Each distinct sentence of the pairs and its row, in order of first appearance."""
+    return {text: i for i, text in enumerate(dict.fromkeys(pairs.sentences1 + pairs.sentences2))}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from matryoshka2d.models.backbones import (
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.pooler import PoolerHead
 from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config
+from matryoshka2d.views import unit_rows
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -342,7 +343,7 @@ class ElasticEncoder(nn.Module):
             for d in dims:
                 cell = pooled[n][:, :d]
                 if normalize:
-                    cell = cell / np.maximum(np.linalg.norm(cell, axis=1, keepdims=True), 1e-12)
+                    cell = unit_rows(cell)
                 grid[(n, d)] = np.ascontiguousarray(cell, dtype=np.float32)
         return grid
 
@@ -360,15 +361,12 @@ class ElasticEncoder(nn.Module):
         out = {n: np.zeros((len(unique), self.hidden_size), dtype=np.float32) for n in layers}
         if unique:
             encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
-            ids = encoded["input_ids"]
-            order = np.argsort([-len(x) for x in ids], kind="stable")  # longest first: less padding per batch
+            batches = list(length_batches([len(x) for x in encoded["input_ids"]], batch_size))
             was_training = self.model.training
             self.model.eval()
-            batches = range(0, len(order), batch_size)
             try:
                 with torch.inference_mode():
-                    for start in tqdm(batches, desc=f"encode {self.name}", disable=not show_progress, unit="batch"):
-                        idx = order[start : start + batch_size]
+                    for idx in tqdm(batches, desc=f"encode {self.name}", disable=not show_progress, unit="batch"):
                         rows = [{k: encoded[k][i] for k in self._input_names if k in encoded} for i in idx]
                         features = self.tokenizer.pad(rows, return_tensors="pt")
                         features = {k: v.to(self.device) for k, v in features.items()}
@@ -377,6 +375,20 @@ class ElasticEncoder(nn.Module):
             finally:
                 self.model.train(was_training)
         return {n: arr[inverse] for n, arr in out.items()}
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, token_budget: int | None = None) -> Iterator[np.ndarray]:
+    """Indices of texts in batches, longest first, so that each batch pads to lengths close to its own: at most
+    `batch_size` texts, and with `token_budget`, at most that many tokens (the batch's longest text x its size)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    start = 0
+    while start < len(order):
+        size = batch_size
+        if token_budget is not None:
+            size = max(1, min(batch_size, token_budget // max(1, int(lengths[order[start]]))))
+        yield order[start : start + size]
+        start += size
 
 
 def check_texts(texts) -> list[str]:

@@ -14,7 +14,8 @@ import numpy as np
 from matryoshka2d.evaluate.results import provenance
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
 from matryoshka2d.retrieval.index import make_index
-from matryoshka2d.retrieval.search import cascade_search, flat_search, unit
+from matryoshka2d.retrieval.search import cascade_search, flat_search
+from matryoshka2d.views import unit_rows
 
 
 def recall_at(ranking: np.ndarray, qrels: list[dict[int, int]], k: int = 10) -> float:
@@ -104,7 +105,7 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
 
     def index(cell):
         if cell not in indexes:
-            indexes[cell] = make_index(unit(docs[cell[0]][:, : cell[1]]), "flat", "float32")
+            indexes[cell] = make_index(unit_rows(docs[cell[0]][:, : cell[1]]), "flat", "float32")
         return indexes[cell]
 
     def queries(layers):
@@ -122,13 +123,13 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
 
     modes = []
     pooled, enc = queries([full[0]])
-    ranking, sec = one_by_one(flat_one(full, unit(pooled[full[0]][:, : full[1]])))
+    ranking, sec = one_by_one(flat_one(full, unit_rows(pooled[full[0]][:, : full[1]])))
     reference = ranking
     modes.append((f"flat ({full[0]},{full[1]})", ranking, enc, sec))
     if cascade:
         small = cascade[0]
         pooled, enc = queries([small[0], full[0]])
-        qs, qf = unit(pooled[small[0]][:, : small[1]]), unit(pooled[full[0]][:, : full[1]])
+        qs, qf = unit_rows(pooled[small[0]][:, : small[1]]), unit_rows(pooled[full[0]][:, : full[1]])
         ranking, sec = one_by_one(
             lambda i: cascade_search(
                 index(small), index(full), qs[i : i + 1], qf[i : i + 1], shortlist, 10, exclude[i : i + 1]
@@ -137,7 +138,7 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
         modes.append((f"cascade ({small[0]},{small[1]}) top {shortlist} -> ({full[0]},{full[1]})", ranking, enc, sec))
     if query_layer:
         pooled, enc = queries([query_layer])
-        qa = unit(pooled[query_layer][:, : full[1]])
+        qa = unit_rows(pooled[query_layer][:, : full[1]])
         ranking, sec = one_by_one(flat_one(full, qa))
         modes.append((f"queries at layer {query_layer} -> docs ({full[0]},{full[1]})", ranking, enc, sec))
         sym = (query_layer, full[1])

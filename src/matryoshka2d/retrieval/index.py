@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import DataFormatError, read_beir, read_json
-from matryoshka2d.views import parse_cells
+from matryoshka2d.views import parse_cells, unit_rows
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
@@ -211,12 +211,7 @@ def build_index(
             break
         ids = [i for i, _ in block]
         pooled = encoder.pooled_states([t for _, t in block], layers, batch_size)
-        arrays = {}
-        for n, d in cells:
-            v = pooled[n][:, :d]
-            arrays[cell_name((n, d))] = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)).astype(
-                np.float32
-            )
+        arrays = {cell_name((n, d)): unit_rows(pooled[n][:, :d]) for n, d in cells}
         shard = shards_dir / f"shard-{len(manifest['shards']):05d}.npz"
         tmp = shard.with_suffix(".tmp.npz")
         np.savez(tmp, ids=np.array(ids, dtype=object).astype(str), **arrays)
