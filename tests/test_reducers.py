@@ -112,8 +112,8 @@ def test_reduced_cells_in_the_sts_grid(name, tiny_dir, tmp_path):
     out = cells.embed(["a red cat", "dogs run"])
     assert {k: v.shape for k, v in out.items()} == {c: (2, c[1]) for c in cells.cells()}
     result = evaluate_sts(cells, sts_dir(tmp_path), datasets=["stsb"], log=lambda _: None)
-    assert sorted((r["layer"], r["dim"]) for r in result["scores"]) == cells.cells()
-    info = result["model"]
+    assert sorted((r["layer"], r["dim"]) for r in result.scores) == cells.cells()
+    info = result.model
     assert info["reducer"] == name and info["reducer_corpus_sentences"] == 50 and info["model"].endswith(name)
 
 

@@ -168,7 +168,7 @@ def run_loop(args) -> int:
     cells = EncoderCells(encoder, range(1, encoder.num_layers + 1), dims, show_progress=not args.quiet)
     result = evaluate_sts(cells, root, datasets=args.sts, log=quiet)
     write_outputs(result, work / "sts")
-    full = result["summary"]
+    full = result.summary
     done(
         t,
         f"{work / 'sts'}/results.md and heatmap.png; full model ({full['cell'][0]},{full['cell'][1]}): "

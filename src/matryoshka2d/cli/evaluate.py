@@ -32,18 +32,18 @@ def _embedder(args, default_cells=None) -> EncoderCells:
     return EncoderCells(encoder, layers, dims, batch_size=args.batch_size, show_progress=not args.quiet)
 
 
-def _finish(result: dict, output: str) -> int:
+def _finish(result, output: str) -> int:
     from matryoshka2d.evaluate.results import write_outputs
 
     paths = write_outputs(result, output)
-    summary = result.get("summary", {})
+    summary = result.summary
     if summary.get("average") is not None:
         layer, dim = summary["cell"]
-        line = f"{result['task']} {result['metric']}: {summary['average']:.2f} at layer {layer}, dim {dim}"
+        line = f"{result.task} {result.metric}: {summary['average']:.2f} at layer {layer}, dim {dim}"
         if "shallow_average" in summary:
             line += f"; shallow average (layers {summary['shallow_layers']}): {summary['shallow_average']:.2f}"
         print(line)
-    print(f"{len(result['scores'])} scores in {result['seconds']['total']:.1f} s -> {', '.join(map(str, paths))}")
+    print(f"{len(result.scores)} scores in {result.seconds['total']:.1f} s -> {', '.join(map(str, paths))}")
     return 0
 
 

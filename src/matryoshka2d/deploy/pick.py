@@ -59,15 +59,15 @@ class Point:
 def load_quality(paths: list[str]) -> tuple[dict[tuple[int, int], float], str, dict]:
     """Per-cell quality, a description of it, and the first result's model info."""
     results = [load_result(p) for p in paths]
-    grids = [grid_of(r["average"], r["metric"]) for r in results]
+    grids = [grid_of(r.average, r.metric) for r in results]
     shared = set(grids[0]).intersection(*grids[1:])
     if not shared:
         raise ValueError(f"the result files {', '.join(paths)} have no (layer, dim) cell in common")
-    label = " + ".join(f"{r['task']} {r['metric']}" for r in results)
+    label = " + ".join(f"{r.task} {r.metric}" for r in results)
     if len(results) > 1:
         label = f"mean of {label}"
     quality = {cell: sum(g[cell] for g in grids) / len(grids) for cell in shared}
-    return quality, label, results[0].get("model", {})
+    return quality, label, results[0].model
 
 
 def measure_latency(encoder, layers: list[int], repeats: int = 3) -> dict[int, float]:

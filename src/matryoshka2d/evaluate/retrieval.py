@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
-from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.evaluate.results import GridResult, grid_result, provenance
 from matryoshka2d.files import DataFormatError, read_beir, read_tsv
 from matryoshka2d.views import unit_rows
 
@@ -152,8 +152,8 @@ def evaluate_retrieval(
     directories: Sequence[str | Path],
     split: str = "test",
     log: Callable[[str], None] | None = None,
-) -> dict:
-    """Evaluate every cell of `embedder` on each BEIR folder; return a result dict (see results.py)."""
+) -> GridResult:
+    """Evaluate every cell of `embedder` on each BEIR folder."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     sets = [load_beir(d, split) for d in directories]  # read and check everything before encoding
     names = [s.name for s in sets]
@@ -188,23 +188,13 @@ def evaluate_retrieval(
         }
         if ds.unknown_docs:
             log(f"{ds.name}: warning: {ds.unknown_docs} qrels rows name documents missing from the corpus")
-    cell_list = embedder.cells()
-    result = {
-        "task": "retrieval",
-        "metric": "ndcg@10",
-        "metrics": list(METRICS),
-        "datasets": names,
-        "layers": sorted({n for n, _ in cell_list}),
-        "dims": sorted({d for _, d in cell_list}),
-        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": embedder.info(),
-        "settings": {
-            "split": split,
-            "search": "exact inner product on L2-normalised vectors (cosine), numpy",
-            "document_text": 'title + " " + text, truncated to the model max_length tokens',
-            "datasets": described,
-        },
-        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
-        "provenance": started,
+    settings = {
+        "split": split,
+        "search": "exact inner product on L2-normalised vectors (cosine), numpy",
+        "document_text": 'title + " " + text, truncated to the model max_length tokens',
+        "datasets": described,
     }
-    return finish(result)
+    seconds = {"total": time.perf_counter() - start, "encode": encode_seconds}
+    return grid_result(
+        "retrieval", METRICS, names, scores, embedder.cells(), embedder.info(), settings, seconds, started
+    )

@@ -17,7 +17,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct
-from matryoshka2d.evaluate.results import finish, provenance
+from matryoshka2d.evaluate.results import GridResult, grid_result, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
 from matryoshka2d.views import unit_rows
 
@@ -86,8 +86,8 @@ def evaluate_sts(
     variant: str = "raw",
     datasets: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
-) -> dict:
-    """Evaluate every cell of `embedder` on the STS sets; return a result dict (see results.py)."""
+) -> GridResult:
+    """Evaluate every cell of `embedder` on the STS sets."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     names = list(datasets or STS_SETS)
     files = {name: sts_file(Path(data_dir), variant, name) for name in names}  # fail before any encoding
@@ -106,27 +106,17 @@ def evaluate_sts(
             f"{name}: {len(pairs.gold)} pairs, {len(rows)} distinct sentences; layer {best[0]} dim {best[1]}: "
             f"{per_cell[best]:.2f}"
         )
-    cells_list = embedder.cells()
-    result = {
-        "task": "sts",
-        "metric": "spearman",
-        "metrics": ["spearman"],
-        "datasets": names,
-        "layers": sorted({n for n, _ in cells_list}),
-        "dims": sorted({d for _, d in cells_list}),
-        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": embedder.info(),
-        "settings": {
-            "data_dir": str(Path(data_dir).resolve()),
-            "variant": variant,
-            "similarity": "cosine",
-            "correlation": "Spearman x 100 over the whole file (SentEval 'all')",
-            "files": {name: str(path) for name, path in files.items()},
-        },
-        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
-        "provenance": started,
+    settings = {
+        "data_dir": str(Path(data_dir).resolve()),
+        "variant": variant,
+        "similarity": "cosine",
+        "correlation": "Spearman x 100 over the whole file (SentEval 'all')",
+        "files": {name: str(path) for name, path in files.items()},
     }
-    return finish(result)
+    seconds = {"total": time.perf_counter() - start, "encode": encode_seconds}
+    return grid_result(
+        "sts", ["spearman"], names, scores, embedder.cells(), embedder.info(), settings, seconds, started
+    )
 
 
 def sts_dev_score(encoder, path: str | Path, layer: int, dim: int) -> float:
