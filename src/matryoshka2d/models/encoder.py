@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from matryoshka2d.models.backbones import (
     POOLING_MODES,
     BackboneError,
+    architecture,
     count_parameters,
     default_device,
     final_norm,
@@ -152,8 +153,7 @@ class ElasticEncoder(nn.Module):
         install_exit_hooks(transformer)  # also fails early, naming the architecture, if it is not in the table
         self._final_norm = final_norm(transformer)
         limit = getattr(transformer.config, "max_position_embeddings", 512) or 512
-        if getattr(transformer.config, "model_type", "") in {"roberta", "xlm-roberta", "mpnet"}:
-            limit -= 2  # these offset positions by the padding index
+        limit -= architecture(transformer).position_offset
         configured = max_length or (sentence_cfg.max_length if sentence_cfg else None)
         self.max_length = min(configured or tokenizer.model_max_length, limit, 8192)
         # Feed only what the model's forward takes (DistilBERT and decoders have no token_type_ids).
