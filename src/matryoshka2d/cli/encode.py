@@ -12,6 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
+from matryoshka2d.cli.args import POOLING_CHOICES
 from matryoshka2d.files import iter_lines, open_input
 
 
@@ -112,7 +113,7 @@ def cmd_models(args) -> int:
 def register(sub, model_args) -> None:
     p = sub.add_parser("info", help="layers, hidden size, pooling and parameters of a model")
     p.add_argument("model", help="short name, directory or hub id")
-    p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
+    p.add_argument("--pooling", choices=POOLING_CHOICES)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("encode", help="embed one text per line of a file at one (layer, dim) cell into a .npy")

@@ -143,9 +143,7 @@ def register(sub, model_args) -> None:
         description="Queries are encoded once, up to the deepest cell needed. Results print as rank, id, score.",
     )
     p.add_argument("--index", required=True, help="directory written by `matryoshka2d index build`")
-    p.add_argument("--model", help="query model (default: the index's model)")
-    p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
-    p.add_argument("--device")
+    model_args(p, default=None, model_help="query model (default: the index's model)", device_help=None)
     p.add_argument("--query", help="one query text")
     p.add_argument("--queries", help="a file with one query per line, or a queries.jsonl")
     p.add_argument("--cell", help="flat search at this cell, layer:dim (default: the index's largest cell)")
