@@ -69,6 +69,15 @@ def config(tiny_dir, triplets, sts_dev, out, **kw):
     return TrainConfig(**base)
 
 
+def test_a_trained_models_card_shows_its_method_and_last_evaluation(tiny_dir, triplets, sts_dev, tmp_path):
+    run = config(tiny_dir, triplets, sts_dev, tmp_path / "run", method="2dmse", steps=2, loss="cosent")
+    out = Trainer(run).run(progress=False)
+    card = (out / "README.md").read_text()
+    final = json.loads((out / "matryoshka2d.json").read_text())["final_eval"]
+    assert "- method: 2dmse (`{" in card and "- loss: cosent" in card
+    assert f"Spearman x 100 of cosine vs gold {final['spearman']:.2f} on dev.tsv@(4,32)" in card
+
+
 @pytest.mark.parametrize("method", ["plain", "mrl", "2dmse", "ese", "starbucks"])
 def test_twenty_steps_lower_the_loss(method, tiny_dir, triplets, sts_dev, tmp_path):
     options = {"ese": {"k": 16}, "starbucks": {"sizes": [(1, 8), (2, 16), (4, 32)]}}.get(method, {})
