@@ -118,6 +118,10 @@ def test_the_decoder_sees_only_the_first_d_numbers(encoder, tokenizer):
         assert objective.decoder_loss(encoder, changed_beyond, 32, batch) != base
     # The decoder ran on its own layer, and the encoder's layer stack is back in place afterwards.
     assert len(encoder.model.encoder.layer) == 4 and objective.decoder[0] is not encoder.model.encoder.layer[0]
+    # Its loss parts stay device tensors, read back on the trainer's logging steps only (no host sync a step).
+    _, parts = objective.loss(encoder, batch)
+    assert set(parts) == {f"{term}({n},{d})" for n, d in objective.sizes for term in ("mlm", "mae")}
+    assert all(isinstance(v, torch.Tensor) for v in parts.values())
 
 
 def config(tiny_dir, corpus, out, **kw):

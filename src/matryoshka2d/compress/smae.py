@@ -366,7 +366,7 @@ class SMAEObjective(nn.Module):
         for n, d in self.sizes:
             mlm = self.encoder_loss(encoder, states[n], d, batch)
             mae = self.decoder_loss(encoder, self.sentence_vector(encoder, states[n], batch.attention_mask), d, batch)
-            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = float(mlm.detach()), float(mae.detach())
+            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = mlm.detach(), mae.detach()
             total = mlm + mae if total is None else total + mlm + mae
         return total, parts
 
