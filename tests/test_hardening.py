@@ -118,11 +118,25 @@ def test_bad_config_files(tiny_dir, files, tmp_path, capsys, text, needles):
     one_line_error(capsys, *needles)
 
 
-def test_output_that_is_a_file(tiny_dir, files, tmp_path, capsys):
+def test_an_output_that_is_a_file_or_taken_is_refused_before_the_model_loads(
+    tiny_dir, files, tmp_path, capsys, monkeypatch
+):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --output was checked")
+
+    monkeypatch.setattr("matryoshka2d.training.trainer.ElasticEncoder", no_model)
     out = tmp_path / "file"
     out.write_text("x")
     assert main(train_args(tiny_dir, files, out)) == 2
     one_line_error(capsys, "is a file")
+    taken = tmp_path / "run"
+    taken.mkdir()
+    (taken / "train_log.jsonl").write_text("")
+    assert main(train_args(tiny_dir, files, taken)) == 2
+    one_line_error(capsys, "already holds a model or a run")
+    pretrain = ["pretrain", "--model", str(tiny_dir), "--data", str(files / "triplets.tsv"), "--output", str(taken)]
+    assert main(pretrain) == 2
+    one_line_error(capsys, "already holds a model or a run")
 
 
 # ---- the atomic final save ----------------------------------------------------------------------------------

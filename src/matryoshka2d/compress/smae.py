@@ -57,6 +57,7 @@ from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack
 from matryoshka2d.models.encoder import ElasticEncoder, pool
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training.data import read_training_data
+from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.trainer import Trainer
 
 ENCODER_MASK_RATIO = 0.2  # alpha_e: the authors' smae/README.md command, --mlm_probability 0.2
@@ -433,6 +434,7 @@ def pretrain_trainer(config) -> SMAETrainer:
 def pretrain(
     config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
 ) -> Path:
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
     return pretrain_trainer(config).run(
         resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle
     )

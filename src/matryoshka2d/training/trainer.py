@@ -446,4 +446,5 @@ def train(
     overwrite: bool = False,
     allow_pickle: bool = False,
 ) -> Path:
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
     return Trainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
