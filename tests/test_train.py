@@ -69,6 +69,24 @@ def config(tiny_dir, triplets, sts_dev, out, **kw):
     return TrainConfig(**base)
 
 
+@pytest.mark.parametrize("loss", [None, "cosent", "simcse"])
+def test_the_training_data_is_read_once(loss, tiny_dir, triplets, sts_dev, tmp_path, monkeypatch):
+    """Without --loss the data is read to pick the default loss; that read is the one the run trains on."""
+    from matryoshka2d.training import trainer as trainer_module
+
+    calls = []
+    read = trainer_module.read_training_data
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("sentences", False))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "read_training_data", counting)
+    trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, loss=loss))
+    assert calls == [loss == "simcse"] and trainer.loss_name == (loss or "angle")
+    assert trainer.data.kind == ("sentences" if loss == "simcse" else "triplets")
+
+
 def test_a_trained_models_card_shows_its_method_and_last_evaluation(tiny_dir, triplets, sts_dev, tmp_path):
     run = config(tiny_dir, triplets, sts_dev, tmp_path / "run", method="2dmse", steps=2, loss="cosent")
     out = Trainer(run).run(progress=False)

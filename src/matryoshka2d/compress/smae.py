@@ -397,7 +397,7 @@ class SMAETrainer(Trainer):
     def build_task_loss(self):
         return nn.Module()  # SMAE has no sentence-embedding loss; the objective holds its own terms
 
-    def read_data(self):
+    def read_data(self, first_read=None):
         return read_training_data(self.config.data, sentences=True)
 
     def prepare_batch(self, step: int):

@@ -72,9 +72,10 @@ class Trainer:
         if config.eval_cell is not None:
             self.encoder.check_layer(config.eval_cell[0]), self.encoder.check_dim(config.eval_cell[1])
         self.method = self.build_method()
-        self.loss_name = config.loss or self.default_loss()
+        first_read = None if config.loss else read_training_data(config.data)  # its kind picks the loss
+        self.loss_name = config.loss or self.default_loss(first_read.kind)
         self.task_loss = self.build_task_loss()
-        self.data: TrainingData = self.read_data()
+        self.data: TrainingData = self.read_data(first_read)
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
@@ -95,9 +96,8 @@ class Trainer:
             self.config.method, self.encoder.num_layers, self.encoder.hidden_size, **self.config.method_options
         )
 
-    def default_loss(self) -> str:
+    def default_loss(self, kind: str) -> str:
         """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
-        kind = read_training_data(self.config.data).kind
         name, why = DEFAULT_LOSSES[kind]
         if self.processes.main:
             print(f"loss: {name} (default for {kind} data: {why}; --loss to choose another)")
@@ -106,10 +106,14 @@ class Trainer:
     def build_task_loss(self) -> torch.nn.Module:
         return make_task_loss(self.loss_name, **self.config.loss_options)
 
-    def read_data(self) -> TrainingData:
-        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences."""
+    def read_data(self, first_read: TrainingData | None = None) -> TrainingData:
+        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences.
+        `first_read`, the data as read to pick the default loss, is used again when it fits the loss."""
         wants_sentences = bool(getattr(self.task_loss, "needs_sentences", False))
-        data = read_training_data(self.config.data, sentences=wants_sentences)
+        if first_read is not None and (first_read.kind == "sentences" or not wants_sentences):
+            data = first_read
+        else:
+            data = read_training_data(self.config.data, sentences=wants_sentences)
         if data.kind == "sentences" and not wants_sentences:
             raise ValueError(
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
@@ -324,7 +328,7 @@ class Trainer:
 
     def check_same_run(self, checkpoint: Path, saved: dict) -> None:
         if saved.get("loss") is None:  # written before the loss was recorded: the data's default loss
-            saved = {**saved, "loss": self.default_loss()}
+            saved = {**saved, "loss": DEFAULT_LOSSES[read_training_data(self.config.data).kind][0]}
         check_resumable(checkpoint, saved, self.saved_config())
 
     def resume(self, allow_pickle: bool = False) -> bool:
