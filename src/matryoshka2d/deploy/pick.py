@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from matryoshka2d.evaluate.results import grid_of, load_result
+from matryoshka2d.evaluate.results import cpu_name, grid_of, load_result
 from matryoshka2d.retrieval.index import STORAGES
 
 QUERY_TEXTS = [
@@ -91,14 +90,7 @@ def cost_key(info: dict) -> str:
     """Timing depends on the architecture, the machine and the threads, not on the weights."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     parts = [info.get(k) for k in ("architecture", "layers", "transformer_size", "hidden_size", "parameters")]
     return f"{'/'.join(map(str, parts))} | {cpu} x{os.cpu_count()} | torch threads {torch.get_num_threads()}"
 

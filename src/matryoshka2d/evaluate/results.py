@@ -26,19 +26,23 @@ from matryoshka2d.files import read_json
 TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
 
 
+def cpu_name() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def provenance() -> dict:
     """When, where and how a result was made: date, exact command, machine, software and load."""
     import torch
     import transformers
 
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ from matryoshka2d.models.backbones import (
 )
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.pooler import PoolerHead
-from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config
+from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config, save_folder
 from matryoshka2d.views import unit_rows
 
 
@@ -221,27 +220,16 @@ class ElasticEncoder(nn.Module):
         }
 
     def check_layer(self, layer: int | None) -> int:
+        """An exit 1..num_layers (None: the last layer)."""
         if layer is None:
             return self.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise BackboneError(f"layer must be an integer, got {layer!r}")
-        if not 1 <= layer <= self.num_layers:
-            raise BackboneError(
-                f"layer {layer} is out of range for {self.name}: it has {self.num_layers} layers (1..{self.num_layers})"
-            )
-        return int(layer)
+        return _in_range(layer, "layer", self.num_layers, f"{self.name}: it has {self.num_layers} layers")
 
     def check_dim(self, dim: int | None) -> int:
+        """A width 1..hidden_size (None: all of it)."""
         if dim is None:
             return self.hidden_size
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-            raise BackboneError(f"dim must be an integer, got {dim!r}")
-        if not 1 <= dim <= self.hidden_size:
-            raise BackboneError(
-                f"dim {dim} is out of range for {self.name}: its embeddings have {self.hidden_size} numbers "
-                f"(1..{self.hidden_size})"
-            )
-        return int(dim)
+        return _in_range(dim, "dim", self.hidden_size, f"{self.name}: its embeddings have {self.hidden_size} numbers")
 
     # ---- the differentiable core: one pass, pooled states of the requested layers ----------------------
 
@@ -292,20 +280,9 @@ class ElasticEncoder(nn.Module):
             out[n] = hidden
         return out
 
-    # ---- saving ---------------------------------------------------------------------------------------
+    # ---- saving: a sentence-transformers folder (st_folder.save_folder says what is in it) ----------------
 
-    def save(
-        self,
-        path: str | Path,
-        keep_layers: int | None = None,
-        metadata: dict | None = None,
-        dim: int | None = None,
-        normalize: bool | None = None,
-    ) -> Path:
-        """Write a sentence-transformers folder (matryoshka2d.models.st_folder.save_folder says what is in it)."""
-        from matryoshka2d.models.st_folder import save_folder
-
-        return save_folder(self, path, keep_layers=keep_layers, metadata=metadata, dim=dim, normalize=normalize)
+    save = save_folder
 
     # ---- inference ------------------------------------------------------------------------------------
 
@@ -389,6 +366,15 @@ def length_batches(lengths: Sequence[int], batch_size: int, token_budget: int | 
             size = max(1, min(batch_size, token_budget // max(1, int(lengths[order[start]]))))
         yield order[start : start + size]
         start += size
+
+
+def _in_range(value, what: str, high: int, has: str) -> int:
+    """`value` as an int in 1..high; the error names what it is and what the model has."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BackboneError(f"{what} must be an integer, got {value!r}")
+    if not 1 <= value <= high:
+        raise BackboneError(f"{what} {value} is out of range for {has} (1..{high})")
+    return int(value)
 
 
 def check_texts(texts) -> list[str]:
