@@ -53,6 +53,17 @@ def provenance() -> dict:
     }
 
 
+def provenance_lines(prov: dict, seconds: float | None = None) -> list[str]:
+    """The markdown lines that say when, where and how a result was made (see provenance())."""
+    took = f"; time taken: {seconds:.1f} s" if seconds is not None else ""
+    return [
+        f"- date: {prov.get('date')}; machine: {prov.get('machine')}; {prov.get('software')}",
+        f"- load average at start / end: {prov.get('load_average_at_start')} / {prov.get('load_average_at_end')}"
+        + took,
+        f"- command: `{prov.get('command')}`",
+    ]
+
+
 def cell_average(scores: list[dict], metric: str) -> dict[Cell, float]:
     """Mean of `metric` over the datasets that report it, per (layer, dim)."""
     sums: dict[Cell, list[float]] = {}
@@ -198,11 +209,7 @@ def to_markdown(result: GridResult) -> str:
         f"pooling {model.get('pooling')}, max_length {model.get('max_length')})",
         f"- datasets: {', '.join(result.datasets)}",
         *[f"- {k}: {v}" for k, v in result.settings.items() if not isinstance(v, (dict, list))],
-        f"- date: {prov.get('date')}; machine: {prov.get('machine')}; {prov.get('software')}",
-        f"- load average at start / end: {prov.get('load_average_at_start')} / {prov.get('load_average_at_end')}; "
-        f"time taken: "
-        f"{result.seconds.get('total', 0):.1f} s",
-        f"- command: `{prov.get('command')}`",
+        *provenance_lines(prov, result.seconds.get("total", 0)),
     ]
     summary = result.summary
     if summary.get("average") is not None:

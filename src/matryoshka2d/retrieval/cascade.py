@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.results import provenance
+from matryoshka2d.evaluate.results import provenance, provenance_lines
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
 from matryoshka2d.retrieval.index import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search
@@ -163,13 +163,10 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
 
 
 def cascade_markdown(result: dict) -> str:
-    prov = result["provenance"]
     lines = [
         f"# Cascade / asymmetric retrieval: {result['model']['model']}",
         "",
-        f"- date: {prov['date']}; machine: {prov['machine']}; {prov['software']}",
-        f"- load average at start / end: {prov['load_average_at_start']} / {prov['load_average_at_end']}",
-        f"- command: `{prov['command']}`",
+        *provenance_lines(result["provenance"]),
         f"- {result['settings']['search']}; {result['settings']['query_encode_ms']}",
         "",
         "| dataset | mode | nDCG@10 | recall@10 | top-10 overlap with flat | query encode ms | search ms |",
