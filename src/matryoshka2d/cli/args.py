@@ -12,6 +12,22 @@ POOLING_HELP = "override the model's pooling"
 DEVICE_HELP = "cpu, cuda, ... (default: cuda if available)"
 
 
+def command(sub, name: str, func, **parser_options):
+    """A subcommand whose arguments go to `func(args)`: the parser, created with its function."""
+    p = sub.add_parser(name, **parser_options)
+    p.set_defaults(func=func)
+    return p
+
+
+def command_group(sub, name: str, help: str, dest: str, func=None):
+    """A command of subcommands (`eval sts`, `index build`, `models list`): the subparsers to add them to;
+    `func`, if given, runs every subcommand that has none of its own."""
+    p = sub.add_parser(name, help=help)
+    if func is not None:
+        p.set_defaults(func=func)
+    return p.add_subparsers(dest=dest, required=True)
+
+
 def model_args(
     p, default="minilm-l6", model_help=MODEL_HELP, pooling_help=POOLING_HELP, device_help=DEVICE_HELP
 ) -> None:

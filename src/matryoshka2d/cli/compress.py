@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from matryoshka2d.cli.args import add_safety_flags, parse_options, run_options, training_options
+from matryoshka2d.cli.args import add_safety_flags, command, parse_options, run_options, training_options
 from matryoshka2d.compress.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.views import parse_cells
@@ -82,8 +82,10 @@ def cmd_pretrain(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "two-step",
+        cmd_two_step,
         help="pooler compression to d dims with two-step training (dimensionality paper, Algorithm 1)",
         description="Train the encoder with a D->d tanh pooler for every candidate d', pick the encoder that is "
         "best alone on the validation set, put the target pooler on it and fine-tune only the pooler. Writes "
@@ -118,10 +120,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. temperature=0.05")
     add_safety_flags(p, overwrite=False)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_two_step)
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "pretrain",
+        cmd_pretrain,
         help="SMAE pre-training of a backbone (Starbucks sec. 3.2); resumable like train",
         description="Masked-LM pre-training of the encoder at a list of (layer, dim) sizes plus a one-layer "
         "decoder that reconstructs a more heavily masked copy from the size's sentence vector. Saves the "
@@ -157,4 +160,3 @@ def register(sub, model_args) -> None:
         eval_file="STS file for that check (default STS-B dev, skipped if absent)",
     )
     add_safety_flags(p)
-    p.set_defaults(func=cmd_pretrain)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.cli.args import command
+
 DEMO_SENTENCES = [
     "A man is playing a guitar on stage.",
     "Someone performs music with a guitar in front of an audience.",
@@ -245,8 +247,10 @@ def cmd_demo(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "demo",
+        cmd_demo,
         help="the whole loop: elastic fine-tune, STS grid, pick a cell, export it, cascade search",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -265,4 +269,3 @@ def register(sub, model_args) -> None:
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", default="runs/demo", help="where the results go (runs/demo)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or detail lines")
-    p.set_defaults(func=cmd_demo)
