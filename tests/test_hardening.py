@@ -9,33 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import WORDS
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.training import checkpoints
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("hardening-data")
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(16):
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    (root / "triplets.tsv").write_text("\n".join(rows) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (root / "dev.tsv").write_text("\n".join(dev) + "\n")
-    return root
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_args(tiny_dir, files, out, *extra):
