@@ -52,8 +52,8 @@ def test_cli_fp16_on_cpu_names_the_flag(tiny_dir, triplets, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ({"log_every": 0}, "log_every must be at least 1"),
-        ({"gradient_accumulation": 9}, "gradient_accumulation 9 splits a batch of 8"),
+        ({"log_every": 0}, "--log-every must be at least 1"),
+        ({"gradient_accumulation": 9}, "--gradient-accumulation 9 splits a batch of 8"),
     ],
 )
 def test_bad_throughput_options_are_errors(option, message, tiny_dir, triplets, sts_dev, tmp_path):

@@ -119,6 +119,13 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "save_steps", int, 0)
     _number(config, "keep_checkpoints", int, 1)
     _number(config, "pooler_dim", int, 1, allow_none=True)
+    _number(config, "log_every", int, 1)
+    _number(config, "gradient_accumulation", int, 1)
+    if config.gradient_accumulation > config.batch_size:
+        raise ValueError(
+            f"--gradient-accumulation {config.gradient_accumulation} splits a batch of {config.batch_size} into "
+            "micro-batches; it cannot exceed --batch-size"
+        )
     for name in ("method_options", "loss_options"):
         value = getattr(config, name)
         if not isinstance(value, dict):

@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from matryoshka2d.models.backbones import layer_stack
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -49,6 +51,20 @@ def resolve_precision(precision: str | None, device: torch.device) -> str:
         name = torch.cuda.get_device_name(device)
         raise PrecisionError(f"--precision bf16: the GPU {name} does not support bfloat16; use --precision fp16")
     return precision
+
+
+def checkpoint_and_compile(encoder, gradient_checkpointing: bool, compile: bool) -> None:
+    """Gradient checkpointing (activations recomputed in backward: less memory) and torch.compile."""
+    if gradient_checkpointing:
+        if not getattr(encoder.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"gradient_checkpointing: {encoder.name} does not support it")
+        encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
+        # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
+        for layer in layer_stack(encoder.model):
+            for block in layer.children():
+                block.compile(dynamic=True)
 
 
 def autocast(precision: str, device: torch.device):

@@ -39,6 +39,7 @@ from matryoshka2d.training.throughput import (
     Prefetcher,
     adamw,
     autocast,
+    checkpoint_and_compile,
     grad_scaler,
     lr_schedule,
     private_tokenizer,
@@ -151,28 +152,9 @@ class Trainer:
 
     def _prepare_throughput(self) -> None:
         cfg, device = self.config, self.encoder.device
-        for name in ("log_every", "gradient_accumulation"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-        if cfg.gradient_accumulation > cfg.batch_size:
-            raise ValueError(
-                f"gradient_accumulation {cfg.gradient_accumulation} splits a batch of {cfg.batch_size} into "
-                "micro-batches; it cannot exceed batch_size"
-            )
         self.precision = resolve_precision(cfg.precision, device)
         self.scaler = grad_scaler(self.precision, device)
-        if cfg.gradient_checkpointing:
-            if not getattr(self.encoder.model, "supports_gradient_checkpointing", False):
-                raise ValueError(f"gradient_checkpointing: {self.encoder.name} does not support it")
-            self.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:
-            # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
-            # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
-            from matryoshka2d.models.backbones import layer_stack
-
-            for layer in layer_stack(self.encoder.model):
-                for block in layer.children():
-                    block.compile(dynamic=True)
+        checkpoint_and_compile(self.encoder, cfg.gradient_checkpointing, cfg.compile)
         self._tokenizer = private_tokenizer(self.encoder.tokenizer)
         self._prefetch = Prefetcher(self.prepare_batch)
         self._pin = device.type == "cuda"
@@ -303,14 +285,14 @@ class Trainer:
         score = sts_dev_score(self.encoder, path, layer, dim)
         return {"step": self.step, "eval": f"{Path(path).name}@({layer},{dim})", "spearman": round(score, 2)}
 
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir.checkpoints
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """What a checkpoint holds the weights of: the encoder, the method's and the task loss's parameters."""
+        return {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
 
     def save_checkpoint(self) -> Path:
-        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
         return self.run_dir.save_checkpoint(
             self.step,
-            modules,
+            self.modules(),
             self.optimizer,
             self.scheduler,
             self.history,
@@ -318,9 +300,6 @@ class Trainer:
             scaler=self.scaler,
             keep=self.config.keep_checkpoints,
         )
-
-    def latest_checkpoint(self) -> Path | None:
-        return self.run_dir.latest_checkpoint()
 
     def saved_config(self) -> dict:
         """The run's options as JSON values, with the loss it uses even when that was the default."""
@@ -333,14 +312,13 @@ class Trainer:
 
     def resume(self, allow_pickle: bool = False) -> bool:
         found = checkpoints.load_latest(
-            self.checkpoint_dir(), self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
+            self.run_dir.checkpoints, self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
         )
         if found is None:
             return False
         folder, state = found
-        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
         try:
-            for name, module in modules.items():
+            for name, module in self.modules().items():
                 module.load_state_dict(state["modules"].get(name, {}))
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -354,12 +332,37 @@ class Trainer:
         self.step, self.history = state["step"], state["history"]
         return True
 
-    # ---- the run ------------------------------------------------------------------------------------
+    # ---- the run: prepare the folder, the steps, the final evaluation and save ------------------------------
 
     def run(
         self, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
     ) -> Path:
-        main = self.processes.main  # with several processes, rank 0 alone writes logs, checkpoints, the model
+        """Train from step 0 (or from the last checkpoint) to total_steps, evaluate, save the model; returns
+        its folder. With several processes, rank 0 alone writes the log, the checkpoints and the model."""
+        main = self.processes.main
+        self.prepare_run(resume, overwrite, allow_pickle)
+        log = self.run_dir.log_path.open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc=self.config.method)
+        start, first_step = time.perf_counter(), self.step
+        try:
+            self.steps(log, bar)
+        finally:
+            bar.close()
+            log.close()
+            self._prefetch.close()
+        seconds = time.perf_counter() - start
+        if not main:
+            self.processes.barrier()  # until rank 0 has saved the model
+            self.processes.close()
+            return self.out
+        saved = self.save_model(seconds, self.step - first_step)
+        self.processes.barrier()
+        self.processes.close()
+        return saved
+
+    def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
+        """The output folder checked (and cleared for --overwrite), the last checkpoint loaded for --resume."""
+        main = self.processes.main
         self.run_dir.check(resume, overwrite)
         if overwrite and not resume and main:
             self.run_dir.clear_run()
@@ -370,51 +373,45 @@ class Trainer:
                 print(f"resumed from step {self.step} of {self.total_steps}")
             if main:
                 self.run_dir.trim_log(self.step)
-        log = (self.out / "train_log.jsonl").open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
-        start, first_step = time.perf_counter(), self.step
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not (progress and main), desc=f"{self.config.method}"
-        )
+
+    def steps(self, log, bar) -> None:
+        """Optimizer steps to total_steps. Their losses stay on the device until a logging or checkpoint step,
+        which reads back (one host sync) the records of every step since the last one and logs them."""
+        cfg, main, pending = self.config, self.processes.main, []
+        self._lazy_records = True
         try:
-            every, pending, self._lazy_records = self.config.log_every, [], True
             while self.step < self.total_steps:
-                logging = (self.step + 1) % every == 0 or self.step + 1 == self.total_steps
                 pending.append(self.train_step())
                 bar.update(1)
-                if logging or (self.config.save_steps and self.step % self.config.save_steps == 0):
-                    # One host sync for the steps since the last log: their losses were kept on the device.
-                    for record in pending:
-                        record.update(host_values(record))
-                        self.history.append({"step": record["step"], "loss": record["loss"]})
-                        log.write(json.dumps(record) + "\n")
-                    bar.set_postfix(loss=f"{pending[-1]['loss']:.4f}")
+                last = self.step == self.total_steps
+                checkpoint = bool(cfg.save_steps) and self.step % cfg.save_steps == 0
+                if last or checkpoint or self.step % cfg.log_every == 0:
+                    self.write_records(pending, log, bar)
                     pending = []
-                if (
-                    main
-                    and self.config.eval_steps
-                    and self.step % self.config.eval_steps == 0
-                    and self.step < self.total_steps
-                ):
+                if main and cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
                     result = self.evaluate()
                     log.write(json.dumps(result) + "\n")
                     bar.write(f"step {self.step}: STS {result['eval']} spearman {result['spearman']}")
-                if main and self.config.save_steps and self.step % self.config.save_steps == 0:
+                if main and checkpoint:
                     self.save_checkpoint()
                 log.flush()
         finally:
-            bar.close()
-            log.close()
-            self._prefetch.close()
             self._lazy_records = False
-        seconds = time.perf_counter() - start
-        if not main:
-            self.processes.barrier()  # until rank 0 has saved the model
-            self.processes.close()
-            return self.out
+
+    def write_records(self, records: list[dict], log, bar) -> None:
+        for record in records:
+            record.update(host_values(record))
+            self.history.append({"step": record["step"], "loss": record["loss"]})
+            log.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{records[-1]['loss']:.4f}")
+
+    def save_model(self, seconds: float, steps_run: int) -> Path:
+        """The final evaluation, then the model with what the run recorded (matryoshka2d.json), atomically."""
+        from matryoshka2d.models.lora import save_and_merge_lora
+
         final_eval = self.evaluate()
-        with (self.out / "train_log.jsonl").open("a", encoding="utf-8") as f:
+        with self.run_dir.log_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(final_eval) + "\n")
-        steps_run = self.step - first_step
         metadata = {
             "method": self.method.config(),
             "loss": self.loss_name,
@@ -429,18 +426,13 @@ class Trainer:
             "final_eval": final_eval,
         }
         self.encoder.eval()
-        from matryoshka2d.models.lora import save_and_merge_lora
-
         keep = getattr(self.method, "keep_layers", None)
 
         def save(folder: Path) -> Path:
             save_and_merge_lora(self.encoder, folder)  # the adapter beside the model; the model saved merged
             return self.encoder.save(folder, keep_layers=keep, metadata=metadata)
 
-        saved = checkpoints.save_model_atomically(save, self.out)
-        self.processes.barrier()
-        self.processes.close()
-        return saved
+        return checkpoints.save_model_atomically(save, self.out)
 
 
 def train(
