@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.align import feature_kl
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
@@ -182,3 +183,25 @@ def test_parse_cells_errors():
     assert parse_cells("(1,32) (2,64)") == [(1, 32), (2, 64)]
     with pytest.raises(ValueError, match="cannot read cell 'x:1'"):
         parse_cells("x:1")
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("plain", {}),
+        ("mrl", {}),
+        ("2dmse", {}),
+        ("ese", {"k": 4, "beta": 1.0, "dynamic_weights": True}),
+        ("starbucks", {"sizes": [(1, 4), (3, 8)]}),
+        ("separate", {"layer": 2, "dim": 4}),
+        ("asymmetric", {"dims": [4]}),
+    ],
+)
+def test_a_methods_loss_parts_stay_on_the_device(name, options):
+    """The trainer reads the parts back on logging steps only; a float() in a method would be a host sync (a
+    wait for the GPU) every step."""
+    method = make_method(name, 3, 16, **options)
+    plan = method.plan(np.random.default_rng(0))
+    states = {n: EmbeddedBatch([torch.randn(6, 16) for _ in range(3)], "triplets", None) for n in plan.layers}
+    _, parts = method.loss(plan, states, make_task_loss("infonce"))
+    assert parts and all(isinstance(v, torch.Tensor) for v in parts.values()), parts

@@ -9,22 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import write_triplets
 from matryoshka2d.cli import main
 from matryoshka2d.compress.smae import pretrain_trainer
 from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.parallel import Processes, without_option
-from test_train import WORDS
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    rng = np.random.default_rng(1)
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(21):  # batches of 7: the processes' shares differ (4 + 3 rows)
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
     folder = tmp_path_factory.mktemp("parallel-data")
-    (folder / "triplets.tsv").write_text("\n".join(rows) + "\n")
+    write_triplets(folder / "triplets.tsv", 21, seed=1)  # batches of 7: the processes' shares differ (4 + 3 rows)
     dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
     (folder / "dev.tsv").write_text("\n".join([*dev, "old dog\thappy cat\t0"]) + "\n")
     return folder

@@ -56,23 +56,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.methods.starbucks import default_sizes
-from matryoshka2d.models.backbones import layer_stack
+from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack
 from matryoshka2d.models.encoder import ElasticEncoder, pool
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training.data import read_training_data
+from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.trainer import Trainer
 
 ENCODER_MASK_RATIO = 0.2  # alpha_e: the authors' smae/README.md command, --mlm_probability 0.2
 DECODER_MASK_RATIO = 0.4  # alpha_d: the same command, --decoder_mlm_probability 0.4
-MLM_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "electra", "mpnet", "distilbert")
+# The bidirectional encoders of the architecture table: masked-LM pre-training needs attention both ways.
+MLM_ARCHITECTURES = tuple(name for name, arch in ARCHITECTURES.items() if not arch.decoder)
 IGNORE = -100  # label of positions that are not predicted (torch's cross_entropy ignore_index)
-
-# Where masked-LM checkpoints keep their head: (transform dense, transform norm, output bias) key prefixes.
-MLM_HEAD_KEYS = (
-    ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.bias"),  # BERT
-    ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias"),  # RoBERTa, XLM-R, MPNet
-    ("vocab_transform", "vocab_layer_norm", "vocab_projector.bias"),  # DistilBERT
-)
 
 
 class SMAEError(ValueError):
@@ -223,26 +218,27 @@ class MLMHead(nn.Module):
         return F.linear(self.project(x), word_embeddings, self.bias)
 
 
-def load_mlm_head(head: MLMHead, model_dir: str | None) -> str | None:
-    """Fill the head from a masked-LM checkpoint's weights if the folder has them; returns where they came from."""
-    if not model_dir or not Path(model_dir).is_dir():
+def load_mlm_head(head: MLMHead, model_dir: str | None, keys: tuple[str, str, str] | None) -> str | None:
+    """Fill the head from a masked-LM checkpoint's weights if the folder has them under `keys` (the
+    architecture's mlm_head prefixes); returns where they came from."""
+    if not model_dir or not keys or not Path(model_dir).is_dir():
         return None
     from safetensors import safe_open
 
+    dense, norm, bias = keys
+    names = [f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias", bias]
+    targets = [head.dense.weight, head.dense.bias, head.norm.weight, head.norm.bias, head.bias]
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            keys = set(f.keys())
-            for dense, norm, bias in MLM_HEAD_KEYS:
-                names = [f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias", bias]
-                if all(n in keys for n in names):
-                    tensors = [f.get_tensor(n) for n in names]
-                    targets = [head.dense.weight, head.dense.bias, head.norm.weight, head.norm.bias, head.bias]
-                    if any(t.shape != p.shape for t, p in zip(tensors, targets, strict=True)):
-                        continue
-                    with torch.no_grad():
-                        for t, p in zip(tensors, targets, strict=True):
-                            p.copy_(t)
-                    return f"{file.name}:{dense}"
+            if not set(names) <= set(f.keys()):
+                continue
+            tensors = [f.get_tensor(n) for n in names]
+            if any(t.shape != p.shape for t, p in zip(tensors, targets, strict=True)):
+                continue
+            with torch.no_grad():
+                for t, p in zip(tensors, targets, strict=True):
+                    p.copy_(t)
+            return f"{file.name}:{dense}"
     return None
 
 
@@ -320,7 +316,7 @@ class SMAEObjective(nn.Module):
             getattr(config, "layer_norm_eps", 1e-12),
         )
         self.mlm_head.reset(getattr(config, "initializer_range", 0.02), seed)
-        loaded = load_mlm_head(self.mlm_head, encoder.location)
+        loaded = load_mlm_head(self.mlm_head, encoder.location, ARCHITECTURES[arch].mlm_head)
         self.head_source = f"loaded from {loaded}" if loaded else "fresh (the model folder has no MLM head weights)"
         self.to(encoder.device)
 
@@ -380,7 +376,7 @@ class SMAEObjective(nn.Module):
         for n, d in self.sizes:
             mlm = self.encoder_loss(encoder, states[n], d, batch)
             mae = self.decoder_loss(encoder, self.sentence_vector(encoder, states[n], batch.attention_mask), d, batch)
-            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = float(mlm.detach()), float(mae.detach())
+            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = mlm.detach(), mae.detach()
             total = mlm + mae if total is None else total + mlm + mae
         if self.reduction == "mean":  # ielab's code: (mlm + mae) / 2 per size, then the mean over sizes
             total = total / (2 * len(self.sizes))
@@ -415,7 +411,7 @@ class SMAETrainer(Trainer):
     def build_task_loss(self):
         return nn.Module()  # SMAE has no sentence-embedding loss; the objective holds its own terms
 
-    def read_data(self):
+    def read_data(self, first_read=None):
         return read_training_data(self.config.data, sentences=True)
 
     def prepare_batch(self, step: int):
@@ -452,6 +448,7 @@ def pretrain_trainer(config) -> SMAETrainer:
 def pretrain(
     config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
 ) -> Path:
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
     return pretrain_trainer(config).run(
         resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle
     )

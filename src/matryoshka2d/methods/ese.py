@@ -201,9 +201,7 @@ class ESE(Method):
                 compress = term if compress is None else compress + term
             total = total + self.beta * compress
         if self.theta is not None:
-            parts.update(
-                {f"w{i}": float(w) for i, w in zip(self.shallow, self.layer_weights().detach().tolist(), strict=True)}
-            )
+            parts.update({f"w{i}": w for i, w in zip(self.shallow, self.layer_weights().detach(), strict=True)})
         return total, parts
 
     def config(self) -> dict:

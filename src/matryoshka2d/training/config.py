@@ -136,13 +136,12 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "exit_heads_sentences", int, 1)
     if config.exit_heads is not None and config.exit_heads not in ("fit", "identity", "keep"):
         raise ValueError(f"--exit-heads must be fit, identity or keep, got {config.exit_heads!r}")
-    for name in ("log_every", "gradient_accumulation"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
+    _number(config, "log_every", int, 1)
+    _number(config, "gradient_accumulation", int, 1)
     if config.gradient_accumulation > config.batch_size:
         raise ValueError(
-            f"gradient_accumulation {config.gradient_accumulation} splits a batch of {config.batch_size} into "
-            "micro-batches; it cannot exceed batch_size"
+            f"--gradient-accumulation {config.gradient_accumulation} splits a batch of {config.batch_size} into "
+            "micro-batches; it cannot exceed --batch-size"
         )
     for name in ("method_options", "loss_options"):
         value = getattr(config, name)

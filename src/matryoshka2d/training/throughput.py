@@ -22,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from matryoshka2d.models.backbones import layer_stack
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 WEIGHT_DECAY_EXEMPTIONS = ("none", "norm-and-bias")
 # The names the Hugging Face Trainer keeps out of weight decay (transformers 5.23 `Trainer.get_decay_parameter_names`,
@@ -58,6 +60,20 @@ def resolve_precision(precision: str | None, device: torch.device) -> str:
     return precision
 
 
+def checkpoint_and_compile(encoder, gradient_checkpointing: bool, compile: bool) -> None:
+    """Gradient checkpointing (activations recomputed in backward: less memory) and torch.compile."""
+    if gradient_checkpointing:
+        if not getattr(encoder.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"gradient_checkpointing: {encoder.name} does not support it")
+        encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        # Compile the blocks inside each layer, not the model: the exits read each layer's output and stop the
+        # pass with hooks on the layers, which a compiled whole model would turn into graph breaks.
+        for layer in layer_stack(encoder.model):
+            for block in layer.children():
+                block.compile(dynamic=True)
+
+
 def autocast(precision: str, device: torch.device):
     """The autocast context of a training forward pass (a no-op for fp32)."""
     if precision == "fp32":
@@ -69,22 +85,6 @@ def autocast(precision: str, device: torch.device):
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
-
-
-def checkpoint_and_compile(encoder, gradient_checkpointing: bool, compile: bool) -> None:
-    """Activation checkpointing (less memory, a second forward in backward) and torch.compile of the layers."""
-    if gradient_checkpointing:
-        if not getattr(encoder.model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"gradient_checkpointing: {encoder.name} does not support it")
-        encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if compile:
-        # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
-        # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
-        from matryoshka2d.models.backbones import layer_stack
-
-        for layer in layer_stack(encoder.model):
-            for block in layer.children():
-                block.compile(dynamic=True)
 
 
 def decay_groups(modules: list[torch.nn.Module], weight_decay: float, exempt: str = "none") -> list[dict]:

@@ -69,9 +69,10 @@ class Trainer:
         for layer, dim in eval_cells(config) or []:
             self.encoder.check_layer(layer), self.encoder.check_dim(dim)
         self.method = self.build_method()
-        self.loss_name = config.loss or self.default_loss()
+        first_read = None if config.loss else read_training_data(config.data)  # its kind picks the loss
+        self.loss_name = config.loss or self.default_loss(first_read.kind)
         self.task_loss = self.build_task_loss()
-        self.data: TrainingData = self.read_data()
+        self.data: TrainingData = self.read_data(first_read)
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
@@ -99,9 +100,8 @@ class Trainer:
                 print(f"warning: {warning}", file=sys.stderr)
         return method
 
-    def default_loss(self) -> str:
+    def default_loss(self, kind: str) -> str:
         """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
-        kind = read_training_data(self.config.data).kind
         name, why = DEFAULT_LOSSES[kind]
         if self.processes.main:
             print(f"loss: {name} (default for {kind} data: {why}; --loss to choose another)")
@@ -110,10 +110,14 @@ class Trainer:
     def build_task_loss(self) -> torch.nn.Module:
         return make_task_loss(self.loss_name, **self.config.loss_options)
 
-    def read_data(self) -> TrainingData:
-        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences."""
+    def read_data(self, first_read: TrainingData | None = None) -> TrainingData:
+        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences.
+        `first_read`, the data as read to pick the default loss, is used again when it fits the loss."""
         wants_sentences = bool(getattr(self.task_loss, "needs_sentences", False))
-        data = read_training_data(self.config.data, sentences=wants_sentences)
+        if first_read is not None and (first_read.kind == "sentences" or not wants_sentences):
+            data = first_read
+        else:
+            data = read_training_data(self.config.data, sentences=wants_sentences)
         if data.kind == "sentences" and not wants_sentences:
             raise ValueError(
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
@@ -279,14 +283,14 @@ class Trainer:
             )
         return records
 
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir.checkpoints
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """What a checkpoint holds the weights of: the encoder, the method's and the task loss's parameters."""
+        return {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
 
     def save_checkpoint(self) -> Path:
-        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
         return self.run_dir.save_checkpoint(
             self.step,
-            modules,
+            self.modules(),
             self.optimizer,
             self.scheduler,
             self.history,
@@ -295,28 +299,24 @@ class Trainer:
             keep=self.config.keep_checkpoints,
         )
 
-    def latest_checkpoint(self) -> Path | None:
-        return self.run_dir.latest_checkpoint()
-
     def saved_config(self) -> dict:
         """The run's options as JSON values, with the loss it uses even when that was the default."""
         return json.loads(json.dumps({**dataclasses.asdict(self.config), "loss": self.loss_name}))
 
     def check_same_run(self, checkpoint: Path, saved: dict) -> None:
         if saved.get("loss") is None:  # written before the loss was recorded: the data's default loss
-            saved = {**saved, "loss": self.default_loss()}
+            saved = {**saved, "loss": DEFAULT_LOSSES[read_training_data(self.config.data).kind][0]}
         check_resumable(checkpoint, saved, self.saved_config())
 
     def resume(self, allow_pickle: bool = False) -> bool:
         found = checkpoints.load_latest(
-            self.checkpoint_dir(), self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
+            self.run_dir.checkpoints, self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
         )
         if found is None:
             return False
         folder, state = found
-        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
         try:
-            for name, module in modules.items():
+            for name, module in self.modules().items():
                 module.load_state_dict(state["modules"].get(name, {}))
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -330,12 +330,37 @@ class Trainer:
         self.step, self.history = state["step"], state["history"]
         return True
 
-    # ---- the run ------------------------------------------------------------------------------------
+    # ---- the run: prepare the folder, the steps, the final evaluation and save ------------------------------
 
     def run(
         self, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
     ) -> Path:
-        main = self.processes.main  # with several processes, rank 0 alone writes logs, checkpoints, the model
+        """Train from step 0 (or from the last checkpoint) to total_steps, evaluate, save the model; returns
+        its folder. With several processes, rank 0 alone writes the log, the checkpoints and the model."""
+        main = self.processes.main
+        self.prepare_run(resume, overwrite, allow_pickle)
+        log = self.run_dir.log_path.open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc=self.config.method)
+        start, first_step = time.perf_counter(), self.step
+        try:
+            self.steps(log, bar)
+        finally:
+            bar.close()
+            log.close()
+            self._prefetch.close()
+        seconds = time.perf_counter() - start
+        if not main:
+            self.processes.barrier()  # until rank 0 has saved the model
+            self.processes.close()
+            return self.out
+        saved = self.save_model(seconds, self.step - first_step)
+        self.processes.barrier()
+        self.processes.close()
+        return saved
+
+    def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
+        """The output folder checked (and cleared for --overwrite), the last checkpoint loaded for --resume."""
+        main = self.processes.main
         self.run_dir.check(resume, overwrite)
         if overwrite and not resume and main:
             self.run_dir.clear_run()
@@ -346,52 +371,46 @@ class Trainer:
                 print(f"resumed from step {self.step} of {self.total_steps}")
             if main:
                 self.run_dir.trim_log(self.step)
-        exit_heads.fit_at_start(self)
-        log = (self.out / "train_log.jsonl").open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
-        start, first_step = time.perf_counter(), self.step
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not (progress and main), desc=f"{self.config.method}"
-        )
+        exit_heads.fit_at_start(self)  # --exit-heads fit: the closed-form start (not after a resume)
+
+    def steps(self, log, bar) -> None:
+        """Optimizer steps to total_steps. Their losses stay on the device until a logging or checkpoint step,
+        which reads back (one host sync) the records of every step since the last one and logs them."""
+        cfg, main, pending = self.config, self.processes.main, []
+        self._lazy_records = True
         try:
-            every, pending, self._lazy_records = self.config.log_every, [], True
             while self.step < self.total_steps:
-                logging = (self.step + 1) % every == 0 or self.step + 1 == self.total_steps
                 pending.append(self.train_step())
                 bar.update(1)
-                if logging or (self.config.save_steps and self.step % self.config.save_steps == 0):
-                    # One host sync for the steps since the last log: their losses were kept on the device.
-                    for record in pending:
-                        record.update(host_values(record))
-                        self.history.append({"step": record["step"], "loss": record["loss"]})
-                        log.write(json.dumps(record) + "\n")
-                    bar.set_postfix(loss=f"{pending[-1]['loss']:.4f}")
+                last = self.step == self.total_steps
+                checkpoint = bool(cfg.save_steps) and self.step % cfg.save_steps == 0
+                if last or checkpoint or self.step % cfg.log_every == 0:
+                    self.write_records(pending, log, bar)
                     pending = []
-                if (
-                    main
-                    and self.config.eval_steps
-                    and self.step % self.config.eval_steps == 0
-                    and self.step < self.total_steps
-                ):
+                if main and cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
                     for result in self.evaluate():
                         log.write(json.dumps(result) + "\n")
                         bar.write(f"step {self.step}: STS {result['eval']} spearman {result['spearman']}")
-                if main and self.config.save_steps and self.step % self.config.save_steps == 0:
+                if main and checkpoint:
                     self.save_checkpoint()
                 log.flush()
         finally:
-            bar.close()
-            log.close()
-            self._prefetch.close()
             self._lazy_records = False
-        seconds = time.perf_counter() - start
-        if not main:
-            self.processes.barrier()  # until rank 0 has saved the model
-            self.processes.close()
-            return self.out
+
+    def write_records(self, records: list[dict], log, bar) -> None:
+        for record in records:
+            record.update(host_values(record))
+            self.history.append({"step": record["step"], "loss": record["loss"]})
+            log.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{records[-1]['loss']:.4f}")
+
+    def save_model(self, seconds: float, steps_run: int) -> Path:
+        """The final evaluation, then the model with what the run recorded (matryoshka2d.json), atomically."""
+        from matryoshka2d.models.lora import save_and_merge_lora
+
         final_evals = self.evaluate()
-        with (self.out / "train_log.jsonl").open("a", encoding="utf-8") as f:
+        with self.run_dir.log_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(record) + "\n" for record in final_evals)
-        steps_run = self.step - first_step
         metadata = {
             "method": self.method.config(),
             "loss": self.loss_name,
@@ -407,18 +426,13 @@ class Trainer:
             "final_evals": final_evals,  # every --eval-cell
         }
         self.encoder.eval()
-        from matryoshka2d.models.lora import save_and_merge_lora
-
         keep = getattr(self.method, "keep_layers", None)
 
         def save(folder: Path) -> Path:
             save_and_merge_lora(self.encoder, folder)  # the adapter beside the model; the model saved merged
             return self.encoder.save(folder, keep_layers=keep, metadata=metadata)
 
-        saved = checkpoints.save_model_atomically(save, self.out)
-        self.processes.barrier()
-        self.processes.close()
-        return saved
+        return checkpoints.save_model_atomically(save, self.out)
 
 
 def train(
@@ -428,4 +442,5 @@ def train(
     overwrite: bool = False,
     allow_pickle: bool = False,
 ) -> Path:
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
     return Trainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
