@@ -99,6 +99,7 @@ def cmd_train(args) -> int:
         "precision",
         "log_every",
         "gradient_accumulation",
+        "padding_free",
     ):
         value = getattr(args, key, None)
         if value is not None:
@@ -188,6 +189,12 @@ def register(sub, model_args) -> None:
     speed.add_argument("--gradient-accumulation", type=int, help="micro-batches per batch (default 1)")
     speed.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
+    speed.add_argument(
+        "--padding-free",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a step's texts in length groups instead of padding each column (default: on a CPU)",
+    )
     p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
     add_safety_flags(p)

@@ -34,6 +34,7 @@ RESUMABLE_CHANGES = (
     "log_every",
     "gradient_checkpointing",
     "compile",
+    "padding_free",
 )
 
 
@@ -77,6 +78,7 @@ class TrainConfig:
     gradient_accumulation: int = 1  # split each batch into this many micro-batches (same data, less memory)
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the blocks inside every layer
+    padding_free: bool | None = None  # length groups, not per-column padding (training/packing.py); None: on a CPU
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
