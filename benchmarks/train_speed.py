@@ -45,6 +45,11 @@ RUNS = [
 PROCESS_RUNS = {"2dmse + infonce in 2 processes": ("2dmse", "infonce", {}, 2)}
 
 
+# What a span is measured with: wall time by default; `--clock cpu` takes this process's CPU time instead, which
+# on a machine busy with other work moves far less than the wall time (with --threads 1: one thread's work).
+CLOCK = time.perf_counter
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -72,12 +77,12 @@ def time_ours(
         trainer.train_step()
     sync(device)
     trainer.processes.barrier()
-    start = time.perf_counter()
+    start = CLOCK()
     for _ in range(steps):
         trainer.train_step()
     sync(device)
     trainer.processes.barrier()
-    return (time.perf_counter() - start) / steps
+    return (CLOCK() - start) / steps
 
 
 def _process_worker(rank, world, port, args, results) -> None:
@@ -141,11 +146,11 @@ def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -
     for i in range(warmup):
         step(i)
     sync(device)
-    start = time.perf_counter()
+    start = CLOCK()
     for i in range(warmup, warmup + steps):
         step(i)
     sync(device)
-    return (time.perf_counter() - start) / steps
+    return (CLOCK() - start) / steps
 
 
 def main() -> None:
@@ -162,7 +167,20 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda; ours and the peer both run there")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="ours (default: the trainer's)")
     parser.add_argument("--peer-autocast", action="store_true", help="run the peer under the same autocast as ours")
+    parser.add_argument("--threads", type=int, help="torch threads in this process (default: torch's)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time spans by wall clock or by this process's CPU time (use with --threads 1 on a busy machine; "
+        "runs in several processes are timed in their first process)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        CLOCK = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(header())
     from matryoshka2d.training.throughput import resolve_precision
 
@@ -170,13 +188,17 @@ def main() -> None:
     peer_precision = ours_precision if args.peer_autocast else "fp32"
     if peer_precision == "fp16":
         raise SystemExit("--peer-autocast with fp16 would need a GradScaler in the peer loop; use bf16")
-    print(f"device: {args.device}; ours in {ours_precision}, the peer in {peer_precision}")
+    print(
+        f"device: {args.device}; ours in {ours_precision}, the peer in {peer_precision}; {torch.get_num_threads()} "
+        f"torch thread(s); timed by {'CPU time of this process' if args.clock == 'cpu' else 'wall clock'}"
+    )
     data = args.data_dir / "nli" / "train_triplets.tsv"
     print(f"data: {data}, batch {args.batch_size} triplets, {args.warmup} warm-up + {args.steps} timed steps")
     names = [r[0] for r in RUNS] + list(PROCESS_RUNS) + ["st Matryoshka2dLoss(MNRL)"]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
-        names = [n for n in names if any(n == w or n.startswith(w + " ") for w in wanted)]
+        # a full run name selects that run; other words select the runs whose names start with them
+        names = [n for n in names if any(n == w or (w not in names and n.startswith(w + " ")) for w in wanted)]
     best = dict.fromkeys(names, float("inf"))
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]

@@ -360,23 +360,57 @@ class ElasticEncoder(nn.Module):
         out = {n: np.zeros((len(unique), self.hidden_size), dtype=np.float32) for n in layers}
         if unique:
             encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
-            ids = encoded["input_ids"]
-            order = np.argsort([-len(x) for x in ids], kind="stable")  # longest first: less padding per batch
+            order = np.argsort([-len(x) for x in encoded["input_ids"]], kind="stable")  # longest first: less padding
+            # Module.train() walks every submodule (about 1 ms for a 6-layer model, most of a one-query call):
+            # switch to eval and back only when the model is training.
             was_training = self.model.training
-            self.model.eval()
+            if was_training:
+                self.model.eval()
             batches = range(0, len(order), batch_size)
+            if show_progress:  # a progress bar costs a tenth of a millisecond even when disabled
+                batches = tqdm(batches, desc=f"encode {self.name}", unit="batch")
             try:
                 with torch.inference_mode():
-                    for start in tqdm(batches, desc=f"encode {self.name}", disable=not show_progress, unit="batch"):
+                    for start in batches:
                         idx = order[start : start + batch_size]
-                        rows = [{k: encoded[k][i] for k in self._input_names if k in encoded} for i in idx]
-                        features = self.tokenizer.pad(rows, return_tensors="pt")
+                        features = pad_rows(self.tokenizer, encoded, idx, self._input_names)
                         features = {k: v.to(self.device) for k, v in features.items()}
                         for n, vec in self.forward(features, layers).items():
                             out[n][idx] = vec.float().cpu().numpy()
             finally:
-                self.model.train(was_training)
+                if was_training:
+                    self.model.train()
+        if len(unique) == len(texts):  # no duplicates: rows are already in the texts' order
+            return out
         return {n: arr[inverse] for n, arr in out.items()}
+
+
+# What tokenizer.pad fills each input with; other inputs are padded by tokenizer.pad itself.
+def _pad_values(tokenizer) -> dict[str, int]:
+    return {"input_ids": tokenizer.pad_token_id, "token_type_ids": tokenizer.pad_token_type_id, "attention_mask": 0}
+
+
+def pad_rows(tokenizer, encoded, idx, input_names) -> dict[str, torch.Tensor]:
+    """Rows `idx` of an unpadded tokenizer output as padded int64 tensors, as tokenizer.pad makes them (same
+    values, same padding side), without its per-row Python dictionaries: a tenth of its time on short batches."""
+    names = [k for k in input_names if k in encoded]
+    values = _pad_values(tokenizer)
+    if any(k not in values for k in names) or values["input_ids"] is None:
+        rows = [{k: encoded[k][i] for k in names} for i in idx]
+        return dict(tokenizer.pad(rows, return_tensors="pt"))
+    rows = {k: [encoded[k][i] for i in idx] for k in names}
+    longest = max(len(r) for r in rows["input_ids"])
+    left = tokenizer.padding_side == "left"
+    out = {}
+    for k in names:
+        array = np.full((len(idx), longest), values[k], dtype=np.int64)
+        for r, row in enumerate(rows[k]):
+            if left:
+                array[r, longest - len(row) :] = row
+            else:
+                array[r, : len(row)] = row
+        out[k] = torch.from_numpy(array)
+    return out
 
 
 def check_texts(texts) -> list[str]:
