@@ -12,7 +12,7 @@ from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.packing import CALL_OVERHEAD_TOKENS, call_overhead
 from matryoshka2d.training.trainer import Trainer
 
-WORDS = "red green blue cat dog bird runs sleeps eats big small old new happy sad".split()
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new", "happy", "sad"]
 
 
 def brute_force(lengths, overhead):

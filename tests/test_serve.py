@@ -396,3 +396,13 @@ def test_serve_refuses_layers_the_model_does_not_have(capsys, tiny_folder):
 
     assert main(["serve", "--model", str(tiny_folder), "--backend", "onnx", "--layers", "2,5"]) == 2
     assert "--layers: 5 is out of range" in capsys.readouterr().err
+
+
+def test_graphs_are_cached_beside_a_model_folder_and_apart_from_an_installed_one(
+    tiny_local, minilm, tmp_path, monkeypatch
+):
+    from matryoshka2d.deploy.backends import default_cache_folder
+
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path))
+    assert default_cache_folder(tiny_local, "ab" * 32) == Path(tiny_local.location) / "onnx-serve"
+    assert default_cache_folder(minilm, "cd" * 32) == tmp_path / "onnx-serve" / f"minilm-l6-{'cd' * 6}"

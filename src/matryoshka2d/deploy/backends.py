@@ -92,9 +92,12 @@ def weights_digest(encoder: ElasticEncoder) -> str:
 
 
 def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
-    """`onnx-serve/` inside the model's folder if that folder can be written, else under matryoshka2d's cache."""
-    if encoder.location and Path(encoder.location).is_dir() and os.access(encoder.location, os.W_OK):
-        return Path(encoder.location) / CACHE_FOLDER
+    """`onnx-serve/` inside the model's folder if that folder can be written and is not part of an installed
+    package (minilm-l6 lives in site-packages), else under matryoshka2d's cache, named by the weights."""
+    location = Path(encoder.location) if encoder.location else None
+    installed = location is not None and {"site-packages", "dist-packages"} & set(location.resolve().parts)
+    if location is not None and location.is_dir() and os.access(location, os.W_OK) and not installed:
+        return location / CACHE_FOLDER
     from matryoshka2d.models.backbones import cache_dir
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(encoder.name)).strip("-") or "model"
