@@ -12,7 +12,23 @@ from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.packing import CALL_OVERHEAD_TOKENS, call_overhead
 from matryoshka2d.training.trainer import Trainer
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new", "happy", "sad"]
+WORDS = [
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "bird",
+    "runs",
+    "sleeps",
+    "eats",
+    "big",
+    "small",
+    "old",
+    "new",
+    "happy",
+    "sad",
+]
 
 
 def brute_force(lengths, overhead):
@@ -123,3 +139,21 @@ def test_padding_free_is_the_cpu_default_and_can_be_turned_off():
     assert call_overhead(cpu, False) is None
     assert call_overhead(cuda, None) is None  # not measured there: per-column padding unless asked
     assert call_overhead(cuda, True) == CALL_OVERHEAD_TOKENS["cpu"]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_pad_rows_pads_as_the_tokenizer_does(tokenizer, side):
+    from copy import deepcopy
+
+    from matryoshka2d.models.encoder import pad_rows
+
+    tok = deepcopy(tokenizer)
+    tok.padding_side = side
+    texts = ["a", "a much longer sentence than the first one", "two words"]
+    encoded = tok(texts, truncation=True, max_length=16)
+    names = ["input_ids", "token_type_ids", "attention_mask"]
+    for idx in ([0, 1, 2], [2, 0], [1]):
+        expected = tok.pad([{k: encoded[k][i] for k in names} for i in idx], return_tensors="pt")
+        got = pad_rows(tok, encoded, idx, names)
+        assert got.keys() == set(names)
+        assert all(torch.equal(got[k], expected[k]) for k in names)
