@@ -339,7 +339,7 @@ def test_cached_graph_is_used_and_matches_the_encoder(graph_copy, tiny_local):
     assert backend.describe()["session_mb"].keys() == {"2"}  # measured when the session loaded
 
 
-@pytest.mark.parametrize("damage", ["missing", "damaged", "other weights", "damaged manifest"])
+@pytest.mark.parametrize("damage", ["missing", "damaged", "other weights", "older recipe", "damaged manifest"])
 def test_a_missing_or_damaged_graph_is_rebuilt_never_used(graph_copy, tiny_local, damage):
     folder, export = graph_copy
     graph = folder / "layer-2.onnx"
@@ -349,9 +349,12 @@ def test_a_missing_or_damaged_graph_is_rebuilt_never_used(graph_copy, tiny_local
         data = bytearray(graph.read_bytes())
         data[len(data) // 2] ^= 0xFF  # one flipped byte: onnxruntime might even load it
         graph.write_bytes(bytes(data))
-    elif damage == "other weights":
+    elif damage in ("other weights", "older recipe"):
         manifest = json.loads((folder / "manifest.json").read_text())
-        manifest["source_sha256"] = "0" * 64
+        if damage == "other weights":
+            manifest["source_sha256"] = "0" * 64
+        else:
+            manifest["graphs"]["layer-2.onnx"]["recipe"] = "an exporter of long ago"
         (folder / "manifest.json").write_text(json.dumps(manifest))
     else:
         (folder / "manifest.json").write_text("{not json")

@@ -59,6 +59,13 @@ def cmd_serve(args) -> int:
                 )
         model = OnnxBackend(encoder, args.quantize, layers, args.onnx_cache, batch_size=args.batch_size)
         del encoder  # the graphs are built: onnxruntime serves from here on, the torch weights can go
+        import gc
+
+        from matryoshka2d.allocator import trim_heap
+
+        gc.collect()
+        trim_heap()
+        model.load()
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,

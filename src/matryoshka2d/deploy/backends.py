@@ -32,6 +32,11 @@ from matryoshka2d.deploy.export import CHECK_SENTENCES, ONNX_ATOL, ExportError, 
 from matryoshka2d.models.encoder import ElasticEncoder, pad_rows
 
 BACKENDS = ("torch", "onnx")
+# How each kind of graph is made; a cached graph made another way (an older recipe) is rebuilt.
+RECIPES = {
+    None: "torch.onnx dynamo export of ExitGraph (encoder.forward at the layer), fp32",
+    "int8": "onnxruntime quantize_dynamic of the fp32 graph: QInt8 weights, one scale per channel",
+}
 MANIFEST = "manifest.json"
 CACHE_FOLDER = "onnx-serve"  # inside the model's folder when it is writable
 
@@ -126,7 +131,9 @@ class GraphCache:
     def valid(self, layer: int, quantize: str | None) -> Path | None:
         name = self.file_name(layer, quantize)
         entry, path = self.graphs.get(name), self.folder / name
-        if entry is None or not path.is_file() or _sha256(path) != entry.get("sha256"):
+        if entry is None or entry.get("recipe") != RECIPES[quantize] or not path.is_file():
+            return None
+        if _sha256(path) != entry.get("sha256"):
             return None
         return path
 
@@ -135,7 +142,13 @@ class GraphCache:
         name = self.file_name(layer, quantize)
         path = self.folder / name
         os.replace(built, path)
-        self.graphs[name] = {"layer": layer, "quantize": quantize, "sha256": _sha256(path), **details}
+        self.graphs[name] = {
+            "layer": layer,
+            "quantize": quantize,
+            "recipe": RECIPES[quantize],
+            "sha256": _sha256(path),
+            **details,
+        }
         manifest = {"source_sha256": self.source, "graphs": dict(sorted(self.graphs.items()))}
         with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".json", delete=False) as f:
             json.dump(manifest, f, indent=2)
@@ -237,6 +250,11 @@ class OnnxBackend:
             self.paths[n] = path
         self.sessions: dict[int, object] = {}
         self.session_mb: dict[int, float] = {}
+
+    def load(self) -> None:
+        """Load the sessions of the layers given up front (none without `layers`: each loads at its first
+        request). The server calls it once the torch model is gone, so each session's memory is measured
+        against a heap that the model's freed pages do not pad."""
         if self.up_front:
             for n in self.layers:
                 self._session(n)

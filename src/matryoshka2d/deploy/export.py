@@ -264,14 +264,17 @@ def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None)
 
 
 def quantize_int8(source: Path, target: Path) -> Path:
-    """onnxruntime dynamic quantization: int8 weights, activations quantized at run time."""
+    """onnxruntime dynamic quantization: int8 weights, activations quantized at run time. The weights get one
+    scale per output channel, not one per matrix: on minilm-l6 at layer 6 the lowest cosine to the fp32 vectors
+    over 600 STS sentences went from 0.934 to 0.988 (mean 0.968 to 0.994) at the same speed (docs/benchmarks.md,
+    issue 19)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     prepared = target.with_suffix(".prep.onnx")
     try:
         quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
-        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8)
+        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8, per_channel=True)
     finally:
         prepared.unlink(missing_ok=True)
     return target
