@@ -10,7 +10,10 @@ import shlex
 import sys
 from pathlib import Path
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# As matryoshka2d.paths finds it: MATRYOSHKA2D_DATA if set, else shared/data beside the checkout.
+DEFAULT_DATA = Path(
+    os.environ.get("MATRYOSHKA2D_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+)
 
 
 def cpu_model() -> str:

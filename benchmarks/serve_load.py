@@ -1,37 +1,56 @@
-"""Load on `matryoshka2d serve`: N concurrent clients on 127.0.0.1, throughput and latency per cell, errors, RSS.
+"""Serving load, side by side: our server (torch, onnx fp32, onnx int8) against infinity (torch, optimum int8).
 
-    python benchmarks/serve_load.py [--model minilm-l6] [--clients 32] [--requests 1000] [--texts-per-request 8]
-                                    [--cells 3,128 6,384]
+    python benchmarks/serve_load.py [--servers torch onnx onnx-int8 infinity-torch infinity-optimum]
+        [--cells 6,384 3,128] [--clients 32] [--requests 2000] [--texts-per-request 8] [--warmup-requests 100]
+        [--server-core 0] [--client-core 1] [--pause-training] [--infinity-venv /work/venvs/infinity]
 
-Starts the server as a subprocess on a free port of 127.0.0.1 (nothing else is reachable or touched), waits
-for /health, then for each cell sends `requests` requests of `texts-per-request` distinct STS sentences from
-`clients` threads (one keep-alive connection each). Next to each cell it measures offline throughput: the same
-texts through `ElasticEncoder.encode` (batch 64) in this process while the server is idle, so the ratio
-served/offline is taken side by side on the same machine. RSS of the server process is read from /proc right
-after loading, after an uncounted warm-up load of `--warmup-requests` requests per cell, and after the last
-request.
+Every server runs on 127.0.0.1 pinned to `--server-core` (taskset; one thread for the model), and this process,
+whose `clients` threads send the requests (one keep-alive connection each), is pinned to `--client-core`: the
+throughput is the server's, not the clients'. The same requests (`texts-per-request` distinct STS sentences
+each, base64 vectors asked for) go to every server at every cell; nothing is retried, and a reply that is not
+200 with one vector per text counts as an error.
+
+- Ours: one `matryoshka2d serve` process serves every cell (`layer` in the request); `--backend onnx` with
+  `--layers` of the cells, so its sessions load up front.
+- infinity has no per-request layer: each cell's depth is a folder cut to that many layers (infinity_peer.py),
+  one server per cell, `dimensions` in the request. `--engine optimum` serves optimum's int8 ONNX export.
+
+For each server: RSS after start-up, after an uncounted warm-up load (`--warmup-requests` per cell) and after
+the measured load; the vectors of a few check sentences at each cell, re-normalised (infinity does not
+normalise a slice), against `ElasticEncoder.encode(..., normalize=True)`. The offline reference is that encode
+call on the same texts, in this process moved to the server's core with one thread. `--pause-training` stops
+the machine's training runs (SIGSTOP to processes whose command line holds "matryoshka2d" then "train") for each
+timed span only, and always continues them (SIGCONT) after it, also on errors and interrupts.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import base64
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from common import DEFAULT_DATA, header, sts_sentences
 
+SERVERS = ("torch", "onnx", "onnx-int8", "infinity-torch", "infinity-optimum")
 MAX_CLIENTS = 256
-MAX_SECONDS = 1800  # the whole run stops here, whatever is left
+MAX_PAUSE_SECONDS = 14 * 60  # a timed span never keeps the training runs stopped longer than this
+CHECK_TEXTS = 16
+# Built here so that this process's own command line never holds the pattern it stops.
+TRAINING_PATTERN = "matryoshka2d" + " train"
 
 
 def free_port() -> int:
@@ -47,69 +66,153 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [
-        sys.executable,
-        "-m",
-        "matryoshka2d.cli",
-        "serve",
-        "--model",
-        model,
-        "--served-name",
-        "bench",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    process = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# ---- pausing the machine's training runs during a timed span ------------------------------------------
+
+
+def _signal_training(sig: str) -> None:
+    subprocess.run(["pkill", f"-{sig}", "-f", TRAINING_PATTERN], check=False)
+
+
+_PAUSE = {"on": False}
+
+
+def _continue_training() -> None:
+    if _PAUSE["on"]:
+        _signal_training("CONT")
+        _PAUSE["on"] = False
+
+
+@contextmanager
+def training_paused(enabled: bool):
+    if not enabled:
+        yield
+        return
+    _PAUSE["on"] = True
+    _signal_training("STOP")
+    try:
+        yield
+    finally:
+        _continue_training()
+
+
+def _on_signal(signum, _frame):
+    _continue_training()
+    raise SystemExit(128 + signum)
+
+
+# ---- servers ----------------------------------------------------------------------------------------
+
+
+class Server:
+    """One server process on 127.0.0.1, pinned; `request(texts, layer, dim)` is its request body and path."""
+
+    def __init__(self, kind: str, port: int, command: list[str], cwd: Path | None, env: dict, layer: int | None):
+        self.kind, self.port, self.layer = kind, port, layer  # layer: infinity's folder depth (None: ours)
+        self.command = ["taskset", "-c", str(ARGS.server_core), *command]
+        self.log = open(Path(ARGS.logs) / f"{kind}{'-L' + str(layer) if layer else ''}.log", "w")  # noqa: SIM115
+        self.process = subprocess.Popen(self.command, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+        deadline = time.monotonic() + ARGS.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{kind} exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    self.startup_seconds = time.monotonic() - self.started
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{kind} did not answer /health within {ARGS.start_timeout} s; see {self.log.name}")
+
+    def request(self, texts: list[str], layer: int, dim: int) -> tuple[str, str]:
+        if self.kind.startswith("infinity"):
+            return "/embeddings", json.dumps(
+                {"model": "bench", "input": texts, "dimensions": dim, "encoding_format": "base64"}
+            )
+        body = {"model": "bench", "input": texts, "layer": layer, "dimensions": dim, "encoding_format": "base64"}
+        return "/v1/embeddings", json.dumps(body)
+
+    def vectors(self, texts: list[str], layer: int, dim: int) -> np.ndarray:
+        path, body = self.request(texts, layer, dim)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        data = json.loads(reply.read())
+        conn.close()
+        if reply.status != 200:
+            raise RuntimeError(f"{self.kind}: {reply.status} {data}")
+        rows = sorted(data["data"], key=lambda d: d["index"])
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
+
+    def rss(self) -> float:
+        return rss_mb(self.process.pid)
+
+    def stop(self) -> None:
+        self.process.terminate()
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return process
-        except OSError:
-            time.sleep(0.3)
-    process.terminate()
-    raise RuntimeError("server did not answer /health within 180 s")
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
 
 
-def run_load(port: int, batches: list[list[str]], layer: int, dim: int, clients: int, stop_at: float) -> dict:
+def start_ours(kind: str, cells: list[tuple[int, int]]) -> Server:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    extra = []
+    if kind.startswith("onnx"):
+        extra = ["--backend", "onnx", "--layers", ",".join(str(n) for n in sorted({c[0] for c in cells}))]
+        extra += ["--quantize", "int8"] if kind == "onnx-int8" else []
+    command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", ARGS.model, "--served-name", "bench"]
+    command += ["--port", str(port := free_port()), "--device", "cpu", "--log-level", "warning", *extra]
+    return Server(kind, port, command, None, env, None)
+
+
+def start_infinity(kind: str, layer: int, folders: dict) -> Server:
+    from infinity_peer import server_command
+
+    cut, onnx = folders[layer]
+    engine = kind.removeprefix("infinity-")
+    command, cwd, env = server_command(engine, onnx if engine == "optimum" else cut, port := free_port(), ARGS.venv)
+    env["OMP_NUM_THREADS"] = "1"
+    return Server(kind, port, command, cwd, env, layer)
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+
+
+def run_load(server: Server, batches: list[list[str]], layer: int, dim: int, clients: int) -> dict:
     """Send every batch once from `clients` threads; latency per request, errors counted, nothing retried."""
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
     next_index = iter(range(len(batches)))
+    stop_at = time.monotonic() + MAX_PAUSE_SECONDS
 
     def client() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         while time.monotonic() < stop_at:
             with lock:
                 i = next(next_index, None)
             if i is None:
                 break
-            body = json.dumps(
-                {"model": "bench", "input": batches[i], "layer": layer, "dimensions": dim, "encoding_format": "base64"}
-            )
+            path, body = server.request(batches[i], layer, dim)
             start = time.perf_counter()
             try:
-                conn.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+                conn.request("POST", path, body, {"Content-Type": "application/json"})
                 response = conn.getresponse()
                 payload = response.read()
                 ok = response.status == 200 and len(json.loads(payload)["data"]) == len(batches[i])
             except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
                 ok, payload = False, repr(exc).encode()
                 conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
             elapsed = time.perf_counter() - start
             with lock:
                 latencies.append(elapsed)
@@ -134,33 +237,94 @@ def run_load(port: int, batches: list[list[str]], layer: int, dim: int, clients:
         "texts_per_s": texts / seconds,
         "p50_ms": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
-        "errors": len(errors),
+        "errors": len(errors) + (len(batches) - len(latencies)),
         "first_error": errors[0] if errors else None,
     }
 
 
+@contextmanager
+def on_core(core: int):
+    """This process (all its threads) on one core for the block, back on its own core after."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def offline_throughput(encoder, texts: list[str], layer: int, dim: int) -> float:
-    encoder.encode(texts[:128], layer=layer, dim=dim)  # warm-up
-    start = time.perf_counter()
-    encoder.encode(texts, layer=layer, dim=dim, batch_size=64, normalize=True)
-    return len(texts) / (time.perf_counter() - start)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with on_core(ARGS.server_core):
+            encoder.encode(texts[:128], layer=layer, dim=dim)  # warm-up
+            with training_paused(ARGS.pause_training):
+                start = time.perf_counter()
+                encoder.encode(texts, layer=layer, dim=dim, batch_size=64, normalize=True)
+                return len(texts) / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def agreement(got: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """(max |difference|, lowest cosine) of the re-normalised rows."""
+    unit = got / np.maximum(np.linalg.norm(got, axis=1, keepdims=True), 1e-12)
+    return float(np.abs(unit - expected).max()), float(np.einsum("ij,ij->i", unit, expected).min())
+
+
+def measure(server: Server, cells, batches, references, check_texts) -> list[dict]:
+    """Warm-up, then each cell's timed load (training paused around it), RSS and vector agreement."""
+    rows = []
+    rss_start = server.rss()
+    for layer, dim in cells:
+        run_load(server, batches[: ARGS.warmup_requests], layer, dim, ARGS.clients)
+    rss_warm = server.rss()
+    for layer, dim in cells:
+        diff, cosine = agreement(server.vectors(check_texts, layer, dim), references[(layer, dim)])
+        with training_paused(ARGS.pause_training):
+            load = load_average()
+            result = run_load(server, batches, layer, dim, ARGS.clients)
+        rows.append({"server": server.kind, "cell": (layer, dim), **result, "max_diff": diff, "min_cos": cosine})
+        rows[-1].update(load=load, rss_start=rss_start, rss_warm=rss_warm, startup=server.startup_seconds)
+        print(
+            f"  {server.kind} ({layer},{dim}): {result['requests_per_s']:.1f} requests/s, {result['errors']} errors "
+            f"(load average before: {load})",
+            flush=True,
+        )
+    for row in rows:
+        row["rss_after"] = server.rss()
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="minilm-l6")
+    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=1000, help="requests per cell")
+    parser.add_argument("--requests", type=int, default=2000, help="requests per cell")
     parser.add_argument("--texts-per-request", type=int, default=8)
-    parser.add_argument("--cells", nargs="+", default=["3,128", "6,384"], help="layer,dim pairs")
+    parser.add_argument("--cells", nargs="+", default=["6,384", "3,128"], help="layer,dim pairs")
     parser.add_argument("--warmup-requests", type=int, default=100, help="per cell, before RSS is read")
-    parser.add_argument("--server-args", default="", help="extra arguments for `matryoshka2d serve`")
+    parser.add_argument("--server-core", type=int, default=0)
+    parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--pause-training", action="store_true", help="SIGSTOP training runs during timed spans")
+    parser.add_argument("--infinity-venv", dest="venv", type=Path, default=Path("/work/venvs/infinity"))
+    parser.add_argument("--start-timeout", type=float, default=1200, help="seconds a server may take to start")
+    parser.add_argument("--logs", default="/tmp/m2d-serve-load", help="folder for the servers' logs")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
-    args = parser.parse_args()
+    global ARGS
+    ARGS = args = parser.parse_args()
     if not 1 <= args.clients <= MAX_CLIENTS:
         parser.error(f"--clients must be 1..{MAX_CLIENTS}")
     cells = [tuple(int(x) for x in c.split(",")) for c in args.cells]
-    stop_at = time.monotonic() + MAX_SECONDS
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    atexit.register(_continue_training)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    os.sched_setaffinity(0, {args.client_core})
 
     print(header())
     need = args.requests * args.texts_per_request
@@ -170,58 +334,66 @@ def main() -> None:
     batches = [texts[i : i + args.texts_per_request] for i in range(0, need, args.texts_per_request)]
     print(
         f"data: {need} distinct texts (STS-B/SICK-R sentences) in {len(batches)} requests of "
-        f"{args.texts_per_request}; {args.clients} concurrent clients; model {args.model}"
+        f"{args.texts_per_request}; {args.clients} concurrent clients on core {args.client_core}; servers on core "
+        f"{args.server_core} (taskset, 1 model thread); model {args.model}; cells {cells}; training runs "
+        f"{'paused during each timed span' if args.pause_training else 'left running'}"
     )
+    from matryoshka2d.models.encoder import ElasticEncoder
 
-    port = free_port()
-    server = start_server(args.model, port, args.server_args.split())
-    try:
-        warm = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        for layer, dim in cells:
-            warm.request(
-                "POST",
-                "/v1/embeddings",
-                json.dumps({"model": "bench", "input": texts[:64], "layer": layer, "dimensions": dim}),
-                {"Content-Type": "application/json"},
-            )
-            warm.getresponse().read()
-        warm.close()
-        rss_loaded = rss_mb(server.pid)
-        # A warm-up load (the first `--warmup-requests` batches at each cell, not counted): allocator pools and
-        # kernel caches fill up to their working size here, so that growth under the measured load means a leak.
-        for layer, dim in cells:
-            run_load(port, batches[: args.warmup_requests], layer, dim, args.clients, stop_at)
-        rss_before = rss_mb(server.pid)
-        from matryoshka2d.models.encoder import ElasticEncoder
+    encoder = ElasticEncoder(args.model, device="cpu")
+    check_texts = texts[-CHECK_TEXTS:]
+    references = {c: encoder.encode(check_texts, layer=c[0], dim=c[1], normalize=True) for c in cells}
+    offline = {c: offline_throughput(encoder, texts, *c) for c in cells}
+    print("offline encode, core", args.server_core, ":", {c: round(v) for c, v in offline.items()}, flush=True)
 
-        encoder = ElasticEncoder(args.model, device="cpu")
-        rows = []
-        for layer, dim in cells:  # served, then offline right after with the server idle: side by side
-            served = run_load(port, batches, layer, dim, args.clients, stop_at)
-            rows.append((layer, dim, served, offline_throughput(encoder, texts, layer, dim)))
-        rss_after = rss_mb(server.pid)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    folders = {}
+    if any(s.startswith("infinity") for s in args.servers):
+        from infinity_peer import prepare
+
+        folders = prepare(Path(encoder.location), sorted({c[0] for c in cells}), venv=args.venv)
+    rows = []
+    for kind in args.servers:
+        if kind.startswith("infinity"):
+            for cell in cells:
+                server = start_infinity(kind, cell[0], folders)
+                try:
+                    rows += measure(server, [cell], batches, references, check_texts)
+                finally:
+                    server.stop()
+        else:
+            server = start_ours(kind, cells)
+            try:
+                rows += measure(server, cells, batches, references, check_texts)
+            finally:
+                server.stop()
 
     print(
-        "\n| cell | requests | errors | seconds | requests/s | texts/s served | texts/s offline | served/offline "
-        "| p50 ms | p99 ms |"
+        "\n| server | cell | requests | errors | requests/s | texts/s | served/offline | p50 ms | p99 ms | RSS MB "
+        "started / warm-up / after | after - warm-up | vs encode: max diff, min cos |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for layer, dim, r, off in rows:
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    for r in rows:
+        layer, dim = r["cell"]
         print(
-            f"| ({layer},{dim}) | {r['requests']} | {r['errors']} | {r['seconds']:.1f} | {r['requests_per_s']:.1f} "
-            f"| {r['texts_per_s']:.0f} | {off:.0f} | {r['texts_per_s'] / off:.0%} | {r['p50_ms']:.0f} "
-            f"| {r['p99_ms']:.0f} |"
+            f"| {r['server']} | ({layer},{dim}) | {r['requests']} | {r['errors']} | {r['requests_per_s']:.1f} "
+            f"| {r['texts_per_s']:.0f} | {r['texts_per_s'] / offline[r['cell']]:.0%} | {r['p50_ms']:.0f} "
+            f"| {r['p99_ms']:.0f} | {r['rss_start']:.0f} / {r['rss_warm']:.0f} / {r['rss_after']:.0f} "
+            f"| {r['rss_after'] - r['rss_warm']:+.0f} "
+            f"| {r['max_diff']:.1e}, {r['min_cos']:.4f} |"
         )
         if r["first_error"]:
-            print(f"  first error at ({layer},{dim}): {r['first_error']}")
-    print(
-        f"\nserver RSS: {rss_loaded:.0f} MB with the model loaded, {rss_before:.0f} MB after the warm-up load, "
-        f"{rss_after:.0f} MB after the measured load ({rss_after - rss_before:+.0f} MB over the measured load, "
-        f"{rss_after - rss_loaded:+.0f} MB since loading)"
-    )
+            print(f"  first error of {r['server']} at ({layer},{dim}): {r['first_error']}")
+    print(f"\noffline encode (ElasticEncoder.encode, batch 64, 1 thread on core {args.server_core}), texts/s:")
+    for cell, value in offline.items():
+        print(f"  {cell}: {value:.0f}")
+    by = {(r["server"], r["cell"]): r["requests_per_s"] for r in rows}
+    print("\nratios of requests/s at each cell:")
+    pairs = [("onnx-int8", "infinity-torch"), ("onnx-int8", "infinity-optimum"), ("torch", "infinity-torch")]
+    pairs += [("onnx", "infinity-optimum"), ("onnx-int8", "torch")]
+    for cell in cells:
+        for a, b in pairs:
+            if (a, cell) in by and (b, cell) in by:
+                print(f"  {cell}: {a} / {b} = {by[(a, cell)] / by[(b, cell)]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -37,9 +37,17 @@ RUNS = [
     ("starbucks", "starbucks", "angle", {}),
     ("separate (2,128)", "separate", "angle", {"layer": 2, "dim": 128}),
     ("2dmse + infonce", "2dmse", "infonce", {}),
+    # The same step with each column padded to its own longest text, as before padding-free steps (and as
+    # sentence-transformers does): the difference is the padding alone (matryoshka2d.training.packing).
+    ("2dmse + infonce (padded columns)", "2dmse", "infonce", {}, {"padding_free": False}),
 ]
 # Ours data-parallel (matryoshka2d.training.parallel): N processes on this machine, the threads shared out among them.
 PROCESS_RUNS = {"2dmse + infonce in 2 processes": ("2dmse", "infonce", {}, 2)}
+
+
+# What a span is measured with: wall time by default; `--clock cpu` takes this process's CPU time instead, which
+# on a machine busy with other work moves far less than the wall time (with --threads 1: one thread's work).
+CLOCK = time.perf_counter
 
 
 def sync(device: str) -> None:
@@ -47,7 +55,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_ours(method, loss, options, data, batch_size, warmup, steps, device="cpu", precision=None) -> float:
+def time_ours(
+    method, loss, options, data, batch_size, warmup, steps, device="cpu", precision=None, extra=None
+) -> float:
     cfg = TrainConfig(
         data=[str(data)],
         output="/tmp/m2d-train-speed",
@@ -59,6 +69,7 @@ def time_ours(method, loss, options, data, batch_size, warmup, steps, device="cp
         save_steps=0,
         device=device,
         precision=precision,
+        **(extra or {}),
     )
     trainer = Trainer(cfg)
     trainer._lazy_records = True  # as in Trainer.run between logging steps: no host sync per step
@@ -66,12 +77,12 @@ def time_ours(method, loss, options, data, batch_size, warmup, steps, device="cp
         trainer.train_step()
     sync(device)
     trainer.processes.barrier()
-    start = time.perf_counter()
+    start = CLOCK()
     for _ in range(steps):
         trainer.train_step()
     sync(device)
     trainer.processes.barrier()
-    return (time.perf_counter() - start) / steps
+    return (CLOCK() - start) / steps
 
 
 def _process_worker(rank, world, port, args, results) -> None:
@@ -135,11 +146,11 @@ def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -
     for i in range(warmup):
         step(i)
     sync(device)
-    start = time.perf_counter()
+    start = CLOCK()
     for i in range(warmup, warmup + steps):
         step(i)
     sync(device)
-    return (time.perf_counter() - start) / steps
+    return (CLOCK() - start) / steps
 
 
 def main() -> None:
@@ -156,7 +167,20 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda; ours and the peer both run there")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="ours (default: the trainer's)")
     parser.add_argument("--peer-autocast", action="store_true", help="run the peer under the same autocast as ours")
+    parser.add_argument("--threads", type=int, help="torch threads in this process (default: torch's)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time spans by wall clock or by this process's CPU time (use with --threads 1 on a busy machine; "
+        "runs in several processes are timed in their first process)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        CLOCK = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(header())
     from matryoshka2d.training.throughput import resolve_precision
 
@@ -164,13 +188,17 @@ def main() -> None:
     peer_precision = ours_precision if args.peer_autocast else "fp32"
     if peer_precision == "fp16":
         raise SystemExit("--peer-autocast with fp16 would need a GradScaler in the peer loop; use bf16")
-    print(f"device: {args.device}; ours in {ours_precision}, the peer in {peer_precision}")
+    print(
+        f"device: {args.device}; ours in {ours_precision}, the peer in {peer_precision}; {torch.get_num_threads()} "
+        f"torch thread(s); timed by {'CPU time of this process' if args.clock == 'cpu' else 'wall clock'}"
+    )
     data = args.data_dir / "nli" / "train_triplets.tsv"
     print(f"data: {data}, batch {args.batch_size} triplets, {args.warmup} warm-up + {args.steps} timed steps")
     names = [r[0] for r in RUNS] + list(PROCESS_RUNS) + ["st Matryoshka2dLoss(MNRL)"]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
-        names = [n for n in names if any(n == w or n.startswith(w + " ") for w in wanted)]
+        # a full run name selects that run; other words select the runs whose names start with them
+        names = [n for n in names if any(n == w or (w not in names and n.startswith(w + " ")) for w in wanted)]
     best = dict.fromkeys(names, float("inf"))
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
@@ -182,9 +210,18 @@ def main() -> None:
                 run = (method, loss, options, data, args.batch_size, args.warmup, args.steps, args.device)
                 seconds = time_ours_processes(processes, *run, ours_precision)
             else:
-                _, method, loss, options = next(run for run in RUNS if run[0] == name)
+                _, method, loss, options, *extra = next(run for run in RUNS if run[0] == name)
                 seconds = time_ours(
-                    method, loss, options, data, args.batch_size, args.warmup, args.steps, args.device, ours_precision
+                    method,
+                    loss,
+                    options,
+                    data,
+                    args.batch_size,
+                    args.warmup,
+                    args.steps,
+                    args.device,
+                    ours_precision,
+                    extra[0] if extra else None,
                 )
             best[name] = min(best[name], seconds)
             print(f"  round {r + 1}: {name}: {seconds:.3f} s/step", flush=True)
@@ -197,7 +234,7 @@ def main() -> None:
         return
     print()
     peer = best["st Matryoshka2dLoss(MNRL)"]
-    for name in ("2dmse + infonce", *PROCESS_RUNS):
+    for name in ("2dmse + infonce", "2dmse + infonce (padded columns)", *PROCESS_RUNS):
         if name in best:
             print(
                 f"our {name} trains {peer / best[name]:.2f}x the samples/second of sentence-transformers' "

@@ -4,6 +4,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import SENTENCES
+from matryoshka2d.deploy.backends import OnnxBackend
 from matryoshka2d.models.encoder import ElasticEncoder
 
 openai = pytest.importorskip("openai", reason="the official openai client (in the dev extra) is not installed")
@@ -36,6 +38,7 @@ class Server:
 
     def __init__(self, model: str, name: str, *extra: str):
         self.port = free_port()
+        self.backend = extra[extra.index("--backend") + 1] if "--backend" in extra else "torch"
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
@@ -106,6 +109,31 @@ def tiny_server(tiny_folder):
 
 
 @pytest.fixture(scope="module")
+def onnx_graphs(tiny_folder, tmp_path_factory):
+    """The cached ONNX graph of layer 2 of the tiny model, built once here (an export takes seconds)."""
+    pytest.importorskip("onnxruntime")
+    folder = tmp_path_factory.mktemp("graphs")
+    OnnxBackend(ElasticEncoder(str(tiny_folder), device="cpu"), layers=[2], cache_folder=folder, log=lambda _: None)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def onnx_server(tiny_folder, onnx_graphs):
+    limits = ("--max-inputs", "8", "--max-body-bytes", "20000")
+    server = Server(
+        str(tiny_folder), "tiny", *limits, "--backend", "onnx", "--layers", "2", "--onnx-cache", str(onnx_graphs)
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["torch", "onnx"])
+def any_server(request):
+    """Each test that takes it runs against the torch backend and the onnx backend (layer 2 served)."""
+    return request.getfixturevalue(f"{request.param}_server" if request.param == "onnx" else "tiny_server")
+
+
+@pytest.fixture(scope="module")
 def tiny_local(tiny_folder):
     return ElasticEncoder(str(tiny_folder), device="cpu")
 
@@ -127,13 +155,15 @@ def test_openai_client_gets_the_cell_of_minilm():
         server.stop()
 
 
-def test_float_and_base64_match_encode(tiny_server, tiny_local):
+def test_float_and_base64_match_encode(any_server, tiny_local):
+    tiny_server = any_server
     expected = tiny_local.encode(TEXTS, layer=2, dim=16, normalize=True)
+    atol = 1e-6 if tiny_server.backend == "torch" else 1e-5  # onnxruntime's kernels round differently
     client = tiny_server.client()
     as_float = client.embeddings.create(
         model="tiny", input=TEXTS, dimensions=16, encoding_format="float", extra_body={"layer": 2}
     )
-    np.testing.assert_allclose([d.embedding for d in as_float.data], expected, atol=1e-5)
+    np.testing.assert_allclose([d.embedding for d in as_float.data], expected, atol=1e-5)  # onnx fp32 too
     status, body = tiny_server.call(
         "POST",
         "/v1/embeddings",
@@ -141,16 +171,16 @@ def test_float_and_base64_match_encode(tiny_server, tiny_local):
     )
     assert status == 200
     decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in body["data"]])
-    np.testing.assert_allclose(decoded, expected, atol=1e-6)
+    np.testing.assert_allclose(decoded, expected, atol=atol)
     by_client = client.embeddings.create(
         model="tiny", input=TEXTS, dimensions=16, encoding_format="base64", extra_body={"layer": 2}
     )
     # Asked for base64 explicitly, the client hands the strings over as they came.
     decoded = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in by_client.data])
-    np.testing.assert_allclose(decoded, expected, atol=1e-6)
+    np.testing.assert_allclose(decoded, expected, atol=atol)
     # Left to itself, the client asks for base64 and decodes it.
     default = client.embeddings.create(model="tiny", input=TEXTS, dimensions=16, extra_body={"layer": 2})
-    np.testing.assert_allclose([d.embedding for d in default.data], expected, atol=1e-6)
+    np.testing.assert_allclose([d.embedding for d in default.data], expected, atol=atol)
 
 
 def test_a_single_string_and_the_full_cell_by_default(tiny_server, tiny_local):
@@ -213,8 +243,8 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("body", "status", "param", "code", "message"), BAD_REQUESTS)
-def test_errors_have_openai_shape(tiny_server, body, status, param, code, message):
-    got_status, got = tiny_server.call("POST", "/v1/embeddings", body)
+def test_errors_have_openai_shape(any_server, body, status, param, code, message):
+    got_status, got = any_server.call("POST", "/v1/embeddings", body)
     assert got_status == status
     assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}
     assert (got["error"]["param"], got["error"]["code"]) == (param, code)
@@ -222,7 +252,8 @@ def test_errors_have_openai_shape(tiny_server, body, status, param, code, messag
     assert re.search(message, got["error"]["message"]), got["error"]["message"]
 
 
-def test_transport_errors(tiny_server):
+def test_transport_errors(any_server):
+    tiny_server = any_server
     status, body = tiny_server.call("POST", "/v1/embeddings", raw=b"{not json")
     assert status == 400 and body["error"]["code"] == "invalid_json"
     status, body = tiny_server.call(
@@ -237,8 +268,8 @@ def test_transport_errors(tiny_server):
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
-def test_the_openai_client_raises_its_own_errors(tiny_server):
-    client = tiny_server.client()
+def test_the_openai_client_raises_its_own_errors(any_server):
+    client = any_server.client()
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="tiny", input=["x"], dimensions=64)
     assert info.value.status_code == 400 and info.value.body["param"] == "dimensions"
@@ -251,3 +282,130 @@ def test_serve_refuses_bad_limits(capsys):
 
     assert main(["serve", "--model", "minilm-l6", "--max-batch", "0"]) == 2
     assert "--max-batch must be at least 1, got 0" in capsys.readouterr().err
+
+
+# ---- the onnx backend: what differs from torch -----------------------------------------------------------
+
+
+def test_onnx_server_serves_its_layers_only_and_says_what_it_runs(onnx_server, tiny_local):
+    status, body = onnx_server.call("GET", "/v1/models/tiny")
+    assert status == 200 and body["layers"] == [2] and body["backend"] == "onnx" and body["precision"] == "fp32"
+    status, body = onnx_server.call("POST", "/v1/embeddings", {"model": "tiny", "input": "x", "layer": 1})
+    assert status == 400 and (body["error"]["param"], body["error"]["code"]) == ("layer", "invalid_value")
+    assert "layers 2 only" in body["error"]["message"]
+    status, body = onnx_server.call("POST", "/v1/embeddings", {"model": "tiny", "input": TEXTS})  # no layer: 2
+    got = np.array([d["embedding"] for d in body["data"]])
+    np.testing.assert_allclose(got, tiny_local.encode(TEXTS, layer=2, normalize=True), atol=1e-5)
+
+
+class CountedExport:
+    """Stands in for the export: copies the graph built once by the fixture (a real export takes seconds) and
+    counts the calls, so a test sees whether the cache was used or rebuilt."""
+
+    def __init__(self, graphs):
+        self.source, self.calls = graphs / "layer-2.onnx", 0
+
+    def __call__(self, encoder, layer, path):
+        assert layer == 2
+        self.calls += 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.source, path)
+        return path
+
+
+@pytest.fixture
+def graph_copy(onnx_graphs, tmp_path, monkeypatch):
+    folder = tmp_path / "graphs"
+    shutil.copytree(onnx_graphs, folder)
+    export = CountedExport(onnx_graphs)
+    monkeypatch.setattr("matryoshka2d.deploy.backends.export_exit", export)
+    return folder, export
+
+
+def onnx_backend(tiny_local, folder, quantize=None):
+    return OnnxBackend(tiny_local, quantize, layers=[2], cache_folder=folder, log=lambda _: None)
+
+
+def test_cached_graph_is_used_and_matches_the_encoder(graph_copy, tiny_local):
+    folder, export = graph_copy
+    backend = onnx_backend(tiny_local, folder)
+    assert export.calls == 0
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entry = manifest["graphs"]["layer-2.onnx"]
+    assert len(manifest["source_sha256"]) == 64 and len(entry["sha256"]) == 64
+    assert entry["max_abs_difference_vs_torch"] <= 1e-4
+    texts = [*TEXTS, "word " * 40]
+    np.testing.assert_allclose(backend.pooled(texts, 2), tiny_local.pooled_states(texts, [2])[2], atol=1e-4)
+    assert backend.describe()["session_mb"].keys() == {"2"}  # measured when the session loaded
+
+
+@pytest.mark.parametrize("damage", ["missing", "damaged", "other weights", "older recipe", "damaged manifest"])
+def test_a_missing_or_damaged_graph_is_rebuilt_never_used(graph_copy, tiny_local, damage):
+    folder, export = graph_copy
+    graph = folder / "layer-2.onnx"
+    if damage == "missing":
+        graph.unlink()
+    elif damage == "damaged":
+        data = bytearray(graph.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte: onnxruntime might even load it
+        graph.write_bytes(bytes(data))
+    elif damage in ("other weights", "older recipe"):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        if damage == "other weights":
+            manifest["source_sha256"] = "0" * 64
+        else:
+            manifest["graphs"]["layer-2.onnx"]["recipe"] = "an exporter of long ago"
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        (folder / "manifest.json").write_text("{not json")
+    backend = onnx_backend(tiny_local, folder)
+    assert export.calls == 1
+    assert graph.read_bytes() == (export.source).read_bytes()
+    np.testing.assert_allclose(backend.pooled(TEXTS, 2), tiny_local.pooled_states(TEXTS, [2])[2], atol=1e-4)
+    onnx_backend(tiny_local, folder)
+    assert export.calls == 1  # rebuilt once, then trusted again
+
+
+def test_int8_graphs_agree_with_torch(graph_copy, tiny_local):
+    folder, export = graph_copy
+    backend = onnx_backend(tiny_local, folder, quantize="int8")
+    assert export.calls == 0  # quantized from the cached fp32 graph
+    entry = json.loads((folder / "manifest.json").read_text())["graphs"]["layer-2.int8.onnx"]
+    assert entry["quantize"] == "int8" and entry["min_cosine_vs_torch"] > 0.99
+    got, expected = backend.pooled(TEXTS, 2), tiny_local.pooled_states(TEXTS, [2])[2]
+    cosines = np.einsum("ij,ij->i", got, expected) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosines.min() > 0.99
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--quantize", "int8"], "--quantize apply to --backend onnx"),
+        (["--layers", "1,3"], "--layers apply to --backend onnx"),
+        (["--backend", "onnx", "--layers", "1,x"], "--layers must be comma-separated layer numbers"),
+        (["--backend", "onnx", "--layers", "0"], "--layers must be layer numbers of at least 1"),
+        (["--backend", "onnx", "--device", "cuda"], "--backend onnx runs on the CPU"),
+    ],
+)
+def test_serve_refuses_backend_flags_that_do_not_fit(capsys, flags, message):
+    from matryoshka2d.cli import main
+
+    assert main(["serve", "--model", "minilm-l6", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_layers_the_model_does_not_have(capsys, tiny_folder):
+    from matryoshka2d.cli import main
+
+    assert main(["serve", "--model", str(tiny_folder), "--backend", "onnx", "--layers", "2,5"]) == 2
+    assert "--layers: 5 is out of range" in capsys.readouterr().err
+
+
+def test_graphs_are_cached_beside_a_model_folder_and_apart_from_an_installed_one(
+    tiny_local, minilm, tmp_path, monkeypatch
+):
+    from matryoshka2d.deploy.backends import default_cache_folder
+
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path))
+    assert default_cache_folder(tiny_local, "ab" * 32) == Path(tiny_local.location) / "onnx-serve"
+    assert default_cache_folder(minilm, "cd" * 32) == tmp_path / "onnx-serve" / f"minilm-l6-{'cd' * 6}"

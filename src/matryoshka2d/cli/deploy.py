@@ -58,8 +58,38 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
+    if args.backend == "torch" and (args.quantize or args.layers or args.onnx_cache):
+        used = [
+            f
+            for f, v in (("--quantize", args.quantize), ("--layers", args.layers), ("--onnx-cache", args.onnx_cache))
+            if v
+        ]
+        raise ValueError(f"{', '.join(used)} apply to --backend onnx; the torch backend serves every layer in fp32")
+    layers = parse_layers(args.layers) if args.layers else None
+    if args.backend == "onnx" and args.device not in (None, "cpu"):
+        raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
     check_listen(args.host, args.port)
-    encoder = load_encoder(args)
+    encoder = load_encoder(args, device="cpu" if args.backend == "onnx" else args.device)
+    model = encoder
+    if args.backend == "onnx":
+        from matryoshka2d.deploy.backends import OnnxBackend
+        from matryoshka2d.deploy.export import require_onnx
+
+        require_onnx()
+        for n in layers or []:
+            if not 1 <= n <= encoder.num_layers:
+                raise ValueError(
+                    f"--layers: {n} is out of range for {encoder.name}, which has {encoder.num_layers} layers"
+                )
+        model = OnnxBackend(encoder, args.quantize, layers, args.onnx_cache, batch_size=args.batch_size)
+        del encoder  # the graphs are built: onnxruntime serves from here on, the torch weights can go
+        import gc
+
+        from matryoshka2d.allocator import trim_heap
+
+        gc.collect()
+        trim_heap()
+        model.load()
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,
@@ -69,13 +99,25 @@ def cmd_serve(args) -> int:
         max_wait=args.max_wait_ms / 1000,
     )
     name = args.served_name or args.model
+    kind = f"onnx {args.quantize or 'fp32'}" if args.backend == "onnx" else "torch"
     print(
-        f"serving {name}: {encoder.num_layers} layers x {encoder.hidden_size} dims on http://{args.host}:{args.port}"
-        f" (POST /v1/embeddings, GET /v1/models, GET /health)",
+        f"serving {name} ({kind}): {model.num_layers} layers x {model.hidden_size} dims on "
+        f"http://{args.host}:{args.port} (POST /v1/embeddings, GET /v1/models, GET /health)",
         file=sys.stderr,
     )
-    serve(encoder, name, host=args.host, port=args.port, limits=limits, log_level=args.log_level)
+    serve(model, name, host=args.host, port=args.port, limits=limits, log_level=args.log_level)
     return 0
+
+
+def parse_layers(text: str) -> list[int]:
+    """--layers 1,3,6: distinct positive integers."""
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated layer numbers such as 1,3,6, got {text!r}") from None
+    if any(n < 1 for n in layers):
+        raise ValueError(f"--layers must be layer numbers of at least 1, got {text!r}")
+    return sorted(set(layers))
 
 
 def register(sub, model_args) -> None:
@@ -123,3 +165,20 @@ def register(sub, model_args) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--backend",
+        choices=["torch", "onnx"],
+        default="torch",
+        help="what runs the model: torch, or onnxruntime with one ONNX graph per exit layer, built once and cached "
+        "beside the model (extra [onnx])",
+    )
+    p.add_argument("--quantize", choices=["int8"], help="onnx backend: dynamic int8 graphs")
+    p.add_argument(
+        "--layers",
+        help="onnx backend: serve only these layers, their sessions loaded up front, e.g. 1,3,6 (default: every "
+        "layer, each session loaded at its first request)",
+    )
+    p.add_argument(
+        "--onnx-cache", help="onnx backend: folder for the graphs (default: onnx-serve/ in the model folder)"
+    )
+    p.set_defaults(func=cmd_serve)

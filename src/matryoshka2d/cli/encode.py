@@ -45,7 +45,7 @@ def npy_path(output: str) -> Path:
 
 def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
     """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
-    from matryoshka2d.models.encoder import length_batches
+    from matryoshka2d.models.batching import length_batches
 
     ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
     out = np.empty((len(texts), dim), dtype=np.float32)

@@ -171,6 +171,12 @@ def register(sub, model_args) -> None:
     speed.add_argument("--gradient-accumulation", type=int, help="micro-batches per batch (default 1)")
     speed.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
+    speed.add_argument(
+        "--padding-free",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a step's texts in length groups instead of padding each column (default: on a CPU)",
+    )
     p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
     run_options(p, "--resume")
     add_safety_flags(p)

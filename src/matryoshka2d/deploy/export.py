@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from matryoshka2d.models.backbones import count_parameters
-from matryoshka2d.models.encoder import ElasticEncoder, length_batches, pool
+from matryoshka2d.models.batching import length_batches
+from matryoshka2d.models.encoder import ElasticEncoder, pool
 
 FORMATS = ("st", "onnx")
 QUANTIZE = ("int8",)
@@ -211,8 +212,34 @@ class CellGraph(nn.Module):
         return vectors
 
 
-def export_onnx(cut: ElasticEncoder, path: Path) -> Path:
-    """torch.onnx export of a cut encoder (its full depth is the cell's depth), batch and length dynamic."""
+class ExitGraph(nn.Module):
+    """What `encoder.forward(features, [layer])` computes, as one module: the sentence vectors after `layer`
+    layers (pooled, then whatever forward applies after pooling), full width, not normalised. Export it with
+    the stack cut to `layer` layers (export_exit), so the graph holds only the layers that run."""
+
+    def __init__(self, encoder: ElasticEncoder, layer: int):
+        super().__init__()
+        self.encoder, self.layer = encoder, layer
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        features = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            features["token_type_ids"] = token_type_ids
+        return self.encoder.forward(features, [self.layer])[self.layer]
+
+
+def export_exit(encoder: ElasticEncoder, layer: int, path: Path) -> Path:
+    """One exit layer of a whole encoder as an ONNX graph (ExitGraph: `sentence_embedding`, full width)."""
+    from matryoshka2d.models.st_folder import truncated_stack
+
+    layer = encoder.check_layer(layer)
+    with truncated_stack(encoder.model, layer):
+        return export_onnx(encoder, path, ExitGraph(encoder, layer))
+
+
+def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None) -> Path:
+    """torch.onnx export of a cut encoder (its full depth is the cell's depth), batch and length dynamic; `graph`
+    is the module to export (default: the whole cell, CellGraph)."""
     if hasattr(cut.model.config, "use_cache"):
         cut.model.config.use_cache = False  # decoders: no key/value cache outputs in the graph
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +248,7 @@ def export_onnx(cut: ElasticEncoder, path: Path) -> Path:
     args = tuple(sample[n] for n in names)
     batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
     shapes = {n: {0: batch, 1: length} for n in names}
-    graph = CellGraph(cut, cut.normalize_output).eval()
+    graph = (graph if graph is not None else CellGraph(cut, cut.normalize_output)).eval()
     with torch.inference_mode(False), torch.no_grad():
         program = torch.onnx.export(
             graph,
@@ -238,14 +265,17 @@ def export_onnx(cut: ElasticEncoder, path: Path) -> Path:
 
 
 def quantize_int8(source: Path, target: Path) -> Path:
-    """onnxruntime dynamic quantization: int8 weights, activations quantized at run time."""
+    """onnxruntime dynamic quantization: int8 weights, activations quantized at run time. The weights get one
+    scale per output channel, not one per matrix: on minilm-l6 at layer 6 the lowest cosine to the fp32 vectors
+    over 600 STS sentences went from 0.934 to 0.988 (mean 0.968 to 0.994) at the same speed (docs/benchmarks.md,
+    issue 19)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     prepared = target.with_suffix(".prep.onnx")
     try:
         quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
-        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8)
+        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8, per_channel=True)
     finally:
         prepared.unlink(missing_ok=True)
     return target

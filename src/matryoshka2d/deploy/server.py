@@ -9,6 +9,11 @@
 Vectors are the first `dimensions` numbers at `layer`, L2-normalised after slicing (as OpenAI's are), so they
 equal `ElasticEncoder.encode(texts, layer=layer, dim=dimensions, normalize=True)`.
 
+What runs the model is a backend (deploy/backends.py): the torch encoder, or onnxruntime with one graph per
+exit layer (`serve --backend onnx [--quantize int8] [--layers 1,3,6]`); the API, validation, micro-batching
+and errors here are the same for both. A server started with `--layers` serves those layers only (a request
+without `layer` gets the deepest of them).
+
 Requests are micro-batched: one worker thread runs the model; texts that arrive while it is busy, or within
 `max_wait` of the first, go into the next batch (up to `max_batch` texts; a larger request is one batch on its
 own), grouped by layer so that an exit at layer n still runs n layers; the model call sorts its texts by length
@@ -31,6 +36,7 @@ import numpy as np
 from fastapi import Request
 
 from matryoshka2d.allocator import trim_heap
+from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.views import unit_rows
 
@@ -76,8 +82,8 @@ class _Job:
 class MicroBatcher:
     """Collects concurrent requests into batches for one model worker thread."""
 
-    def __init__(self, encoder: ElasticEncoder, max_batch: int, max_wait: float, batch_size: int = 64):
-        self.encoder, self.max_batch, self.max_wait, self.batch_size = encoder, max_batch, max_wait, batch_size
+    def __init__(self, backend, max_batch: int, max_wait: float):
+        self.backend, self.max_batch, self.max_wait = backend, max_batch, max_wait
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="matryoshka2d-model")
         self.batches = 0
@@ -143,7 +149,7 @@ class MicroBatcher:
                 self.batches += 1
 
     def _encode(self, texts: list[str], layer: int) -> np.ndarray:
-        vectors = self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size)[layer]
+        vectors = self.backend.pooled(texts, layer)
         trim_heap()  # free pages back after each call: RSS stays flat under load (matryoshka2d.allocator)
         return vectors
 
@@ -165,17 +171,20 @@ def _check_int(body: dict, name: str, low: int, high: int, what: str) -> int | N
     return value
 
 
-def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | None = None):
-    """The FastAPI app: one encoder, every cell."""
+def create_app(model, model_id: str, limits: ServerLimits | None = None):
+    """The FastAPI app: one model (an ElasticEncoder, run by torch, or a backend from deploy/backends.py),
+    every cell."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
-    num_layers, hidden_size, max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
-    counter = copy.deepcopy(encoder.tokenizer)  # token counting in the event loop, apart from the model thread
+    backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
+    num_layers, hidden_size, max_length = backend.num_layers, backend.hidden_size, backend.max_length
+    served = list(backend.layers)
+    counter = copy.deepcopy(backend.tokenizer)  # token counting in the event loop, apart from the model thread
     created = int(time.time())
-    batcher = MicroBatcher(encoder, limits.max_batch, limits.max_wait, limits.batch_size)
+    batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -205,14 +214,17 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
             "object": "model",
             "created": created,
             "owned_by": "matryoshka2d",
-            "layers": list(range(1, num_layers + 1)),
+            "layers": served,
             "dimensions": hidden_size,
-            "cells": f"any (layer, dimensions) with 1 <= layer <= {num_layers} and 1 <= dimensions <= {hidden_size}",
+            "cells": f"any (layer, dimensions) with layer in {served} and 1 <= dimensions <= {hidden_size}"
+            if len(served) < num_layers
+            else f"any (layer, dimensions) with 1 <= layer <= {num_layers} and 1 <= dimensions <= {hidden_size}",
             "max_input_tokens": max_length,
             "truncates_long_inputs": limits.truncate,
             "max_inputs_per_request": limits.max_inputs,
-            "pooling": encoder.pooling,
+            "pooling": backend.pooling,
             "normalized": True,
+            **backend.describe(),
         }
 
     @app.get("/health")
@@ -326,6 +338,14 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
             if text == "":
                 raise ApiError(400, f"input[{i}] is empty; every input must contain text", "input", "empty_input")
         layer = _check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
+        if layer is not None and layer not in served:
+            raise ApiError(
+                400,
+                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, served))} "
+                "only (started with --layers)",
+                "layer",
+                "invalid_value",
+            )
         dim = _check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
         encoding = body.get("encoding_format", "float")
         if encoding is None:
@@ -345,13 +365,13 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
                 unknown[0],
                 "unknown_parameter",
             )
-        return texts, layer or num_layers, dim or hidden_size, encoding
+        return texts, layer or served[-1], dim or hidden_size, encoding
 
     return app
 
 
 def serve(
-    encoder: ElasticEncoder,
+    model,
     model_id: str,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -361,4 +381,4 @@ def serve(
     """Run the app in one uvicorn worker (one model in memory)."""
     import uvicorn
 
-    uvicorn.run(create_app(encoder, model_id, limits), host=host, port=port, workers=1, log_level=log_level)
+    uvicorn.run(create_app(model, model_id, limits), host=host, port=port, workers=1, log_level=log_level)

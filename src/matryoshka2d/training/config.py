@@ -35,6 +35,7 @@ RESUMABLE_CHANGES = (
     "log_every",
     "gradient_checkpointing",
     "compile",
+    "padding_free",
 )
 
 
@@ -90,6 +91,7 @@ class TrainConfig:
     # angle-emb's in-batch duplicate filter: drop a row that repeats a text (as token ids) already in its batch
     # (training.data.without_repeated_texts); off unless a preset of angle-emb's recipes turns it on
     filter_duplicates: bool = False
+    padding_free: bool | None = None  # length groups, not per-column padding (training/packing.py); None: on a CPU
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:

@@ -34,6 +34,7 @@ from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training import checkpoints, exit_heads, gradcache, surgery
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable, eval_cells
 from matryoshka2d.training.data import TrainingData, read_training_data, without_repeated_texts
+from matryoshka2d.training.packing import ColumnBatch, call_overhead, encode_columns, tokenize_columns
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.throughput import (
@@ -133,6 +134,7 @@ class Trainer:
         self._tokenizer = private_tokenizer(self.encoder.tokenizer)
         self._prefetch = Prefetcher(self.prepare_batch)
         self._pin = device.type == "cuda"
+        self._overhead = call_overhead(device, cfg.padding_free)  # None: each column padded on its own
         self._lazy_records = False  # run() sets it: records keep device tensors until a logging step
 
     def _prepare_loss_parameters(self) -> None:
@@ -154,27 +156,21 @@ class Trainer:
             return rows
         return without_repeated_texts(self.data, rows, self._tokenizer, self.encoder.max_length)
 
-    def prepare_batch(self, step: int) -> list[tuple[list[dict], np.ndarray | None]]:
-        """Step's rows, split into `gradient_accumulation` micro-batches, each column tokenized on the CPU
-        (pinned for a fast copy to a GPU). Pure function of the step: safe to run ahead in a thread.
-
-        Each column is tokenized and run on its own, padded to the longest text of that column rather than of
-        the whole batch (premises are much longer than hypotheses): fewer padded tokens, as sentence-transformers
-        does (docs/benchmarks.md, training speed)."""
+    def prepare_batch(self, step: int) -> list[tuple[ColumnBatch, np.ndarray | None, int]]:
+        """Step's rows, split into `gradient_accumulation` micro-batches, tokenized on the CPU (pinned for a fast
+        copy to a GPU) in length groups, each padded to its own longest text (training/packing.py), or column
+        by column without padding_free. Pure function of the step: safe to run ahead in a thread."""
         indices = self.batch_indices(step)
         micro = []
         for part in np.array_split(indices, min(self.config.gradient_accumulation, len(indices))):
             columns, labels = self.data.rows(part)  # labels of the whole part: every process computes its loss
             if self.processes.active:
                 columns, _ = self.data.rows(self.processes.own_rows(part))
-            features = []
-            for col in columns:
-                batch = self._tokenizer(
-                    list(col), padding=True, truncation=True, max_length=self.encoder.max_length, return_tensors="pt"
-                )
-                tensors = {k: v for k, v in batch.items() if k in self.encoder._input_names}
-                features.append({k: v.pin_memory() for k, v in tensors.items()} if self._pin else tensors)
-            micro.append((features, labels, len(part)))
+            enc = self.encoder
+            batch = tokenize_columns(
+                self._tokenizer, columns, enc.max_length, enc._input_names, self._overhead, self._pin
+            )
+            micro.append((batch, labels, len(part)))
         return micro
 
     def compute_loss(self, step: int, micro_batch=None) -> tuple[torch.Tensor, dict]:
@@ -189,13 +185,11 @@ class Trainer:
         torch.manual_seed(self.config.seed * 1_000_003 + step + 7919 * self.processes.rank)
         return self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
 
-    def embed(self, features: list[dict], plan: Plan) -> list[dict[int, torch.Tensor]]:
-        """Per column, the pooled full-width state of every layer the plan needs (one forward pass per column)."""
-        device = self.encoder.device
-        with autocast(self.precision, device):
-            return [
-                self.encoder({k: v.to(device, non_blocking=True) for k, v in f.items()}, plan.layers) for f in features
-            ]
+    def embed(self, features: ColumnBatch, plan: Plan) -> list[dict[int, torch.Tensor]]:
+        """Per column, the pooled full-width state of every layer the plan needs (one forward pass per length
+        group, the rows put back in batch order: training/packing.py)."""
+        with autocast(self.precision, self.encoder.device):
+            return encode_columns(self.encoder, features, plan.layers)
 
     def gather(self, plan: Plan, per_column: list[dict], rows: int) -> list[dict]:
         """With several processes, the whole batch's embeddings: own rows with their graph (parallel.py)."""

@@ -1,0 +1,111 @@
+"""One query, one call: `encoder.encode([query], layer=n)` latency at every exit, against the ideal N/n.
+
+    python benchmarks/query_latency.py [--model minilm-l6] [--calls 300] [--rounds 3] [--threads 1]
+
+Each exit encodes each of a few short STS-B sentences one at a time, as a search front end does; a call's
+latency is its wall time, and the CPU time of the process over the same calls is printed next to it (on a
+machine shared with other work the CPU time moves less than the wall time). The layers are visited in
+alternating order over `rounds` rounds and the best round of each is kept. Then the fixed part of a call is
+split into its stages at layer 1: the tokenizer call, padding into tensors, the forward pass, and what is left
+(checks, de-duplication, numpy conversion, slicing), each timed on its own over the same texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import DEFAULT_DATA, header, sts_sentences
+from matryoshka2d.models.batching import pad_rows
+from matryoshka2d.models.encoder import ElasticEncoder
+
+
+def time_calls(function, queries: list[str], calls: int) -> tuple[float, float]:
+    """(median wall ms, mean CPU ms) of `calls` calls, cycling through the queries."""
+    for q in queries[:20]:
+        function(q)  # warm-up
+    wall = []
+    cpu_start = time.process_time()
+    for i in range(calls):
+        q = queries[i % len(queries)]
+        start = time.perf_counter()
+        function(q)
+        wall.append(time.perf_counter() - start)
+    cpu = (time.process_time() - cpu_start) / calls
+    return statistics.median(wall) * 1000, cpu * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="minilm-l6")
+    parser.add_argument("--calls", type=int, default=300, help="calls per exit and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a serving process)")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(header())
+    queries = [s for s in sts_sentences(args.data_dir, 400) if len(s.split()) <= 12][:50]
+    enc = ElasticEncoder(args.model, device="cpu")
+    lengths = [len(ids) for ids in enc.tokenizer(queries)["input_ids"]]
+    print(
+        f"data: {len(queries)} short STS-B sentences ({min(lengths)}-{max(lengths)} tokens, median "
+        f"{int(np.median(lengths))}), one per call; {args.calls} calls per exit and round, {args.rounds} rounds"
+    )
+    layers = list(range(1, enc.num_layers + 1))
+    best = {n: (float("inf"), float("inf")) for n in layers}
+    for r in range(args.rounds):
+        for n in layers if r % 2 == 0 else layers[::-1]:
+            wall, cpu = time_calls(lambda q, n=n: enc.encode([q], layer=n), queries, args.calls)
+            best[n] = (min(best[n][0], wall), min(best[n][1], cpu))
+    full = enc.num_layers
+    print(f"\nmodel {args.model}: {full} layers x {enc.hidden_size}, {args.threads} torch thread(s)")
+    print(
+        "| layer | ms per query (median wall) | CPU ms per query | speed-up vs layer N (wall) | ideal N/n "
+        "| share of ideal |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in layers:
+        speedup = best[full][0] / best[n][0]
+        print(
+            f"| {n} | {best[n][0]:.2f} | {best[n][1]:.2f} | {speedup:.2f}x | {full / n:.2f}x | "
+            f"{speedup / (full / n):.0%} |"
+        )
+    print(
+        f"\nlayer 1 vs layer {full}: {best[full][0] / best[1][0]:.2f}x by wall time, "
+        f"{best[full][1] / best[1][1]:.2f}x by CPU time (ideal {full}x)"
+    )
+
+    # Where a layer-1 call goes: each stage on its own, over the same queries.
+    names = enc._input_names
+    encoded = {q: enc.tokenizer([q], truncation=True, max_length=enc.max_length) for q in queries}
+    features = {q: pad_rows(enc.tokenizer, encoded[q], [0], names) for q in queries}
+
+    def forward(q):
+        with torch.inference_mode():
+            return enc.forward(features[q], [1])
+
+    stages = {
+        "tokenizer call": lambda q: enc.tokenizer([q], truncation=True, max_length=enc.max_length),
+        "padding into tensors": lambda q: pad_rows(enc.tokenizer, encoded[q], [0], names),
+        "forward pass to layer 1 (embeddings, layer 1, pooling)": forward,
+        "whole encode() call at layer 1": lambda q: enc.encode([q], layer=1),
+    }
+    times = {name: min(time_calls(f, queries, args.calls)[0] for _ in range(args.rounds)) for name, f in stages.items()}
+    whole = times.pop("whole encode() call at layer 1")
+    print("\n| stage of a layer-1 call | ms (median wall) | share |")
+    print("|---|---:|---:|")
+    for name, ms in times.items():
+        print(f"| {name} | {ms:.3f} | {ms / whole:.0%} |")
+    rest = whole - sum(times.values())
+    print(f"| the rest (checks, de-duplication, numpy conversion, slicing) | {rest:.3f} | {rest / whole:.0%} |")
+    print(f"| whole encode() call | {whole:.3f} | 100% |")
+
+
+if __name__ == "__main__":
+    main()

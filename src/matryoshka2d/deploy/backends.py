@@ -1,0 +1,296 @@
+"""What runs the model behind `matryoshka2d serve`: torch, or onnxruntime with one graph per exit layer.
+
+A backend answers one question, the full-width sentence vectors of some texts at one exit layer
+(`pooled(texts, layer)`), and knows the model's shape and tokenizer. The server does everything else (the
+API, validation, micro-batching, slicing to `dimensions`, normalising, errors) the same way for every backend.
+
+- TorchBackend: the ElasticEncoder (pooled_states: length-sorted batches, the exit stops the stack).
+- OnnxBackend: one ONNX graph per exit layer, each exactly `encoder.forward(features, [layer])` (ExitGraph in
+  deploy/export.py: the layers up to the exit, pooling, and whatever forward applies after pooling), full
+  width; the width is sliced after, by the server. `quantize="int8"` runs onnxruntime's dynamic int8
+  quantization of each graph. The graphs are cached beside the model (GraphCache): a manifest holds the
+  checksum of the source weights and of every graph; a graph that is missing, whose file does not match its
+  checksum, or that was built from other weights is rebuilt, never used. One onnxruntime session per layer,
+  loaded at its first request, or up front for the layers given (`layers`): then only those are served, and
+  memory is the sum of their sessions (measured at load: `session_mb`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from matryoshka2d.deploy.export import CHECK_SENTENCES, ONNX_ATOL, ExportError, export_exit, quantize_int8
+from matryoshka2d.models.batching import pad_rows
+from matryoshka2d.models.encoder import ElasticEncoder
+
+BACKENDS = ("torch", "onnx")
+# How each kind of graph is made; a cached graph made another way (an older recipe) is rebuilt.
+RECIPES = {
+    None: "torch.onnx dynamo export of ExitGraph (encoder.forward at the layer), fp32",
+    "int8": "onnxruntime quantize_dynamic of the fp32 graph: QInt8 weights, one scale per channel",
+}
+MANIFEST = "manifest.json"
+CACHE_FOLDER = "onnx-serve"  # inside the model's folder when it is writable
+
+
+def rss_mb() -> float:
+    """This process's resident memory, from /proc (0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class TorchBackend:
+    """The encoder itself, in fp32 (or whatever it was loaded in)."""
+
+    kind = "torch"
+
+    def __init__(self, encoder: ElasticEncoder, batch_size: int = 64):
+        self.encoder, self.batch_size = encoder, batch_size
+        self.tokenizer, self.pooling = encoder.tokenizer, encoder.pooling
+        self.num_layers, self.hidden_size, self.max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
+        self.layers = list(range(1, self.num_layers + 1))
+
+    def pooled(self, texts: list[str], layer: int) -> np.ndarray:
+        return self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size)[layer]
+
+    def describe(self) -> dict:
+        return {"backend": "torch", "precision": str(next(self.encoder.parameters()).dtype).replace("torch.", "")}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# Configuration entries that do not change an exit graph (export itself turns the key/value cache off).
+_NOT_IN_GRAPH = {"use_cache", "_name_or_path", "transformers_version"}
+
+
+def weights_digest(encoder: ElasticEncoder) -> str:
+    """A checksum of everything an exit graph is made of: every tensor of the encoder (transformer, pooler and
+    any other head; names, dtypes, shapes and bytes), the pooling, the model's inputs and its configuration."""
+    digest = hashlib.sha256()
+    config = {k: v for k, v in encoder.model.config.to_dict().items() if k not in _NOT_IN_GRAPH}
+    described = {"pooling": encoder.pooling, "inputs": list(encoder._input_names), "config": config}
+    digest.update(json.dumps(described, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(encoder.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
+    """`onnx-serve/` inside the model's folder if that folder can be written and is not part of an installed
+    package (minilm-l6 lives in site-packages), else under matryoshka2d's cache, named by the weights."""
+    location = Path(encoder.location) if encoder.location else None
+    installed = location is not None and {"site-packages", "dist-packages"} & set(location.resolve().parts)
+    if location is not None and location.is_dir() and os.access(location, os.W_OK) and not installed:
+        return location / CACHE_FOLDER
+    from matryoshka2d.models.backbones import cache_dir
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(encoder.name)).strip("-") or "model"
+    return cache_dir() / CACHE_FOLDER / f"{name}-{digest[:12]}"
+
+
+class GraphCache:
+    """The cache folder: `layer-N.onnx` / `layer-N.int8.onnx` and a manifest with the checksum of the source
+    weights and of each graph. A graph counts only if the manifest names it, for these weights, with the
+    checksum of the file as it is now."""
+
+    def __init__(self, folder: Path, source: str):
+        self.folder, self.source = Path(folder), source
+        self.graphs: dict[str, dict] = {}
+        try:
+            manifest = json.loads((self.folder / MANIFEST).read_text())
+            if isinstance(manifest, dict) and manifest.get("source_sha256") == source:
+                self.graphs = dict(manifest.get("graphs") or {})
+        except (OSError, ValueError):
+            pass  # no manifest, or a damaged one: nothing in the folder is trusted
+
+    @staticmethod
+    def file_name(layer: int, quantize: str | None) -> str:
+        return f"layer-{layer}{'.' + quantize if quantize else ''}.onnx"
+
+    def valid(self, layer: int, quantize: str | None) -> Path | None:
+        name = self.file_name(layer, quantize)
+        entry, path = self.graphs.get(name), self.folder / name
+        if entry is None or entry.get("recipe") != RECIPES[quantize] or not path.is_file():
+            return None
+        if _sha256(path) != entry.get("sha256"):
+            return None
+        return path
+
+    def add(self, built: Path, layer: int, quantize: str | None, details: dict) -> Path:
+        """Move a built graph into place and record it (the manifest is rewritten atomically)."""
+        name = self.file_name(layer, quantize)
+        path = self.folder / name
+        os.replace(built, path)
+        self.graphs[name] = {
+            "layer": layer,
+            "quantize": quantize,
+            "recipe": RECIPES[quantize],
+            "sha256": _sha256(path),
+            **details,
+        }
+        manifest = {"source_sha256": self.source, "graphs": dict(sorted(self.graphs.items()))}
+        with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".json", delete=False) as f:
+            json.dump(manifest, f, indent=2)
+        os.replace(f.name, self.folder / MANIFEST)
+        return path
+
+
+def _reference(encoder: ElasticEncoder, layer: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The check sentences as model inputs, and what encoder.forward makes of them at `layer`."""
+    features = encoder.tokenize(CHECK_SENTENCES)
+    with torch.inference_mode():
+        expected = encoder.forward(features, [layer])[layer].float().cpu().numpy()
+    return {k: v.cpu().numpy().astype(np.int64) for k, v in features.items()}, expected
+
+
+def _session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return np.einsum("ij,ij->i", a, b)
+
+
+def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize: str | None) -> Path:
+    """Export (and quantize) one exit layer into the cache; the fp32 graph must reproduce encoder.forward within
+    ONNX_ATOL, the int8 one records how closely it agrees (max |difference|, lowest cosine)."""
+    cache.folder.mkdir(parents=True, exist_ok=True)
+    features, expected = _reference(encoder, layer)
+    with tempfile.TemporaryDirectory(dir=cache.folder, prefix=".build-") as tmp:
+        fp32 = cache.valid(layer, None)
+        if fp32 is None:
+            built = export_exit(encoder, layer, Path(tmp) / "exit.onnx")
+            session = _session(built, 1)
+            got = session.run(None, {i.name: features[i.name] for i in session.get_inputs()})[0]
+            diff = float(np.abs(got - expected).max())
+            if got.shape != expected.shape or not diff <= ONNX_ATOL:
+                raise ExportError(
+                    f"the ONNX graph of layer {layer} does not reproduce encoder.forward: shape {got.shape} vs "
+                    f"{expected.shape}, max |difference| {diff:.2e} > {ONNX_ATOL:g}"
+                )
+            fp32 = cache.add(built, layer, None, {"max_abs_difference_vs_torch": diff})
+        if quantize is None:
+            return fp32
+        built = quantize_int8(fp32, Path(tmp) / "exit.int8.onnx")
+        session = _session(built, 1)
+        got = session.run(None, {i.name: features[i.name] for i in session.get_inputs()})[0]
+        agreement = {
+            "max_abs_difference_vs_torch": float(np.abs(got - expected).max()),
+            "min_cosine_vs_torch": float(_cosines(got, expected).min()),
+        }
+        return cache.add(built, layer, quantize, agreement)
+
+
+class OnnxBackend:
+    """One onnxruntime session per exit layer, on graphs from the cache (built there first if needed)."""
+
+    kind = "onnx"
+
+    def __init__(
+        self,
+        encoder: ElasticEncoder,
+        quantize: str | None = None,
+        layers: list[int] | None = None,
+        cache_folder: str | Path | None = None,
+        threads: int | None = None,
+        batch_size: int = 64,
+        log=None,
+    ):
+        if quantize not in (None, "int8"):
+            raise ExportError(f"--quantize {quantize!r} is not supported; choose int8")
+        self.log = log or (lambda message: print(message, file=sys.stderr))
+        self.tokenizer, self.pooling = encoder.tokenizer, encoder.pooling
+        self.num_layers, self.hidden_size, self.max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
+        self.quantize, self.batch_size = quantize, batch_size
+        self.threads = threads or torch.get_num_threads()
+        self.layers = (
+            sorted({encoder.check_layer(n) for n in layers}) if layers else list(range(1, self.num_layers + 1))
+        )
+        self.up_front = bool(layers)
+        source = weights_digest(encoder)
+        folder = Path(cache_folder) if cache_folder else default_cache_folder(encoder, source)
+        self.cache = GraphCache(folder, source)
+        # Every servable layer's graph exists before the first request (building one takes seconds): after
+        # this the torch model is no longer needed, and a request never waits for an export.
+        self.paths = {}
+        for n in self.layers:
+            path = self.cache.valid(n, quantize)
+            if path is None:
+                self.log(f"building the ONNX graph of layer {n}{' (int8)' if quantize else ''} in {folder}")
+                path = build_graph(encoder, self.cache, n, quantize)
+            self.paths[n] = path
+        self.sessions: dict[int, object] = {}
+        self.session_mb: dict[int, float] = {}
+
+    def load(self) -> None:
+        """Load the sessions of the layers given up front (none without `layers`: each loads at its first
+        request). The server calls it once the torch model is gone, so each session's memory is measured
+        against a heap that the model's freed pages do not pad."""
+        if self.up_front:
+            for n in self.layers:
+                self._session(n)
+
+    def _session(self, layer: int):
+        session = self.sessions.get(layer)
+        if session is None:
+            before = rss_mb()
+            session = _session(self.paths[layer], self.threads)
+            self.sessions[layer] = session
+            self._run(session, ["warm-up"])  # the arena's first allocation counts towards the session
+            self.session_mb[layer] = rss_mb() - before
+            self.log(f"onnxruntime session for layer {layer} loaded: {self.session_mb[layer]:+.0f} MB resident")
+        return session
+
+    def _run(self, session, texts: list[str]) -> np.ndarray:
+        names = [i.name for i in session.get_inputs()]
+        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        order = np.argsort([-len(x) for x in encoded["input_ids"]], kind="stable")  # longest first, as encode
+        out = np.zeros((len(texts), self.hidden_size), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            features = pad_rows(self.tokenizer, encoded, idx, names)
+            (vectors,) = session.run(None, {k: v.numpy() for k, v in features.items()})
+            out[idx] = vectors
+        return out
+
+    def pooled(self, texts: list[str], layer: int) -> np.ndarray:
+        return self._run(self._session(layer), texts)
+
+    def describe(self) -> dict:
+        return {
+            "backend": "onnx",
+            "precision": self.quantize or "fp32",
+            "graphs": str(self.cache.folder),
+            "sessions_loaded": sorted(self.sessions),
+            "session_mb": {str(n): round(mb, 1) for n, mb in sorted(self.session_mb.items())},
+        }
