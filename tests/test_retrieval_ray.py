@@ -19,6 +19,8 @@ from matryoshka2d.retrieval.index import build_index
 from matryoshka2d.retrieval.search import CellIndex
 from test_retrieval_index import write_corpus
 
+# The module's Ray listens on 127.0.0.1 only (ray reads this when it is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="ray (the [ray] extra, in dev) is not installed")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -26,7 +26,13 @@ def qdrant_target(args, collection: str | None):
 
     from matryoshka2d.retrieval.qdrant_store import QdrantTarget
 
-    return QdrantTarget(url=args.url, path=args.path, collection=collection or Path(args.output).resolve().name)
+    return QdrantTarget(
+        url=args.url,
+        path=args.path,
+        collection=collection or Path(args.output).resolve().name,
+        shards=args.qdrant_shards,
+        replicas=args.qdrant_replicas,
+    )
 
 
 def cmd_index_build(args) -> int:
@@ -34,8 +40,12 @@ def cmd_index_build(args) -> int:
     from matryoshka2d.retrieval.index import IndexBuildError, build_index, parse_cell_list
 
     cells = parse_cell_list(args.cells)
-    if args.backend == "faiss" and (args.url or args.path or args.collection or args.quantization):
-        raise IndexBuildError("--url, --path, --collection and --quantization are for --backend qdrant")
+    qdrant_flags = (args.url, args.path, args.collection, args.quantization, args.qdrant_shards, args.qdrant_replicas)
+    if args.backend == "faiss" and any(v is not None for v in qdrant_flags):
+        raise IndexBuildError(
+            "--url, --path, --collection, --quantization, --qdrant-shards and --qdrant-replicas are for "
+            "--backend qdrant"
+        )
     if args.engine == "local" and (args.address or args.workers):
         raise IndexBuildError("--address and --workers are for --engine ray")
     if args.workers is not None and args.workers < 1:
@@ -198,6 +208,8 @@ def register(sub, model_args) -> None:
     b.add_argument(
         "--quantization", choices=["none", "scalar", "binary"], help="qdrant: quantise the small cells (none)"
     )
+    b.add_argument("--qdrant-shards", type=int, help="qdrant: shards of a new collection on a cluster")
+    b.add_argument("--qdrant-replicas", type=int, help="qdrant: replicas of each shard of a new collection")
     b.add_argument("--engine", choices=["local", "ray"], default="local", help="run the encoder pass here or on Ray")
     b.add_argument(
         "--address", help="ray: the cluster to join, host:port or ray://host:10001 (default: start one here)"

@@ -59,12 +59,17 @@ class QdrantTarget:
     path: str | None = None
     collection: str = "matryoshka2d"
     timeout: int = 10  # seconds per request to a server
+    shards: int | None = None  # a new collection's shard_number on a cluster (default: the server's)
+    replicas: int | None = None  # and its replication_factor
 
     def __post_init__(self):
         if (self.url is None) == (self.path is None):
             raise IndexBuildError("give exactly one of --url URL (a Qdrant server) or --path DIR (local mode)")
         if not self.collection:
             raise IndexBuildError("--collection: the name is empty")
+        for flag, value in (("--qdrant-shards", self.shards), ("--qdrant-replicas", self.replicas)):
+            if value is not None and value < 1:
+                raise IndexBuildError(f"{flag} must be at least 1, got {value}")
 
     @property
     def where(self) -> str:
@@ -204,6 +209,8 @@ class QdrantStore:
             self.client.create_collection(
                 self.collection,
                 vectors_config=vector_params(cells, manifest.get("quantization", "none")),
+                shard_number=self.target.shards,
+                replication_factor=self.target.replicas,
                 on_disk_payload=True,
                 metadata={METADATA_KEY: recorded},
             )

@@ -16,7 +16,9 @@ cluster). Locally, without `--address`, a Ray instance is started for the build 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlparse
 
@@ -27,7 +29,11 @@ from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, encod
 CONNECT_TIMEOUT = 5.0  # seconds to wait for a Ray head to accept a connection
 
 
-def require_ray():
+def require_ray(local: bool = False):
+    if local and "ray" not in sys.modules:
+        # A Ray started for one build serves this machine only: its servers listen on 127.0.0.1 rather than on
+        # every interface (read by ray when it is imported).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
         import ray.data  # the Data library is ray's [data] extra
@@ -95,7 +101,7 @@ def encode_on_ray(
     log: Callable[[str], None] = print,
 ) -> None:
     """Encode the pending shards on Ray and hand each one, as it arrives, to `finished` (which writes it)."""
-    ray = require_ray()
+    ray = require_ray(local=address is None)
     model = encoder.location  # a folder every worker loads (short names resolve to one)
     if model is None:
         raise IndexBuildError(
