@@ -10,6 +10,19 @@ time per query (one query per call, best of --repeats passes over all queries), 
 
     OMP_NUM_THREADS=1 python benchmarks/retrieval_cascade.py --model runs/2dmse --small 6:64 6:128 \
         --work runs/bench/cascade [--max-distractors 20000] [--max-length 128]
+
+`--memory` measures instead the cascade that keeps memory small against faiss HNSW on the full cell: tiers
+`LAYER:DIM/STORAGE[/flat]` (an HNSW graph, M=32, on the small cell's float32, int8 (SQ8) or sign-bit vectors, or
+a flat binary index) shortlist, and the full cell's float16 vectors, memory-mapped from disk, rerank exactly;
+against HNSW32 on the full cell (float32) and flat search. The corpus is encoded once, for the layers the cells
+need at full width (shards kept: a killed run resumes), and every index is built, then loaded and searched in a
+process of its own, which reports its resident memory over its own baseline: anonymous (the index, which must
+stay in RAM) and file-backed (the pages of the float16 file the reranks touched: page cache, which the kernel
+can drop and read again). For each: build time, the share of flat's top 10 and queries/s (one query per call,
+one thread) at each search setting.
+
+    OMP_NUM_THREADS=1 python benchmarks/retrieval_cascade.py --memory --model minilm-l6 --max-length 128 \
+        --tiers 6:128/float32 6:128/int8 6:384/binary 6:384/binary/flat --work runs/cascade-208k
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,8 +43,8 @@ from common import DEFAULT_DATA, header
 from matryoshka2d.evaluate.retrieval import load_beir, rank_metrics
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.cascade import overlap_at
-from matryoshka2d.retrieval.index import build_index, parse_cell_list
-from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors
+from matryoshka2d.retrieval.index import build_index, cell_name, load_shards, parse_cell_list, read_manifest
+from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors, unit
 
 TEXT_COLUMNS = {"sentence", "sentence1", "sentence2", "anchor", "positive", "negative", "premise", "hypothesis"}
 
@@ -71,6 +86,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, required=True, help="where the corpus file and the index go")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--memory", action="store_true", help="the cascade against HNSW on the full cell (above)")
+    parser.add_argument("--tiers", nargs="+", default=["6:128/float32", "6:128/int8", "6:384/binary"])
+    parser.add_argument("--ef", nargs="+", type=int, default=[16, 32, 64, 128, 256, 512], help="full-cell HNSW")
+    parser.add_argument("--shortlists", nargs="+", type=int, default=[100, 200, 400, 800], help="cascade tiers")
     args = parser.parse_args()
     print(header())
     full = parse_cell_list(args.full, "--full")[0]
@@ -86,6 +105,9 @@ def main() -> None:
             for i, text in enumerate(extra):
                 f.write(json.dumps({"_id": f"distractor-{i}", "text": text}) + "\n")
     encoder = ElasticEncoder(args.model, max_length=args.max_length, device="cpu")
+    if args.memory:
+        memory_benchmark(args, encoder, scifact, corpus, extra)
+        return
     t0 = time.perf_counter()
     build_index(encoder, corpus, [*smalls, full], args.work / "index", shard_size=4096, log=print)
     print(f"index ready in {time.perf_counter() - t0:.0f} s (0 if it was already built)")
@@ -133,5 +155,226 @@ def main() -> None:
         )
 
 
+# ---- --memory: the cascade against HNSW on the full cell, each index in a process of its own ----------------
+
+HNSW_M = 32
+
+
+def memory_status() -> dict[str, float]:
+    """This process's resident memory in MB: all of it, anonymous, and file-backed (mapped files)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+def child_build(job: dict) -> dict:
+    """Build one index from a .npy of unit vectors and write it; the build time is the measurement."""
+    import faiss
+
+    vectors = np.load(job["vectors"])
+    start = time.perf_counter()
+    if job["storage"] == "binary":
+        bits = np.packbits(vectors > 0, axis=1)
+        index = faiss.index_binary_factory(8 * bits.shape[1], "BFlat" if job["kind"] == "flat" else f"BHNSW{HNSW_M}")
+        index.add(bits)
+        seconds = time.perf_counter() - start
+        faiss.write_index_binary(index, job["out"])
+    else:
+        code = {"float32": "Flat", "int8": "SQ8"}[job["storage"]]
+        spec = code if job["kind"] == "flat" else (f"HNSW{HNSW_M}" if code == "Flat" else f"HNSW{HNSW_M}_{code}")
+        index = faiss.index_factory(vectors.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
+        if not index.is_trained:
+            index.train(vectors)
+        index.add(vectors)
+        seconds = time.perf_counter() - start
+        faiss.write_index(index, job["out"])
+    return {"build_seconds": seconds, "file_mb": os.path.getsize(job["out"]) / 1e6}
+
+
+def child_search(job: dict) -> dict:
+    """Load one index (and the float16 rerank file, memory-mapped), run every setting, report memory."""
+    import faiss
+
+    queries_small, queries_full = np.load(job["queries_small"]), np.load(job["queries_full"])
+    reference = np.load(job["reference"]) if job.get("reference") else None
+    before = memory_status()
+    index = faiss.read_index_binary(job["index"]) if job["binary"] else faiss.read_index(job["index"])
+    loaded = memory_status()
+    rerank = np.load(job["rerank"], mmap_mode="r") if job.get("rerank") else None
+    hnsw = index.hnsw if job["binary"] and job["hnsw"] else (faiss.downcast_index(index).hnsw if job["hnsw"] else None)
+    rows = []
+    n = len(queries_full)
+    for ef, shortlist in job["settings"]:
+        if hnsw is not None:
+            hnsw.efSearch = ef
+        best, ranking = float("inf"), None
+        for _ in range(job["repeats"]):
+            start = time.perf_counter()
+            if rerank is None:
+                ranking = np.concatenate([flat_search(index, queries_full[i : i + 1], 10)[0] for i in range(n)])
+            else:
+                ranking = np.concatenate(
+                    [
+                        cascade_search(index, rerank, queries_small[i : i + 1], queries_full[i : i + 1], shortlist, 10)[
+                            0
+                        ]
+                        for i in range(n)
+                    ]
+                )
+            best = min(best, time.perf_counter() - start)
+        row = {"ef": ef, "shortlist": shortlist, "ms": 1000 * best / n}
+        if reference is not None:
+            row["overlap"] = overlap_at(ranking, reference, 10)
+        else:
+            np.save(job["save_ranking"], ranking)
+        rows.append(row)
+    after = memory_status()
+    return {
+        "rows": rows,
+        "index_anon_mb": loaded["RssAnon"] - before["RssAnon"],
+        "anon_after_mb": after["RssAnon"] - before["RssAnon"],
+        "file_after_mb": after["RssFile"] - before["RssFile"],
+    }
+
+
+def run_child(kind: str, job: dict) -> dict:
+    """One measurement in a fresh process (so that its memory is its own), answered as JSON on stdout."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", kind, json.dumps(job)], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"child {kind} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> None:
+    full = parse_cell_list(args.full, "--full")[0]
+    tiers = []
+    for spec in args.tiers:
+        parts = spec.split("/")
+        cell = parse_cell_list(parts[0], "--tiers")[0]
+        storage = parts[1] if len(parts) > 1 else "float32"
+        kind = parts[2] if len(parts) > 2 else "hnsw"
+        if storage not in ("float32", "int8", "binary") or kind not in ("hnsw", "flat"):
+            raise SystemExit(f"--tiers {spec!r}: write LAYER:DIM/float32|int8|binary[/flat]")
+        tiers.append((cell, storage, kind))
+    width = encoder.hidden_size
+    layers = sorted({full[0], *(c[0] for c, _, _ in tiers)})
+    t0 = time.perf_counter()
+    manifest = build_index(
+        encoder, corpus, [(n, width) for n in layers], args.work / "index", shard_size=4096, keep_shards=True, log=print
+    )
+    print(f"encoded in {time.perf_counter() - t0:.0f} s (0 if it was already done)")
+    if not manifest.get("shards"):
+        raise SystemExit(f"{args.work / 'index'}: built without --keep-shards; the per-layer vectors are gone")
+    mem = args.work / "memory"
+    mem.mkdir(exist_ok=True)
+    shards = load_shards(args.work / "index", read_manifest(args.work / "index"))
+    ids = [str(i) for s in shards for i in s["ids"]]
+    cells = sorted({full, *(c for c, _, _ in tiers)})
+
+    def path(name: str) -> str:
+        return str(mem / name)
+
+    for cell in cells:
+        if not Path(path(f"{cell_name(cell)}.f32.npy")).is_file():
+            layer = np.concatenate([s[cell_name((cell[0], width))] for s in shards])
+            np.save(path(f"{cell_name(cell)}.f32.npy"), unit(layer[:, : cell[1]]))
+    if not Path(path("rerank.f16.npy")).is_file():
+        np.save(path("rerank.f16.npy"), np.load(path(f"{cell_name(full)}.f32.npy")).astype(np.float16))
+    queries = query_vectors(encoder, scifact.query_texts, cells)
+    for cell in cells:
+        np.save(path(f"q-{cell_name(cell)}.npy"), queries[cell])
+    n = len(scifact.query_texts)
+    print(
+        f"\n{len(ids)} documents ({len(scifact.doc_ids)} SciFact + {len(extra)} distractors), {n} queries, model "
+        f"{encoder.name}, documents truncated to {args.max_length} tokens; one query per call, one thread, best of "
+        f"{args.repeats}; memory: resident MB over each search process's own baseline"
+    )
+    qfull = path(f"q-{cell_name(full)}.npy")
+    summary = []
+
+    def measure(label, vectors, storage, kind, settings, rerank, small_queries, reference=True):
+        index_file = path(f"{label.replace(' ', '_').replace('/', '-')}.index")
+        built = run_child("build", {"vectors": vectors, "storage": storage, "kind": kind, "out": index_file})
+        job = {
+            "index": index_file,
+            "binary": storage == "binary",
+            "hnsw": kind == "hnsw",
+            "rerank": rerank,
+            "queries_small": small_queries,
+            "queries_full": qfull,
+            "settings": settings,
+            "repeats": args.repeats,
+        }
+        if reference:
+            job["reference"] = path("flat-top10.npy")
+        else:
+            job["save_ranking"] = path("flat-top10.npy")
+        result = run_child("search", job)
+        result.update(built, label=label)
+        summary.append(result)
+        print(
+            f"\n{label}: built in {built['build_seconds']:.1f} s ({built['file_mb']:.0f} MB file); index in RAM "
+            f"{result['index_anon_mb']:.0f} MB; after the searches: anonymous +{result['anon_after_mb']:.0f} MB, "
+            f"file-backed +{result['file_after_mb']:.0f} MB"
+        )
+        if reference:
+            print("| efSearch | shortlist | top-10 overlap with flat | ms/query | queries/s |")
+            print("|---:|---:|---:|---:|---:|")
+            for row in result["rows"]:
+                print(
+                    f"| {row['ef']} | {row['shortlist'] or '-'} | {row['overlap']:.1f}% | {row['ms']:.3f} | "
+                    f"{1000 / row['ms']:.0f} |"
+                )
+        return result
+
+    flat = measure(f"flat ({full[0]},{full[1]}) float32", path(f"{cell_name(full)}.f32.npy"), "float32", "flat",
+                   [[0, 0]], None, qfull, reference=False)  # fmt: skip
+    print(f"| flat | - | 100.0% | {flat['rows'][0]['ms']:.3f} | {1000 / flat['rows'][0]['ms']:.0f} |")
+    hnsw = measure(f"HNSW{HNSW_M} ({full[0]},{full[1]}) float32", path(f"{cell_name(full)}.f32.npy"), "float32",
+                   "hnsw", [[ef, 0] for ef in args.ef], None, qfull)  # fmt: skip
+    for cell, storage, kind in tiers:
+        settings = [[max(s, 16), s] for s in args.shortlists]
+        label = f"{'HNSW' + str(HNSW_M) if kind == 'hnsw' else 'flat'} ({cell[0]},{cell[1]}) {storage} -> rerank"
+        measure(label, path(f"{cell_name(cell)}.f32.npy"), storage, kind, settings, path("rerank.f16.npy"),
+                path(f"q-{cell_name(cell)}.npy"))  # fmt: skip
+
+    def first_at(result, share):
+        return next((r for r in result["rows"] if r["overlap"] >= share), None)
+
+    target = first_at(hnsw, 99.0)
+    print(
+        "\n| index | RAM MB, anonymous | + file-backed MB | bytes/vector in RAM | build s | first setting >= 99% "
+        "| queries/s there | RAM vs HNSW | queries/s vs HNSW |"
+    )
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    for result in summary[1:]:
+        hit = first_at(result, 99.0)
+        where = f"ef {hit['ef']}" + (f", shortlist {hit['shortlist']}" if hit["shortlist"] else "") if hit else "none"
+        qps = f"{1000 / hit['ms']:.0f}" if hit else "-"
+        ram_ratio = f"{100 * result['anon_after_mb'] / hnsw['anon_after_mb']:.0f}%"
+        qps_ratio = f"{target['ms'] / hit['ms']:.2f}x" if hit and target else "-"
+        print(
+            f"| {result['label']} | {result['anon_after_mb']:.0f} | {result['file_after_mb']:.0f} | "
+            f"{1e6 * result['anon_after_mb'] / len(ids):.0f} | {result['build_seconds']:.0f} | {where} | {qps} | "
+            f"{ram_ratio} | {qps_ratio} |"
+        )
+    for result in summary[2:]:
+        hit95 = first_at(result, 95.0)
+        if hit95:
+            print(
+                f"{result['label']}: first >= 95% at shortlist {hit95['shortlist']} ({hit95['overlap']:.1f}%, "
+                f"{1000 / hit95['ms']:.0f} queries/s)"
+            )
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        job = json.loads(sys.argv[3])
+        print(json.dumps(child_build(job) if sys.argv[2] == "build" else child_search(job)))
+    else:
+        main()

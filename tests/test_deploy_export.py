@@ -120,3 +120,34 @@ def test_export_errors(tiny_bert, tmp_path, capsys):
     file.write_text("x")
     assert main(["export", "--model", "minilm-l6", "--layer", "1", "--dim", "8", "--output", str(file)]) == 2
     assert "--output" in capsys.readouterr().err
+
+
+def test_exported_folder_carries_the_config_keys_vllm_and_sglang_read(tiny_bert, tmp_path):
+    from transformers import AutoConfig
+
+    # A folder a 2dmse run saved: its record says which widths got a loss.
+    trained = tiny_bert.save(
+        tmp_path / "trained", metadata={"method": {"method": "2dmse"}, "trained_widths": [8, 16, 32]}
+    )
+    config = json.loads((trained / "config.json").read_text())
+    assert (config["is_matryoshka"], config["matryoshka_dimensions"]) == (True, [8, 16, 32])
+
+    export_cell(str(trained), 2, 16, tmp_path / "cell")
+    # vLLM reads these as attributes of the Hugging Face config (PretrainedConfig keeps unknown keys).
+    hf_config = AutoConfig.from_pretrained(str(tmp_path / "cell"))
+    assert hf_config.is_matryoshka is True and hf_config.matryoshka_dimensions == [8, 16]
+    assert hf_config.num_hidden_layers == 2
+    # vLLM's rule (ModelConfig.is_matryoshka): a non-empty matryoshka_dimensions or is_matryoshka.
+    assert bool(getattr(hf_config, "matryoshka_dimensions", None)) or getattr(hf_config, "is_matryoshka", False)
+    card = (tmp_path / "cell" / "README.md").read_text()
+    assert "- layers: 1, 2 (exit after any of them" in card and "- widths trained: 8, 16 (" in card
+
+
+def test_a_folder_without_a_training_record_claims_only_its_width(tiny_bert, tmp_path):
+    out = tiny_bert.save(tmp_path / "plain")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["is_matryoshka"], config["matryoshka_dimensions"]) == (False, [32])
+    assert "- layers: 1, 2, 3, 4 (" in (out / "README.md").read_text()
+    # An older run's record without trained_widths: the method's own dims (2dmse lists those below D).
+    old = tiny_bert.save(tmp_path / "old", metadata={"method": {"method": "2dmse", "dims": [8, 16]}})
+    assert json.loads((old / "config.json").read_text())["matryoshka_dimensions"] == [8, 16, 32]

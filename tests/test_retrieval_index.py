@@ -67,6 +67,10 @@ def test_killed_build_resumes_without_reencoding(tiny_bert, tmp_path, monkeypatc
         build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", shard_size=8, log=lambda m: None)
     partial = json.loads((tmp_path / "idx" / "manifest.json").read_text())
     assert partial["documents"] == 16 and not partial["complete"]
+    # A build killed while writing leaves a temporary file, or a shard the manifest does not name yet: both are
+    # redone, never read.
+    (tmp_path / "idx" / "shards" / "shard-00002.npz").write_bytes(b"PK\x03\x04 half a shard")
+    (tmp_path / "idx" / "shards" / "shard-00003.tmp.npz").write_bytes(b"PK\x03\x04")
     with pytest.raises(IndexBuildError, match="not finished"):
         CellIndex(tmp_path / "idx")
     seen.clear()
@@ -80,6 +84,10 @@ def test_killed_build_resumes_without_reencoding(tiny_bert, tmp_path, monkeypatc
     assert seen == [8, 6]  # only the documents not yet in a finished shard
     assert manifest["documents"] == 30
     assert CellIndex(tmp_path / "idx").ids == [d["_id"] for d in DOCS]
+    texts = [f"{d['title']} {d['text']}" for d in DOCS]
+    stored = CellIndex(tmp_path / "idx").index((2, 16)).reconstruct_n(0, 30)
+    np.testing.assert_allclose(stored, unit_rows(original(texts, [2])[2][:, :16]), atol=1e-5)
+    assert not list((tmp_path / "idx" / "shards").iterdir())
 
 
 def test_different_settings_in_the_same_directory_are_refused(tiny_bert, tmp_path):
@@ -192,3 +200,44 @@ def test_approximate_indexes_build_and_search_from_the_command_line(tiny_dir, tm
     assert main(["search", "--index", str(out), *common, "--queries", str(queries), "--cascade", "1:8,4:32"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("query: ") == 2 and printed.count("  10. ") == 2
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
+def test_binary_indexes_shortlist_by_hamming_distance(kind):
+    from matryoshka2d.retrieval.index import sign_bits
+    from matryoshka2d.retrieval.search import shortlist_search
+
+    rng = np.random.default_rng(2)
+    vectors = unit_rows(rng.normal(size=(400, 20)))  # 20 bits, padded to 3 bytes
+    index = make_index(vectors, kind, "binary")
+    assert index.d == 24 and index.ntotal == 400
+    if kind == "ivf":
+        index.nprobe = index.nlist
+    ids = shortlist_search(index, vectors[:20], 5)
+    assert (ids[:, 0] == np.arange(20)).mean() >= 0.95  # each vector's own bits are at distance 0
+    np.testing.assert_array_equal(sign_bits(vectors[:1])[0], np.packbits(vectors[0] > 0))
+    assert factory_string(kind, "binary", 400).startswith("B")
+
+
+def test_binary_storage_builds_and_rescores_with_float16_vectors(tiny_dir, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    build = ["index", "build", *common, "--corpus", str(corpus), "--cells", "1:8,4:32"]
+    assert main([*build, "--output", str(tmp_path / "float")]) == 0
+    assert main([*build, "--output", str(tmp_path / "binary"), "--storage", "binary"]) == 0
+    binary = CellIndex(tmp_path / "binary")
+    rescoring = binary.rerank_vectors((4, 32))
+    assert rescoring.dtype == np.float16 and rescoring.shape == (30, 32) and isinstance(rescoring, np.memmap)
+    assert (tmp_path / "binary" / "cell-4x32.faiss").stat().st_size < 30 * 32  # 4 bytes of bits per vector
+    capsys.readouterr()
+    search = [*common, "--query", "document number 3 talks about guitars", "--top-k", "5"]
+    for extra in (["--shortlist", "30"], ["--cascade", "1:8,4:32", "--shortlist", "30"]):
+        assert main(["search", "--index", str(tmp_path / "float"), *search]) == 0
+        exact = capsys.readouterr().out
+        assert main(["search", "--index", str(tmp_path / "binary"), *search, *extra]) == 0
+        got = capsys.readouterr()
+        # A shortlist of the whole corpus rescored with float16 vectors: the float ranking, scores to 1e-3.
+        ids = [line.split()[1] for line in got.out.splitlines()[1:]]
+        assert ids == [line.split()[1] for line in exact.splitlines()[1:]]
+        if extra[0] == "--shortlist":
+            assert "binary (4,32): Hamming shortlist 30, float16 rescoring" in got.err

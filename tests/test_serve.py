@@ -82,15 +82,19 @@ class Server:
             self.process.wait()
 
     def call(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+        status, answer = self.call_bytes(method, path, body, raw)
+        return status, json.loads(answer)
+
+    def call_bytes(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, bytes]:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         request = urllib.request.Request(
             self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(request, timeout=60) as r:
-                return r.status, json.loads(r.read())
+                return r.status, r.read()
         except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
+            return err.code, err.read()
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
@@ -210,10 +214,21 @@ def test_concurrent_requests_at_different_cells_each_get_their_own(tiny_server, 
 def test_models_and_health(tiny_server):
     status, body = tiny_server.call("GET", "/v1/models")
     assert status == 200 and body["object"] == "list"
-    (model,) = body["data"]
+    model, *cells = body["data"]
     assert model["id"] == "tiny" and model["layers"] == [1, 2, 3, 4] and model["dimensions"] == 32
-    assert [m.id for m in tiny_server.client().models.list()] == ["tiny"]
+    assert (model["default_layer"], model["default_dimensions"]) == (4, 32)
+    # Per-cell names: every layer at the nested widths 8, 16, 32.
+    assert [c["id"] for c in cells] == [f"tiny@{n}x{d}" for n in (1, 2, 3, 4) for d in (8, 16, 32)]
+    assert all(c["parent"] == "tiny" and c["id"] == f"tiny@{c['layer']}x{c['dimensions']}" for c in cells)
+    assert [m.id for m in tiny_server.client().models.list()] == ["tiny"] + [c["id"] for c in cells]
     assert tiny_server.call("GET", "/v1/models/tiny")[1]["id"] == "tiny"
+    # Any cell in range has a name, listed or not.
+    assert tiny_server.call("GET", "/v1/models/tiny@3x20")[1] == {
+        **cells[0],
+        "id": "tiny@3x20",
+        "layer": 3,
+        "dimensions": 20,
+    }
     assert tiny_server.call("GET", "/health") == (200, {"status": "ok", "model": "tiny", "queued_requests": 0})
 
 
@@ -230,13 +245,22 @@ BAD_REQUESTS = [
     ({"model": "tiny", "input": "x", "layer": 2.5}, 400, "layer", "invalid_type", "must be an integer"),
     ({"model": "tiny", "input": "x", "layer": True}, 400, "layer", "invalid_type", "must be an integer"),
     ({"model": "tiny", "input": 5}, 400, "input", "invalid_type", "string or a list of strings"),
-    ({"model": "tiny", "input": [[1, 2, 3]]}, 400, "input", "invalid_type", "token arrays are not supported"),
+    ({"model": "tiny", "input": [[1, 2, 3]]}, 400, "input", "invalid_type", "token ids are not supported"),
+    ({"model": "tiny", "input": [101, 2023]}, 400, "input", "invalid_type", "check_embedding_ctx_length=False"),
     ({"model": "tiny", "input": ["a", None]}, 400, "input", "invalid_type", r"input\[1\] must be a string"),
     ({"model": "tiny", "input": "x", "encoding_format": "hex"}, 400, "encoding_format", "invalid_value", "float"),
     ({"input": "x"}, 400, "model", "missing_required_parameter", "'model' is required"),
     ({"model": "tiny"}, 400, "input", "missing_required_parameter", "'input' is required"),
     ({"model": 3, "input": "x"}, 400, "model", "invalid_type", "must be a string"),
     ({"model": "gpt-4", "input": "x"}, 404, "model", "model_not_found", "'gpt-4' does not exist"),
+    ({"model": "tiny@5x16", "input": "x"}, 404, "model", "model_not_found", r"no such cell.*layer 1\.\.4"),
+    ({"model": "tiny@2x33", "input": "x"}, 404, "model", "model_not_found", r"dimensions 1\.\.32"),
+    ({"model": "tiny@2", "input": "x"}, 404, "model", "model_not_found", r"tiny@<layer>x<dimensions>"),
+    ({"model": "other@2x16", "input": "x"}, 404, "model", "model_not_found", "'other@2x16' does not exist"),
+    ({"model": "tiny@2x16", "input": "x", "layer": 3}, 400, "layer", "invalid_value", "names layer 2.*is 3"),
+    ({"model": "tiny@2x16", "input": "x", "dimensions": 8}, 400, "dimensions", "invalid_value", "names dimensions"),
+    ({"model": "tiny", "input": "x", "embedding_type": "int4"}, 400, "embedding_type", "invalid_value", "ubinary"),
+    ({"model": "tiny", "input": "x", "embedding_type": ["int8"]}, 400, "embedding_type", "invalid_value", "int8"),
     ({"model": "tiny", "input": "x", "top_k": 3}, 400, "top_k", "unknown_parameter", "Unknown field"),
     (["not", "an", "object"], 400, None, "invalid_type", "JSON object"),
 ]
@@ -250,6 +274,63 @@ def test_errors_have_openai_shape(any_server, body, status, param, code, message
     assert (got["error"]["param"], got["error"]["code"]) == (param, code)
     assert got["error"]["type"] == "invalid_request_error"
     assert re.search(message, got["error"]["message"]), got["error"]["message"]
+
+
+def test_a_cell_name_is_its_layer_and_dimensions_byte_for_byte(tiny_server):
+    for encoding in ("float", "base64"):
+        for embedding_type in ("float", "ubinary"):
+            fields = {"input": TEXTS, "encoding_format": encoding, "embedding_type": embedding_type}
+            by_name = tiny_server.call_bytes("POST", "/v1/embeddings", {"model": "tiny@2x16", **fields})
+            by_fields = tiny_server.call_bytes(
+                "POST", "/v1/embeddings", {"model": "tiny", "layer": 2, "dimensions": 16, **fields}
+            )
+            assert by_name[0] == 200 and by_name == by_fields
+    # Naming the same cell twice is no conflict.
+    both = tiny_server.call_bytes("POST", "/v1/embeddings", {"model": "tiny@2x16", "layer": 2, "input": TEXTS})
+    assert both == tiny_server.call_bytes("POST", "/v1/embeddings", {"model": "tiny@2x16", "input": TEXTS})
+    # The official client can only send the name.
+    response = tiny_server.client().embeddings.create(model="tiny@2x16", input=TEXTS, encoding_format="float")
+    assert len(response.data[0].embedding) == 16 and response.model == "tiny"
+
+
+def test_embedding_types_quantise_the_unit_vectors_of_the_cell(tiny_server, tiny_local):
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    expected = tiny_local.encode(TEXTS, layer=3, dim=20, normalize=True)
+    bounds = np.array([[-1.0] * 20, [1.0] * 20], dtype=np.float32)
+    for kind, dtype, width in (("int8", "i1", 20), ("uint8", "u1", 20), ("binary", "i1", 3), ("ubinary", "u1", 3)):
+        ask = {"model": "tiny", "input": TEXTS, "layer": 3, "dimensions": 20, "embedding_type": kind}
+        status, as_numbers = tiny_server.call("POST", "/v1/embeddings", ask)
+        assert status == 200 and as_numbers["embedding_type"] == kind
+        got = np.array([d["embedding"] for d in as_numbers["data"]])
+        assert got.shape == (len(TEXTS), width)  # `dimensions` first, then the quantisation
+        want = quantize_embeddings(expected, precision=kind, ranges=bounds).astype(int)
+        # The float path agrees with encode() to 1e-5, so an int8 code may sit one step off at a bucket's edge.
+        assert np.abs(got - want).max() <= (0 if kind.endswith("binary") else 1)
+        _, as_bytes = tiny_server.call("POST", "/v1/embeddings", {**ask, "encoding_format": "base64"})
+        decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=dtype) for d in as_bytes["data"]])
+        np.testing.assert_array_equal(decoded, got)
+    # int8 over [-1, 1] keeps the cosine ranking of unit vectors.
+    _, body = tiny_server.call("POST", "/v1/embeddings", {**ask, "embedding_type": "int8"})
+    codes = np.array([d["embedding"] for d in body["data"]], dtype=np.float32) + 128.5
+    np.testing.assert_allclose(codes * (2 / 255) - 1, expected, atol=2 / 255)
+
+
+def test_default_cell_of_the_server(tiny_folder, tiny_local):
+    server = Server(str(tiny_folder), "tiny", "--default-layer", "2", "--default-dimensions", "16")
+    try:
+        status, body = server.call("POST", "/v1/embeddings", {"model": "tiny", "input": TEXTS})
+        assert status == 200 and (body["layer"], body["dimensions"]) == (2, 16)
+        expected = tiny_local.encode(TEXTS, layer=2, dim=16, normalize=True)
+        np.testing.assert_allclose([d["embedding"] for d in body["data"]], expected, atol=1e-5)
+        # A request's own fields, or a cell name, win over the defaults.
+        _, body = server.call("POST", "/v1/embeddings", {"model": "tiny", "input": TEXTS, "layer": 4})
+        assert (body["layer"], body["dimensions"]) == (4, 16)
+        _, body = server.call("POST", "/v1/embeddings", {"model": "tiny@3x8", "input": TEXTS})
+        assert (body["layer"], body["dimensions"]) == (3, 8)
+        assert server.call("GET", "/v1/models/tiny")[1]["default_layer"] == 2
+    finally:
+        server.stop()
 
 
 def test_transport_errors(any_server):
@@ -409,3 +490,12 @@ def test_graphs_are_cached_beside_a_model_folder_and_apart_from_an_installed_one
     monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path))
     assert default_cache_folder(tiny_local, "ab" * 32) == Path(tiny_local.location) / "onnx-serve"
     assert default_cache_folder(minilm, "cd" * 32) == tmp_path / "onnx-serve" / f"minilm-l6-{'cd' * 6}"
+
+
+def test_serve_refuses_a_default_cell_out_of_range(capsys, tiny_folder):
+    from matryoshka2d.cli import main
+
+    assert main(["serve", "--model", str(tiny_folder), "--device", "cpu", "--default-layer", "5"]) == 2
+    assert "--default-layer 5: layer 5 is out of range" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_folder), "--device", "cpu", "--default-dimensions", "0"]) == 2
+    assert "--default-dimensions 0: dim 0 is out of range" in capsys.readouterr().err

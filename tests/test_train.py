@@ -132,6 +132,9 @@ def test_saved_model_loads_in_sentence_transformers_and_elastic_encoder(tiny_dir
     meta = json.loads((out / "matryoshka2d.json").read_text())
     assert meta["method"]["method"] == "mrl" and meta["training"]["steps"] == 2 and meta["steps"] == 2
     assert "spearman" in meta["final_eval"]
+    # mrl put a loss on 8, 16 and 32 (the tiny model's full width): config.json says so for vLLM / SGLang.
+    hf_config = json.loads((out / "config.json").read_text())
+    assert meta["trained_widths"] == hf_config["matryoshka_dimensions"] == [8, 16, 32] and hf_config["is_matryoshka"]
     texts = ["red cat runs", "old dog sleeps"]
     ours = ElasticEncoder(str(out)).encode(texts, normalize=True)
     theirs = SentenceTransformer(str(out), device="cpu").encode(texts, normalize_embeddings=True)

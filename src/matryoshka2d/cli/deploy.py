@@ -90,6 +90,15 @@ def cmd_serve(args) -> int:
         gc.collect()
         trim_heap()
         model.load()
+    for flag, value, check in (
+        ("--default-layer", args.default_layer, model.check_layer),
+        ("--default-dimensions", args.default_dimensions, model.check_dim),
+    ):
+        if value is not None:
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ValueError(f"{flag} {value}: {exc}") from None
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,
@@ -101,11 +110,20 @@ def cmd_serve(args) -> int:
     name = args.served_name or args.model
     kind = f"onnx {args.quantize or 'fp32'}" if args.backend == "onnx" else "torch"
     print(
-        f"serving {name} ({kind}): {model.num_layers} layers x {model.hidden_size} dims on "
-        f"http://{args.host}:{args.port} (POST /v1/embeddings, GET /v1/models, GET /health)",
+        f"serving {name} ({kind}): {model.num_layers} layers x {model.hidden_size} dims on http://{args.host}:"
+        f"{args.port} (POST /v1/embeddings, GET /v1/models, GET /health); cells by name: {name}@<layer>x<dimensions>",
         file=sys.stderr,
     )
-    serve(model, name, host=args.host, port=args.port, limits=limits, log_level=args.log_level)
+    serve(
+        model,
+        name,
+        host=args.host,
+        port=args.port,
+        limits=limits,
+        log_level=args.log_level,
+        default_layer=args.default_layer,
+        default_dimensions=args.default_dimensions,
+    )
     return 0
 
 
@@ -151,13 +169,16 @@ def register(sub, model_args) -> None:
         "serve",
         cmd_serve,
         help="OpenAI-compatible embeddings server; one model serves every (layer, dim) cell",
-        description="POST /v1/embeddings (OpenAI's request plus an optional 'layer'), GET /v1/models, GET /health. "
+        description="POST /v1/embeddings (OpenAI's request plus optional 'layer' and 'embedding_type'), GET "
+        "/v1/models, GET /health. A model name MODEL@LAYERxDIMS (e.g. minilm-l6@3x128) asks for that cell. "
         "Concurrent requests are micro-batched in one model worker.",
     )
     model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-name", help="the model id clients send (default: --model as given)")
+    p.add_argument("--default-layer", type=int, help="layer for requests that name none (default: the last)")
+    p.add_argument("--default-dimensions", type=int, help="width for requests that name none (default: the full width)")
     p.add_argument("--max-batch", type=int, default=256, help="texts collected from requests for one model call")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass within a model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")

@@ -23,18 +23,47 @@ def parse_cascade(text: str | None):
     return cells[0], cells[1]
 
 
+def qdrant_target(args, collection: str | None):
+    from pathlib import Path
+
+    from matryoshka2d.retrieval.qdrant_store import QdrantTarget
+
+    return QdrantTarget(
+        url=args.url,
+        path=args.path,
+        collection=collection or Path(args.output).resolve().name,
+        shards=args.qdrant_shards,
+        replicas=args.qdrant_replicas,
+    )
+
+
 def cmd_index_build(args) -> int:
     from matryoshka2d.cli.args import load_encoder
-    from matryoshka2d.retrieval.index import build_index, parse_cell_list
+    from matryoshka2d.retrieval.index import IndexBuildError, build_index, parse_cell_list
 
     cells = parse_cell_list(args.cells)
+    qdrant_flags = (args.url, args.path, args.collection, args.quantization, args.qdrant_shards, args.qdrant_replicas)
+    if args.backend == "faiss" and any(v is not None for v in qdrant_flags):
+        raise IndexBuildError(
+            "--url, --path, --collection, --quantization, --qdrant-shards and --qdrant-replicas are for "
+            "--backend qdrant"
+        )
+    if args.engine == "local" and (args.address or args.workers):
+        raise IndexBuildError("--address and --workers are for --engine ray")
+    if args.workers is not None and args.workers < 1:
+        raise IndexBuildError(f"--workers must be at least 1, got {args.workers}")
+    target = qdrant_target(args, args.collection) if args.backend == "qdrant" else None
+    if args.engine == "ray" and args.address:
+        from matryoshka2d.retrieval.ray_engine import check_address
+
+        check_address(args.address)  # before loading the model: a cluster that does not answer fails fast
     encoder = load_encoder(args, max_length=args.max_length)
     manifest = build_index(
         encoder,
         args.corpus,
         cells,
         args.output,
-        kind=args.index,
+        kind=args.index or "flat",
         storage=args.storage,
         batch_size=args.batch_size,
         shard_size=args.shard_size,
@@ -42,12 +71,22 @@ def cmd_index_build(args) -> int:
         overwrite=args.overwrite,
         keep_shards=args.keep_shards,
         log=_log,
+        backend=args.backend,
+        qdrant=target,
+        quantization=args.quantization or "none",
+        engine=args.engine,
+        ray_address=args.address,
+        workers=args.workers,
     )
     shown = ", ".join(f"({n},{d})" for n, d in manifest["cells"])
-    print(
-        f"index of {manifest['documents']} documents, cells {shown}, {manifest['index']} {manifest['storage']} "
-        f"-> {args.output}"
-    )
+    if args.backend == "qdrant":
+        where = f"collection '{target.collection}' at {target.where} (manifest in {args.output})"
+        print(f"index of {manifest['documents']} documents, cells {shown}, qdrant -> {where}")
+    else:
+        print(
+            f"index of {manifest['documents']} documents, cells {shown}, {manifest['index']} {manifest['storage']} "
+            f"-> {args.output}"
+        )
     return 0
 
 
@@ -67,30 +106,56 @@ def read_queries(path: str) -> list[str]:
     return [q for q in read_lines(path) if q.strip()]
 
 
+def open_index(args):
+    """A faiss build directory, a qdrant build's directory (its collection, at --url/--path if given), or a
+    collection named by --url/--path and --collection alone."""
+    from matryoshka2d.retrieval.index import IndexBuildError, read_manifest
+    from matryoshka2d.retrieval.search import CellIndex
+
+    if args.index is None:
+        if not (args.url or args.path) or not args.collection:
+            raise IndexBuildError("give --index DIR, or a Qdrant collection as --url URL (or --path DIR) --collection")
+        from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget
+
+        return QdrantIndex(QdrantTarget(url=args.url, path=args.path, collection=args.collection), args.ef_search)
+    manifest = read_manifest(args.index)
+    if manifest.get("backend") == "qdrant":
+        from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget
+
+        target = QdrantTarget.from_manifest(manifest["qdrant"], url=args.url, path=args.path)
+        return QdrantIndex(target, args.ef_search)
+    if args.url or args.path or args.collection:
+        raise IndexBuildError(f"{args.index}: a faiss index; --url, --path and --collection are for Qdrant")
+    return CellIndex(args.index, nprobe=args.nprobe, ef_search=args.ef_search)
+
+
 def cmd_search(args) -> int:
     from matryoshka2d.retrieval.index import parse_cell_list
-    from matryoshka2d.retrieval.search import CellIndex
 
     if (args.query is None) == (args.queries is None):
         raise ValueError("give either --query TEXT or --queries FILE")
     texts = [args.query] if args.query is not None else read_queries(args.queries)
     if not texts:
         raise ValueError(f"--queries {args.queries}: no queries in the file")
-    index = CellIndex(args.index, nprobe=args.nprobe, ef_search=args.ef_search)
-    built = index.manifest["model"]
-    model = args.model or built.get("location") or built.get("model")
-    # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
-    encoder = load_encoder(args, model=model, pooling=args.pooling or built.get("pooling"))
-    cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
-    hits = index.search(
-        encoder,
-        texts,
-        cell=cell,
-        cascade=parse_cascade(args.cascade),
-        shortlist=args.shortlist,
-        top_k=args.top_k,
-        query_layer=args.query_layer,
-    )
+    index = open_index(args)
+    try:
+        built = index.manifest["model"]
+        model = args.model or built.get("location") or built.get("model")
+        # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
+        encoder = load_encoder(args, model=model, pooling=args.pooling or built.get("pooling"))
+        cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
+        hits = index.search(
+            encoder,
+            texts,
+            cell=cell,
+            cascade=parse_cascade(args.cascade),
+            shortlist=args.shortlist,
+            top_k=args.top_k,
+            query_layer=args.query_layer,
+        )
+    finally:
+        if hasattr(index, "close"):
+            index.close()  # a local-mode Qdrant folder stays locked while its client is open
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115 - closed below
     try:
         for text, ids, scores in zip(texts, hits.ids, hits.scores, strict=True):
@@ -118,21 +183,44 @@ def cmd_pick(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    isub = command_group(sub, "index", help="faiss indexes of (layer, dim) cells of a corpus", dest="action")
+    isub = command_group(
+        sub, "index", help="faiss indexes or a Qdrant collection of (layer, dim) cells of a corpus", dest="action"
+    )
     b = command(
         isub,
         "build",
         cmd_index_build,
         help="encode a corpus once and index several cells",
         description="One encoder pass over the corpus (to the deepest requested layer) fills one faiss index per "
-        "cell. Run the same command again to resume a killed build.",
+        "cell, or one Qdrant collection with a named vector per cell (--backend qdrant). The pass runs here or on a "
+        "Ray cluster (--engine ray). Run the same command again to resume a killed build.",
     )
     model_args(b)
     b.add_argument("--corpus", required=True, help="JSON lines (.jsonl or .jsonl.gz) with _id, text, optional title")
     b.add_argument("--cells", required=True, help="cells to index as layer:dim, e.g. 2:128,6:384")
     b.add_argument("--output", required=True, help="directory for manifest.json, ids.txt and cell-*.faiss")
-    b.add_argument("--index", choices=["flat", "hnsw", "ivf"], default="flat", help="faiss index kind (flat)")
-    b.add_argument("--storage", choices=["float32", "float16", "int8"], default="float32", help="numbers stored")
+    b.add_argument("--index", choices=["flat", "hnsw", "ivf"], help="faiss index kind (flat)")
+    b.add_argument(
+        "--storage",
+        choices=["float32", "float16", "int8", "binary"],
+        default="float32",
+        help="numbers stored; binary: sign bits searched by Hamming distance, the shortlist rescored with float16 "
+        "vectors from disk",
+    )
+    b.add_argument("--backend", choices=["faiss", "qdrant"], default="faiss", help="faiss files or a Qdrant collection")
+    b.add_argument("--url", help="qdrant: a server or cluster, e.g. http://localhost:6333 (API key: $QDRANT_API_KEY)")
+    b.add_argument("--path", help="qdrant: a folder for qdrant-client's local mode (exact search; tests, small data)")
+    b.add_argument("--collection", help="qdrant: the collection (default: the --output folder's name)")
+    b.add_argument(
+        "--quantization", choices=["none", "scalar", "binary"], help="qdrant: quantise the small cells (none)"
+    )
+    b.add_argument("--qdrant-shards", type=int, help="qdrant: shards of a new collection on a cluster")
+    b.add_argument("--qdrant-replicas", type=int, help="qdrant: replicas of each shard of a new collection")
+    b.add_argument("--engine", choices=["local", "ray"], default="local", help="run the encoder pass here or on Ray")
+    b.add_argument(
+        "--address", help="ray: the cluster to join, host:port or ray://host:10001 (default: start one here)"
+    )
+    b.add_argument("--workers", type=int, help="ray: encoder actors, one model each (default: the cluster's CPUs)")
     b.add_argument("--batch-size", type=int, default=64)
     b.add_argument("--shard-size", type=int, default=2048, help="documents per resumable shard (2048)")
     b.add_argument("--max-length", type=int, help="truncate documents to this many tokens (default: the model's)")
@@ -147,7 +235,10 @@ def register(sub, model_args) -> None:
         help="search an index: flat, cascade (--cascade) or shallow queries (--query-layer)",
         description="Queries are encoded once, up to the deepest cell needed. Results print as rank, id, score.",
     )
-    p.add_argument("--index", required=True, help="directory written by `matryoshka2d index build`")
+    p.add_argument("--index", help="directory written by `matryoshka2d index build` (faiss or qdrant)")
+    p.add_argument("--url", help="qdrant: search this server instead of the one the build recorded")
+    p.add_argument("--path", help="qdrant: this local-mode folder instead of the one the build recorded")
+    p.add_argument("--collection", help="qdrant: with --url/--path and no --index, the collection to search")
     model_args(p, default=None, model_help="query model (default: the index's model)", device_help=None)
     p.add_argument("--query", help="one query text")
     p.add_argument("--queries", help="a file with one query per line, or a queries.jsonl")
@@ -159,7 +250,7 @@ def register(sub, model_args) -> None:
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--query-layer", type=int, help="encode queries with only this many layers (asymmetric search)")
     p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
-    p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes)")
+    p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes; qdrant's hnsw_ef)")
     p.add_argument("--output", help="write one JSON line per query (query, ids, scores) instead of printing")
 
     p = command(

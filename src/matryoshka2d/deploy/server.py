@@ -1,13 +1,20 @@
 """An OpenAI-compatible embeddings server in which one loaded model serves every (layer, dim) cell.
 
     POST /v1/embeddings   {"model", "input": str | [str], "dimensions"?, "encoding_format"?: "float"|"base64",
-                           "layer"?}  (layer is ours: exit after that many layers; OpenAI clients send it in
-                           extra_body)
-    GET  /v1/models       the model, its layers and widths
+                           "layer"?, "embedding_type"?: "float"|"int8"|"uint8"|"binary"|"ubinary"}
+                           (layer and embedding_type are ours; OpenAI clients send them in extra_body)
+    GET  /v1/models       the model, its layers and widths, and a ladder of per-cell names (MODEL@LAYERxDIMS)
     GET  /health          liveness and queue length
 
+A model name `MODEL@3x128` is the same request as `model: MODEL, layer: 3, dimensions: 128` (any layer and
+width in range, not only the listed ones), for clients that cannot send extra fields; so are the server's
+`default_layer` / `default_dimensions`, used when a request names neither.
+
 Vectors are the first `dimensions` numbers at `layer`, L2-normalised after slicing (as OpenAI's are), so they
-equal `ElasticEncoder.encode(texts, layer=layer, dim=dimensions, normalize=True)`.
+equal `ElasticEncoder.encode(texts, layer=layer, dim=dimensions, normalize=True)`. `embedding_type` quantises
+those unit vectors afterwards (sentence-transformers' quantize_embeddings): int8 / uint8 over the fixed range
+[-1, 1] that every component of a unit vector lies in (so a vector's codes never depend on the other texts of
+its batch), binary / ubinary as sign bits packed eight to a byte (ceil(dimensions / 8) numbers).
 
 What runs the model is a backend (deploy/backends.py): the torch encoder, or onnxruntime with one graph per
 exit layer (`serve --backend onnx [--quantize int8] [--layers 1,3,6]`); the API, validation, micro-batching
@@ -27,6 +34,7 @@ import asyncio
 import base64
 import copy
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
@@ -38,10 +46,12 @@ from fastapi import Request
 from matryoshka2d.allocator import trim_heap
 from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.views import unit_rows
+from matryoshka2d.views import nested_dims, unit_rows
 
 ENCODING_FORMATS = ("float", "base64")
-KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user"}
+# float32 as JSON numbers or little-endian bytes; the rest as Cohere / sentence-transformers name them.
+EMBEDDING_TYPES = {"float": "<f4", "int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
+KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user", "embedding_type"}
 
 
 @dataclass
@@ -171,9 +181,34 @@ def _check_int(body: dict, name: str, low: int, high: int, what: str) -> int | N
     return value
 
 
-def create_app(model, model_id: str, limits: ServerLimits | None = None):
-    """The FastAPI app: one model (an ElasticEncoder, run by torch, or a backend from deploy/backends.py),
-    every cell."""
+def quantize(vectors: np.ndarray, embedding_type: str) -> np.ndarray:
+    """Unit float vectors in the requested type: int8 / uint8 codes over [-1, 1], or packed sign bits."""
+    if embedding_type == "float":
+        return vectors.astype("<f4", copy=False)
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    bounds = np.stack([np.full(vectors.shape[1], -1.0), np.full(vectors.shape[1], 1.0)]).astype(np.float32)
+    return quantize_embeddings(vectors, precision=embedding_type, ranges=bounds)
+
+
+def cell_names(model_id: str, num_layers: int, hidden_size: int) -> list[tuple[str, int, int]]:
+    """The per-cell names /v1/models lists: every layer at the nested widths 8, 16, 32, ..., D."""
+    return [
+        (f"{model_id}@{layer}x{dim}", layer, dim)
+        for layer in range(1, num_layers + 1)
+        for dim in nested_dims(hidden_size)
+    ]
+
+
+def create_app(
+    model,
+    model_id: str,
+    limits: ServerLimits | None = None,
+    default_layer: int | None = None,
+    default_dimensions: int | None = None,
+):
+    """The FastAPI app: one model (an ElasticEncoder, run by torch, or a backend from deploy/backends.py), every
+    cell; a request naming no cell gets the defaults (else the deepest layer served, at full width)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -182,6 +217,13 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
     backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
     num_layers, hidden_size, max_length = backend.num_layers, backend.hidden_size, backend.max_length
     served = list(backend.layers)
+    if default_layer is not None and default_layer not in served:
+        raise ValueError(f"--default-layer {default_layer}: this server runs layers {', '.join(map(str, served))}")
+    if default_dimensions is not None and not 1 <= default_dimensions <= hidden_size:
+        raise ValueError(f"--default-dimensions {default_dimensions}: the vectors have 1..{hidden_size} numbers")
+    default_layer = default_layer if default_layer is not None else served[-1]
+    default_dimensions = default_dimensions if default_dimensions is not None else hidden_size
+    alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
     counter = copy.deepcopy(backend.tokenizer)  # token counting in the event loop, apart from the model thread
     created = int(time.time())
     batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait)
@@ -225,7 +267,37 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
             "pooling": backend.pooling,
             "normalized": True,
             **backend.describe(),
+            "default_layer": default_layer,
+            "default_dimensions": default_dimensions,
+            "embedding_types": list(EMBEDDING_TYPES),
         }
+
+    def describe_cell(name: str, layer: int, dim: int) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "matryoshka2d",
+            "parent": model_id,
+            "layer": layer,
+            "dimensions": dim,
+        }
+
+    def resolve(name: str) -> tuple[int | None, int | None]:
+        """(layer, dimensions) a model name fixes: (None, None) for the model itself; a 404 for any other name."""
+        if name == model_id:
+            return None, None
+        where = (
+            f"this server serves '{model_id}' and its cells '{model_id}@<layer>x<dimensions>' "
+            f"(layer 1..{num_layers}, dimensions 1..{hidden_size}), e.g. '{model_id}@{num_layers}x{hidden_size}'"
+        )
+        match = alias.fullmatch(name)
+        if match is None:
+            raise ApiError(404, f"The model '{name}' does not exist; {where}", "model", "model_not_found")
+        layer, dim = int(match[1]), int(match[2])
+        if not (1 <= layer <= num_layers and 1 <= dim <= hidden_size):
+            raise ApiError(404, f"The model '{name}' does not exist: no such cell; {where}", "model", "model_not_found")
+        return layer, dim
 
     @app.get("/health")
     async def health():
@@ -233,15 +305,13 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [describe_model()]}
+        cells = [describe_cell(*cell) for cell in cell_names(model_id, num_layers, hidden_size)]
+        return {"object": "list", "data": [describe_model(), *cells]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != model_id:
-            raise ApiError(
-                404, f"The model '{name}' does not exist; this server serves '{model_id}'", "model", "model_not_found"
-            )
-        return describe_model()
+        layer, dim = resolve(name)
+        return describe_model() if layer is None else describe_cell(name, layer, dim)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -267,7 +337,7 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
             raise ApiError(400, f"The request body is not valid JSON ({exc})", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
-        texts, layer, dim, encoding = validate(body)
+        texts, layer, dim, encoding, embedding_type = validate(body)
         lengths = [len(ids) for ids in counter(texts, add_special_tokens=True, verbose=False)["input_ids"]]
         too_long = [i for i, n in enumerate(lengths) if n > max_length]
         if too_long and not limits.truncate:
@@ -281,7 +351,9 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
             )
         used = [min(n, max_length) for n in lengths]
         vectors = (await batcher.encode(texts, layer))[:, :dim]
-        vectors = unit_rows(vectors).astype("<f4", copy=False)
+        vectors = quantize(unit_rows(vectors).astype(np.float32), embedding_type).astype(
+            EMBEDDING_TYPES[embedding_type]
+        )
         data = []
         for i, row in enumerate(vectors):
             value = base64.b64encode(row.tobytes()).decode("ascii") if encoding == "base64" else row.tolist()
@@ -293,21 +365,16 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
             "usage": {"prompt_tokens": sum(used), "total_tokens": sum(used)},
             "layer": layer,
             "dimensions": dim,
+            "embedding_type": embedding_type,
             "truncated_inputs": len(too_long),
         }
 
-    def validate(body: dict) -> tuple[list[str], int, int, str]:
+    def validate(body: dict) -> tuple[list[str], int, int, str, str]:
         if "model" not in body:
             raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
         if not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", "model", "invalid_type")
-        if body["model"] != model_id:
-            raise ApiError(
-                404,
-                f"The model '{body['model']}' does not exist; this server serves '{model_id}'",
-                "model",
-                "model_not_found",
-            )
+        named_layer, named_dim = resolve(body["model"])
         if "input" not in body:
             raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
         texts = body["input"]
@@ -331,7 +398,14 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
             )
         for i, text in enumerate(texts):
             if not isinstance(text, str):
-                hint = " (token arrays are not supported; send text)" if isinstance(text, (int, list)) else ""
+                hint = ""
+                if isinstance(text, (int, list)):
+                    # LangChain's OpenAIEmbeddings sends tiktoken ids unless told not to; say how.
+                    hint = (
+                        " (token ids are not supported: this server tokenizes text itself, and OpenAI's tiktoken ids "
+                        "mean nothing to its model; send text. LangChain: "
+                        "OpenAIEmbeddings(..., check_embedding_ctx_length=False))"
+                    )
                 raise ApiError(
                     400, f"input[{i}] must be a string, got {type(text).__name__}{hint}", "input", "invalid_type"
                 )
@@ -347,6 +421,27 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
                 "invalid_value",
             )
         dim = _check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
+        for field_name, named, given in (("layer", named_layer, layer), ("dimensions", named_dim, dim)):
+            if named is not None and given is not None and named != given:
+                raise ApiError(
+                    400,
+                    f"'model' {body['model']} names {field_name} {named}, but '{field_name}' is {given}; "
+                    f"send one of them",
+                    field_name,
+                    "invalid_value",
+                )
+        layer = layer or named_layer or default_layer
+        dim = dim or named_dim or default_dimensions
+        embedding_type = body.get("embedding_type", "float")
+        if embedding_type is None:
+            embedding_type = "float"
+        if not isinstance(embedding_type, str) or embedding_type not in EMBEDDING_TYPES:
+            raise ApiError(
+                400,
+                f"'embedding_type' must be one of {', '.join(EMBEDDING_TYPES)}, got {json.dumps(embedding_type)[:40]}",
+                "embedding_type",
+                "invalid_value",
+            )
         encoding = body.get("encoding_format", "float")
         if encoding is None:
             encoding = "float"
@@ -365,7 +460,14 @@ def create_app(model, model_id: str, limits: ServerLimits | None = None):
                 unknown[0],
                 "unknown_parameter",
             )
-        return texts, layer or served[-1], dim or hidden_size, encoding
+        if layer not in served:
+            raise ApiError(
+                400,
+                f"layer {layer} is not served here: this server runs layers {', '.join(map(str, served))}",
+                "model",
+                "invalid_value",
+            )
+        return texts, layer, dim, encoding, embedding_type
 
     return app
 
@@ -377,8 +479,11 @@ def serve(
     port: int = 8000,
     limits: ServerLimits | None = None,
     log_level: str = "info",
+    default_layer: int | None = None,
+    default_dimensions: int | None = None,
 ) -> None:
     """Run the app in one uvicorn worker (one model in memory)."""
     import uvicorn
 
-    uvicorn.run(create_app(model, model_id, limits), host=host, port=port, workers=1, log_level=log_level)
+    app = create_app(model, model_id, limits, default_layer=default_layer, default_dimensions=default_dimensions)
+    uvicorn.run(app, host=host, port=port, workers=1, log_level=log_level)

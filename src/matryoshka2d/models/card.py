@@ -57,7 +57,13 @@ def _last_evaluation(final: dict) -> str:
 
 
 def model_card(
-    encoder, layers: int, dim: int | None, normalize: bool, metadata: dict | None, results: list[dict]
+    encoder,
+    layers: int,
+    dim: int | None,
+    normalize: bool,
+    metadata: dict | None,
+    results: list[dict],
+    widths: list[int] | None = None,
 ) -> str:
     metadata = metadata or {}
     width = dim or encoder.hidden_size
@@ -86,6 +92,14 @@ def model_card(
         f"- embedding size: {width}" + (f" (first {width} of {encoder.hidden_size})" if dim else ""),
         f"- normalized: {'yes, after slicing (unit length)' if normalize else 'no'}",
         f"- maximum sequence length: {encoder.max_length} tokens (longer texts are truncated)",
+        "",
+        "## Cells",
+        "",
+        f"- layers: {', '.join(str(n) for n in range(1, layers + 1))} (exit after any of them: the first n "
+        "layers make a model of their own)",
+        f"- widths trained: {', '.join(str(w) for w in widths or [width])} (`matryoshka_dimensions` in "
+        "config.json, which vLLM and SGLang read before they accept a `dimensions` request; any width up to "
+        f"{width} works with matryoshka2d)",
         "",
     ]
     if metadata:
@@ -149,8 +163,15 @@ def model_card(
 
 
 def write_model_card(
-    folder: Path, encoder, layers: int, dim: int | None, normalize: bool, metadata: dict | None
+    folder: Path,
+    encoder,
+    layers: int,
+    dim: int | None,
+    normalize: bool,
+    metadata: dict | None,
+    widths: list[int] | None = None,
 ) -> Path:
     path = Path(folder) / "README.md"
-    path.write_text(model_card(encoder, layers, dim, normalize, metadata, find_results(Path(folder))), encoding="utf-8")
+    card = model_card(encoder, layers, dim, normalize, metadata, find_results(Path(folder)), widths)
+    path.write_text(card, encoding="utf-8")
     return path

@@ -221,9 +221,42 @@ def save_folder(
         metadata = {**(metadata or {}), RECORD_KEY: save_heads(heads, out, backbone_sha256(self))}
     if metadata is not None:
         (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
-
-    write_model_card(out, self, layers=n, dim=width, normalize=normalize, metadata=metadata)
+    widths = matryoshka_widths(metadata, width or self.hidden_size)
+    write_matryoshka_config(out / "config.json", widths)
+    write_model_card(out, self, layers=n, dim=width, normalize=normalize, metadata=metadata, widths=widths)
     return out
+
+
+def matryoshka_widths(metadata: dict | None, width: int) -> list[int]:
+    """The widths of this folder's vectors that training put a loss on, up to `width`, and `width` itself.
+
+    Read from the run's record: `trained_widths` (written since issue 20), else the method's own settings (dims
+    of mrl, 2dmse and asymmetric; the sizes of starbucks; k of ese). A folder with no training record claims
+    only its full width.
+    """
+    metadata = metadata or {}
+    trained = metadata.get("trained_widths")
+    if not isinstance(trained, list):
+        method = metadata.get("method") if isinstance(metadata.get("method"), dict) else {}
+        trained = list(method.get("dims") or [])
+        trained += [size[1] for size in method.get("sizes") or [] if isinstance(size, list) and len(size) == 2]
+        if isinstance(method.get("k"), int):
+            trained.append(method["k"])
+    return sorted({int(w) for w in trained if isinstance(w, int) and 0 < w <= width} | {width})
+
+
+def write_matryoshka_config(config_path: Path, widths: list[int]) -> None:
+    """Add the keys vLLM and SGLang read from config.json before they accept an OpenAI `dimensions` field.
+
+    vLLM (PR #16331) treats a model as Matryoshka when `matryoshka_dimensions` is non-empty or `is_matryoshka` is
+    true, and then accepts only the listed widths; SGLang does the same unless `is_matryoshka` is true, which
+    allows any width. So `matryoshka_dimensions` lists the trained widths, and `is_matryoshka` is true only when
+    there is more than one.
+    """
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["is_matryoshka"] = len(widths) > 1
+    config["matryoshka_dimensions"] = widths
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize: bool, cell_head=None):

@@ -1,14 +1,21 @@
-"""Build faiss indexes of several (layer, dim) cells of one corpus in a single encoder pass, resumably.
+"""Build indexes of several (layer, dim) cells of one corpus in a single encoder pass, resumably.
 
 A build directory holds:
 
-- `manifest.json`: the model's identity, the cells, the index kind and storage, the corpus, the sha256 of each
-  shard's input documents, and while a build is running, the shards that are done; `complete` turns true at
-  the end, with the size and sha256 of `ids.txt` and of every `.faiss` file.
-- `shards/shard-00000.npz`, ...: one file per block of documents (their ids and one float32 array per cell,
-  unit rows), written atomically before the manifest names them. A killed build re-runs only the shard it was in.
-- `ids.txt`: document ids in index order (faiss id i is line i + 1).
-- `cell-<layer>x<dim>.faiss`: one faiss index per cell, inner product on L2-normalised vectors (cosine).
+- `manifest.json`: the model's identity, the cells, the backend, index kind and storage, the corpus, the sha256
+  of each shard's input documents, and while a build is running, the shards that are done; `complete` turns
+  true at the end, with the size and sha256 of `ids.txt` and of every `.faiss` file.
+- `shards/shard-00000.npz`, ...: one file per block of `shard_size` documents (their ids and texts and one
+  float32 array per cell, unit rows), written atomically (a temporary name, then a rename) before the manifest
+  names it. A build resumes by re-encoding only the shards the manifest does not name: a file a killed build
+  was writing is redone, never read. The encoder pass runs in this process (`engine="local"`) or on a Ray
+  cluster (`engine="ray"`, matryoshka2d.retrieval.ray_engine), which writes the same files.
+- faiss backend: `ids.txt` (document ids in index order: faiss id i is line i + 1) and one
+  `cell-<layer>x<dim>.faiss` per cell, inner product on L2-normalised vectors (cosine); with `storage="binary"`
+  a binary faiss index of sign bits plus `cell-<layer>x<dim>.f16.npy`, the float16 vectors that rescore its
+  Hamming shortlist (memory-mapped at search time, so only the shortlist's rows are read).
+- qdrant backend: one collection with a named vector per cell, filled shard by shard
+  (matryoshka2d.retrieval.qdrant_store).
 
 The corpus is read as a stream (JSON lines, optionally gzipped, with `_id` and `text` and optional `title`, as in
 BEIR; a document is `title + " " + text`), so memory holds one shard of texts at a time while encoding. Each
@@ -34,11 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import DataFormatError, file_sha256, read_beir, read_json
-from matryoshka2d.views import parse_cells, unit_rows
+from matryoshka2d.views import parse_cells
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
-STORAGES = {"float32": 4, "float16": 2, "int8": 1}  # bytes per number
+STORAGES = {"float32": 4, "float16": 2, "int8": 1, "binary": 1 / 8}  # bytes per number
+BACKENDS = ("faiss", "qdrant")
+ENGINES = ("local", "ray")
 Cell = tuple[int, int]
 
 
@@ -67,6 +76,8 @@ def factory_string(kind: str, storage: str, n_vectors: int) -> str:
         raise IndexBuildError(f"--index {kind!r}: choose one of {', '.join(INDEX_KINDS)}")
     if storage not in STORAGES:
         raise IndexBuildError(f"--storage {storage!r}: choose one of {', '.join(STORAGES)}")
+    if storage == "binary":  # faiss's binary indexes: Hamming distance on sign bits
+        return {"flat": "BFlat", "hnsw": "BHNSW32", "ivf": f"BIVF{ivf_lists(n_vectors)}"}[kind]
     code = {"float32": "Flat", "float16": "SQfp16", "int8": "SQ8"}[storage]
     if kind == "flat":
         return code
@@ -80,11 +91,24 @@ def ivf_lists(n_vectors: int) -> int:
     return max(1, min(int(4 * np.sqrt(max(n_vectors, 1))), n_vectors // 39))
 
 
+def sign_bits(vectors: np.ndarray) -> np.ndarray:
+    """One bit per number (1 where it is positive), packed eight to a byte: what a binary index stores."""
+    return np.packbits(np.asarray(vectors) > 0, axis=1)
+
+
 def make_index(vectors: np.ndarray, kind: str, storage: str):
-    """A trained faiss index holding `vectors` (unit rows, float32), searchable by inner product."""
+    """A trained faiss index holding `vectors` (unit rows, float32), searchable by inner product; with
+    binary storage, a faiss binary index of their sign bits, searched by Hamming distance."""
     import faiss
 
     n, d = vectors.shape
+    if storage == "binary":
+        bits = sign_bits(vectors)  # d bits padded with zeros to whole bytes: padding never changes a distance
+        index = faiss.index_binary_factory(8 * bits.shape[1], factory_string(kind, storage, n))
+        if not index.is_trained:
+            index.train(bits)
+        index.add(bits)
+        return index
     index = faiss.index_factory(d, factory_string(kind, storage, n), faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
         index.train(vectors)
@@ -204,28 +228,44 @@ def build_index(
     overwrite: bool = False,
     keep_shards: bool = False,
     log: Callable[[str], None] | None = None,
+    backend: str = "faiss",
+    qdrant=None,
+    quantization: str = "none",
+    engine: str = "local",
+    ray_address: str | None = None,
+    workers: int | None = None,
 ) -> dict:
-    """Encode `corpus` once up to the deepest cell's layer and write one faiss index per cell into `output`.
+    """Encode `corpus` once up to the deepest cell's layer and index every cell into `output` (faiss files) or
+    into a Qdrant collection (`qdrant`: a matryoshka2d.retrieval.qdrant_store.QdrantTarget).
 
-    An unfinished build in `output` with the same model, cells and corpus is resumed from its last finished
-    shard; different settings are an error unless `overwrite`. Returns the final manifest.
+    An unfinished build in `output` with the same model, cells and corpus is resumed: only shards the manifest
+    does not name are encoded (here, or on Ray with `engine="ray"`). Different settings are an error unless
+    `overwrite`. Returns the final manifest.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     cells = sorted({(encoder.check_layer(n), encoder.check_dim(d)) for n, d in cells})
     if not cells:
         raise IndexBuildError("--cells: need at least one cell")
+    if backend not in BACKENDS:
+        raise IndexBuildError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if engine not in ENGINES:
+        raise IndexBuildError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
     factory_string(kind, storage, 1000)  # check the kind and storage before any work
     if shard_size < 1 or batch_size < 1:
         raise IndexBuildError(f"--shard-size and --batch-size must be at least 1 (got {shard_size}, {batch_size})")
+    if backend == "qdrant" and qdrant is None:
+        raise IndexBuildError("--backend qdrant needs --url URL (a Qdrant server) or --path DIR (local mode)")
     corpus = Path(corpus)
     if not corpus.is_file():
         raise FileNotFoundError(f"--corpus {corpus}: file not found")
     out = Path(output)
     shards_dir = out / "shards"
+    identity = model_identity(encoder)
     settings = {
         "format": FORMAT,
-        "model": model_identity(encoder),
+        "model": identity,
         "cells": [list(c) for c in cells],
+        "backend": backend,
         "index": kind,
         "storage": storage,
         "corpus": str(corpus.resolve()),
@@ -235,54 +275,88 @@ def build_index(
         "normalized": True,
         "metric": "inner product on L2-normalised vectors (cosine)",
     }
-    manifest = {**settings, "shards": [], "shard_inputs": [], "documents": 0, "complete": False}
-    docs = read_corpus(corpus)
-    if limit is not None:
-        docs = itertools.islice(docs, limit)
+    store = None
+    if backend == "qdrant":
+        from matryoshka2d.retrieval.qdrant_store import QUANTIZATIONS, QdrantStore
+
+        if quantization not in QUANTIZATIONS:
+            raise IndexBuildError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+        if (kind, storage) != ("flat", "float32"):
+            raise IndexBuildError(
+                "--index and --storage choose faiss indexes; with --backend qdrant the small cells get Qdrant's "
+                "HNSW and --quantization none|scalar|binary, the full cell stays on disk without a graph"
+            )
+        settings["qdrant"] = qdrant.describe()
+        settings["quantization"] = quantization
+        # Reach the server and check any existing collection before anything is written here.
+        store = QdrantStore(qdrant)
+        try:
+            replace = store.check_collection(settings, overwrite=overwrite)
+        finally:
+            store.close()  # reopened to fill it: local mode locks its folder while a client is open
+    manifest = {**settings, "shards": [], "shard_inputs": {}, "documents": 0, "complete": False}
     if (out / "manifest.json").is_file() and not overwrite:
         old = read_manifest(out)
+        old.setdefault("backend", "faiss")  # builds from before the qdrant backend
         differs = [k for k in settings if k != "format" and old.get(k) != settings[k]]
         if differs:
             raise IndexBuildError(
                 f"{out}: holds a build with different {', '.join(differs)}; pass --overwrite to replace it or "
                 "choose another --output"
             )
-        _check_inputs(old, docs, out, corpus, log)  # reads the finished shards' documents: docs goes on after them
+        _check_inputs(old, corpus, out, log)
         if old.get("complete"):
             log(f"{out}: already complete ({old['documents']} documents); nothing to do")
             return old
         manifest = old
         log(f"{out}: resuming after {len(old['shards'])} finished shards ({old['documents']} documents)")
     elif out.exists() and overwrite:
-        for stale in itertools.chain(out.glob("cell-*.faiss"), shards_dir.glob("*.npz")):
+        for stale in itertools.chain(out.glob("cell-*.faiss"), out.glob("cell-*.npy"), shards_dir.glob("*.npz")):
             stale.unlink()
     shards_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in shards_dir.glob("*.tmp.npz"):
+        leftover.unlink()  # half a shard from a killed build: redone below, never read
     _write_json(out / "manifest.json", manifest)
 
-    layers = sorted({n for n, _ in cells})
+    done = set(manifest["shards"])
+    pending = (
+        (number, block)
+        for number, block in enumerate(corpus_blocks(corpus, shard_size, limit))
+        if shard_file_name(number) not in done
+    )
     start = time.perf_counter()
     new_docs = 0
-    while True:
-        block = list(itertools.islice(docs, shard_size))
-        if not block:
-            break
-        ids = [i for i, _ in block]
-        pooled = encoder.pooled_states([t for _, t in block], layers, batch_size)
-        arrays = {cell_name((n, d)): unit_rows(pooled[n][:, :d]) for n, d in cells}
-        shard = shards_dir / f"shard-{len(manifest['shards']):05d}.npz"
-        tmp = shard.with_suffix(".tmp.npz")
-        np.savez(tmp, ids=np.array(ids, dtype=object).astype(str), **arrays)
-        os.replace(tmp, shard)
-        manifest["shards"].append(shard.name)
-        manifest["shard_inputs"].append(input_sha256(block))
-        manifest["documents"] += len(block)
+
+    def finished(number: int, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
+        nonlocal new_docs
+        write_shard(shards_dir / shard_file_name(number), ids, texts, arrays)
+        manifest["shards"].append(shard_file_name(number))
+        manifest["shard_inputs"][shard_file_name(number)] = input_sha256(list(zip(ids, texts, strict=True)))
+        manifest["documents"] += len(ids)
         _write_json(out / "manifest.json", manifest)
-        new_docs += len(block)
+        new_docs += len(ids)
         rate = new_docs / max(time.perf_counter() - start, 1e-9)
-        log(f"  shard {len(manifest['shards'])}: {manifest['documents']} documents encoded ({rate:.1f} docs/s)")
+        log(f"  shard {number + 1}: {manifest['documents']} documents encoded ({rate:.1f} docs/s)")
+
+    if engine == "ray":
+        from matryoshka2d.retrieval.ray_engine import encode_on_ray
+
+        encode_on_ray(encoder, pending, cells, batch_size, finished, address=ray_address, workers=workers, log=log)
+    else:
+        for number, block in pending:
+            texts = [t for _, t in block]
+            finished(number, [i for i, _ in block], texts, encode_cells(encoder, texts, cells, batch_size))
     if manifest["documents"] == 0:
         raise DataFormatError(f"{corpus}: no documents")
-    finalize(out, manifest, log)
+    manifest["shards"] = sorted(manifest["shards"])
+    if store is not None:
+        store = QdrantStore(qdrant)
+        try:
+            store.fill(out, manifest, log, replace=replace)
+        finally:
+            store.close()
+    else:
+        finalize(out, manifest, log)
     if not keep_shards:
         for name in manifest["shards"]:
             (shards_dir / name).unlink(missing_ok=True)
@@ -291,11 +365,11 @@ def build_index(
     return manifest
 
 
-def _check_inputs(manifest: dict, docs: Iterator[tuple[str, str]], out: Path, corpus: Path, log) -> None:
+def _check_inputs(manifest: dict, corpus: Path, out: Path, log) -> None:
     """The documents of every finished shard, read from the corpus now, are the ones its vectors were made from
     (sha256 of ids and texts): an in-place edit of the corpus, even one that keeps its size, is refused."""
     inputs = manifest.get("shard_inputs")
-    if inputs is None:  # written before the shards' inputs were recorded
+    if not isinstance(inputs, dict):  # written before the shards' inputs were recorded by name
         if manifest.get("complete"):
             log(f"{out}: built by an earlier version without checksums of its documents; the corpus is not checked")
             return
@@ -303,24 +377,85 @@ def _check_inputs(manifest: dict, docs: Iterator[tuple[str, str]], out: Path, co
             f"{out}: an unfinished build by an earlier version, without checksums of its shards' documents, so an "
             "edited corpus could not be detected; pass --overwrite to build the index again"
         )
-    size = manifest["shard_size"]
-    for i, expected in enumerate(inputs):
-        first = i * size
-        count = min(size, manifest["documents"] - first)
-        block = list(itertools.islice(docs, count))
-        if len(block) != count or input_sha256(block) != expected:
+    size, left = manifest["shard_size"], len(inputs)
+    for number, block in enumerate(corpus_blocks(corpus, size, manifest.get("limit"))):
+        if not left:
+            break  # every finished shard is checked; the rest of the corpus is read when it is encoded
+        expected = inputs.get(shard_file_name(number))
+        left -= expected is not None
+        if expected is not None and input_sha256(block) != expected:
+            first = number * size
             raise IndexBuildError(
-                f"{out}: --corpus {corpus} changed since this build encoded it: documents {first + 1}..{first + count} "
-                f"(shard {i + 1}) are not the ones their vectors were made from; pass --overwrite to build the index "
-                "again, or restore the corpus"
+                f"{out}: --corpus {corpus} changed since this build encoded it: documents {first + 1}.."
+                f"{first + len(block)} (shard {number + 1}) are not the ones their vectors were made from; pass --overwrite to build the "
+                "index again, or restore the corpus"
             )
+
+
+def corpus_blocks(corpus: Path, shard_size: int, limit: int | None) -> Iterator[list[tuple[str, str]]]:
+    """The corpus in blocks of `shard_size` (id, text) pairs: block i is shard i, in every build of it."""
+    docs = read_corpus(corpus)
+    if limit is not None:
+        docs = itertools.islice(docs, limit)
+    while block := list(itertools.islice(docs, shard_size)):
+        yield block
+
+
+def shard_file_name(number: int) -> str:
+    return f"shard-{number:05d}.npz"
+
+
+def encode_cells(encoder, texts: list[str], cells: Sequence[Cell], batch_size: int) -> dict[str, np.ndarray]:
+    """Unit float32 vectors of every cell for `texts`, from one encoder pass to the deepest cell's layer."""
+    pooled = encoder.pooled_states(texts, sorted({n for n, _ in cells}), batch_size)
+    arrays = {}
+    for n, d in cells:
+        v = pooled[n][:, :d]
+        arrays[cell_name((n, d))] = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+    return arrays
+
+
+def write_shard(path: Path, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
+    """One shard file, atomically: written under a temporary name, renamed when complete."""
+    encoded = [t.encode("utf-8") for t in texts]  # texts as one byte string and end offsets (no pickled objects)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(
+        tmp,
+        ids=np.array(ids, dtype=object).astype(str),
+        texts_utf8=np.frombuffer(b"".join(encoded), dtype=np.uint8),
+        text_ends=np.cumsum([len(t) for t in encoded], dtype=np.int64),
+        **arrays,
+    )
+    os.replace(tmp, path)
+
+
+def read_shard_texts(shard) -> list[str]:
+    """The document texts a shard file holds."""
+    data, ends = shard["texts_utf8"].tobytes(), shard["text_ends"]
+    starts = np.concatenate([[0], ends[:-1]])
+    return [data[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
+
+
+def load_shards(out: Path, manifest: dict) -> list:
+    """The manifest's shard files, in order; a missing or unreadable one is named, with what to do."""
+    shards = []
+    for name in manifest["shards"]:
+        path = out / "shards" / name
+        try:
+            shards.append(np.load(path, allow_pickle=False))
+        except (OSError, ValueError) as exc:
+            raise IndexBuildError(
+                f"{path}: the manifest lists this shard but it cannot be read ({exc}); remove its name from "
+                f"{out / 'manifest.json'} (and {manifest['documents']} documents less) or rebuild with --overwrite"
+            ) from None
+    return shards
 
 
 def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
     """Join the shards into ids.txt and one faiss index per cell; mark the manifest complete."""
     import faiss
 
-    shards = [np.load(out / "shards" / name, allow_pickle=False) for name in manifest["shards"]]
+    shards = load_shards(out, manifest)
     ids = [str(i) for s in shards for i in s["ids"]]
     (out / "ids.txt").write_text("\n".join(ids) + "\n", encoding="utf-8")
     manifest["factory"] = {}
@@ -331,7 +466,13 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
         t0 = time.perf_counter()
         index = make_index(vectors, manifest["index"], manifest["storage"])
         path = out / f"{cell_name(cell)}.faiss"
-        faiss.write_index(index, str(path) + ".tmp")
+        if manifest["storage"] == "binary":
+            faiss.write_index_binary(index, str(path) + ".tmp")
+            rescoring = out / f"{cell_name(cell)}.f16.npy"
+            np.save(str(rescoring) + ".tmp.npy", vectors.astype(np.float16))
+            os.replace(str(rescoring) + ".tmp.npy", rescoring)
+        else:
+            faiss.write_index(index, str(path) + ".tmp")
         os.replace(str(path) + ".tmp", path)
         manifest["files"][path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         manifest["factory"][cell_name(cell)] = factory_string(manifest["index"], manifest["storage"], len(vectors))

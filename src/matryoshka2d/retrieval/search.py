@@ -3,7 +3,10 @@
 - flat: the query's vector at one cell against that cell's index.
 - cascade: a shortlist from a small cell's index (cheap: few numbers per vector), reranked exactly with the
   query's and the documents' vectors at a full cell. Both query vectors come from one encoder pass up to the
-  deeper of the two layers; the documents' full vectors are read back from the full cell's faiss index.
+  deeper of the two layers; the documents' full vectors are read back from the full cell's faiss index, or from
+  its float16 file (memory-mapped: only the shortlist's rows are read) when the build stored one.
+- binary storage: a cell's index holds sign bits; its search is a Hamming shortlist (`shortlist` long) rescored
+  with the float query against the cell's float16 vectors, the same rerank as a cascade's.
 - asymmetric: `query_layer=n` encodes queries with only n layers and compares them with documents encoded at
   the index's (deeper) layers. Only a model trained for it (methods/asymmetric.py) puts layer-n queries in the
   last layer's space; on other models it shows how far apart the spaces are. A query exit deeper than the
@@ -46,8 +49,26 @@ def flat_search(index, queries: np.ndarray, k: int, exclude: np.ndarray | None =
 
 
 def stored_vectors(index, ids: np.ndarray) -> np.ndarray:
-    """The vectors a faiss index holds for `ids` (decoded from float16 / int8 storage when it is quantised)."""
+    """The vectors a faiss index holds for `ids` (decoded from float16 / int8 storage when it is quantised), or
+    the rows of an array of vectors (a memory-mapped float16 file reads only those rows)."""
+    if isinstance(index, np.ndarray):
+        return np.asarray(index[np.asarray(ids, dtype=np.int64)], dtype=np.float32)
     return index.reconstruct_batch(np.ascontiguousarray(ids, dtype=np.int64))
+
+
+def shortlist_search(index, queries: np.ndarray, n: int) -> np.ndarray:
+    """The ids of the n best documents by an index's own measure: inner product, or Hamming distance between
+    sign bits for a faiss binary index."""
+    import faiss
+
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    if isinstance(index, faiss.IndexBinary):
+        from matryoshka2d.retrieval.index import sign_bits
+
+        _, ids = index.search(sign_bits(queries), n)
+    else:
+        _, ids = index.search(queries, n)
+    return ids
 
 
 def cascade_search(
@@ -63,7 +84,7 @@ def cascade_search(
     if shortlist < k:
         raise ValueError(f"--shortlist {shortlist} is smaller than --top-k {k}; the rerank can only reorder it")
     extra = 0 if exclude is None else 1
-    _, candidates = small_index.search(np.ascontiguousarray(small_queries, dtype=np.float32), shortlist + extra)
+    candidates = shortlist_search(small_index, small_queries, shortlist + extra)
     valid = candidates >= 0
     q, s = candidates.shape
     vectors = stored_vectors(full_index, np.where(valid, candidates, 0).ravel()).reshape(q, s, -1)
@@ -154,21 +175,38 @@ class CellIndex:
             if path.stat().st_size == 0:
                 raise IndexBuildError(f"{path}: empty, not a faiss index; {REBUILD}")
             try:
-                index = faiss.read_index(str(path))
+                index = faiss.read_index_binary(str(path)) if self.binary else faiss.read_index(str(path))
             except RuntimeError as exc:  # faiss reports a damaged file as a RuntimeError with its C++ context
                 reason = str(exc).splitlines()[-1].split(": ", 1)[-1][:120]
                 raise IndexBuildError(f"{path}: not a readable faiss index ({reason}); {REBUILD}") from None
-            if index.d != cell[1] or index.ntotal != len(self.ids):
+            width = 8 * ((cell[1] + 7) // 8) if self.binary else cell[1]  # a binary index counts bits, in bytes
+            if index.d != width or index.ntotal != len(self.ids):
                 raise IndexBuildError(
-                    f"{path}: holds {index.ntotal} vectors of {index.d} numbers, but cell {cell[0]}:{cell[1]} of this "
-                    f"index has {len(self.ids)} of {cell[1]} (a file of another cell or another build); {REBUILD}"
+                    f"{path}: holds {index.ntotal} vectors of {index.d} {'bits' if self.binary else 'numbers'}, but "
+                    f"cell {cell[0]}:{cell[1]} of this index has {len(self.ids)} of {cell[1]} (a file of another "
+                    f"cell or another build); {REBUILD}"
                 )
-            if self.manifest["index"] == "ivf":
+            if self.binary:
+                if self.manifest["index"] == "ivf":
+                    index.nprobe = self.nprobe
+                elif self.manifest["index"] == "hnsw":
+                    index.hnsw.efSearch = max(self.ef_search, 1)
+            elif self.manifest["index"] == "ivf":
                 faiss.extract_index_ivf(index).nprobe = self.nprobe
             elif self.manifest["index"] == "hnsw":
                 faiss.downcast_index(index).hnsw.efSearch = max(self.ef_search, 1)
             self._indexes[cell] = index
         return self._indexes[cell]
+
+    @property
+    def binary(self) -> bool:
+        return self.manifest["storage"] == "binary"
+
+    def rerank_vectors(self, cell: Cell):
+        """What reranks at `cell`: its float16 vectors memory-mapped (binary builds), else its faiss index."""
+        if not self.binary:
+            return self.index(cell)
+        return np.load(self.directory / f"{cell_name(cell)}.f16.npy", mmap_mode="r")
 
     @property
     def full_cell(self) -> Cell:
@@ -237,9 +275,15 @@ class CellIndex:
         if cascade:
             small, full = cascade
             ids, scores = cascade_search(
-                self.index(small), self.index(full), vectors[small], vectors[full], shortlist, top_k
+                self.index(small), self.rerank_vectors(full), vectors[small], vectors[full], shortlist, top_k
             )
             what = f"cascade ({small[0]},{small[1]}) shortlist {shortlist} -> ({full[0]},{full[1]})"
+        elif self.binary:
+            cell = cells[0]
+            ids, scores = cascade_search(
+                self.index(cell), self.rerank_vectors(cell), vectors[cell], vectors[cell], shortlist, top_k
+            )
+            what = f"binary ({cell[0]},{cell[1]}): Hamming shortlist {shortlist}, float16 rescoring"
         else:
             ids, scores = flat_search(self.index(cells[0]), vectors[cells[0]], top_k)
             what = f"flat ({cells[0][0]},{cells[0][1]})"

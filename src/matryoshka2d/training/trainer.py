@@ -407,6 +407,7 @@ class Trainer:
             f.writelines(json.dumps(record) + "\n" for record in final_evals)
         metadata = {
             "method": self.method.config(),
+            "trained_widths": sorted(self.method.widths()),  # -> matryoshka_dimensions in config.json
             "loss": self.loss_name,
             "loss_terms": self.task_loss.describe(self.data.kind) if hasattr(self.task_loss, "describe") else None,
             "training": dataclasses.asdict(self.config),
