@@ -387,8 +387,8 @@ def _check_inputs(manifest: dict, corpus: Path, out: Path, log) -> None:
             first = number * size
             raise IndexBuildError(
                 f"{out}: --corpus {corpus} changed since this build encoded it: documents {first + 1}.."
-                f"{first + len(block)} (shard {number + 1}) are not the ones their vectors were made from; pass --overwrite to build the "
-                "index again, or restore the corpus"
+                f"{first + len(block)} (shard {number + 1}) are not the ones their vectors were made from; pass "
+                "--overwrite to build the index again, or restore the corpus"
             )
 
 
