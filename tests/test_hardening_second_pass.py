@@ -11,8 +11,10 @@ import pytest
 import test_hardening as first_pass
 from matryoshka2d.cli import main
 
-# The first pass's fixtures (training and dev files, one torch thread) and its one-line-error check.
-files, one_thread, one_line_error = first_pass.files, first_pass.one_thread, first_pass.one_line_error
+# The first pass's one-line-error check (its fixtures, the training and dev files and one torch thread, are
+# conftest's).
+pytestmark = pytest.mark.usefixtures("one_thread")
+one_line_error = first_pass.one_line_error
 
 
 def train_args(model, files, out, *extra):

@@ -1,5 +1,22 @@
-"""Batches of texts for the encoder: longest first, so each batch pads little; and padding pre-tokenized rows
-to tensors without the tokenizer's per-row dictionaries."""
+"""Batches of texts for the encoder: which texts share one forward pass, so that padding costs little and calls
+stay few; and padded tensors from pre-tokenized rows.
+
+`length_batches` cuts texts sorted longest first into batches of at most `batch_size` texts (and a token budget):
+inference and evaluation. `length_groups` cuts a training step's texts where a cut pays:
+
+A forward pass over a padded batch costs about `size x longest` token positions, plus a fixed cost per call
+that does not depend on the tokens (in a training step mostly the backward pass: every call adds a full-size
+gradient to each weight, and a dense gradient of the token-embedding table). Texts sorted by length and cut into
+contiguous runs pad each run only up to its own longest text; `length_groups` picks the cuts that minimise
+
+    sum over groups of (overhead + size x longest)
+
+with `overhead` the fixed cost of a call counted in padded token positions. One group per distinct length is the
+padding-free extreme (no padding, many calls); one group is the fully padded one. The partition is exact (a
+dynamic programme over the distinct lengths: a cut inside a run of equal lengths never helps, since moving those
+texts into the group before it pads nothing and saves nothing), and deterministic, so a seeded run that draws
+dropout masks per group draws the same masks when it is repeated or resumed.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +24,55 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+
+
+def length_groups(lengths: Sequence[int], overhead: float, max_size: int | None = None) -> list[np.ndarray]:
+    """Indices into `lengths`, grouped: each group a run of the ascending length order (stable, so equal
+    lengths keep their order), the groups shortest first. `max_size` caps the texts per group."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        return []
+    if overhead < 0:
+        raise ValueError(f"overhead must be at least 0, got {overhead}")
+    order = np.argsort(lengths, kind="stable")
+    ordered = lengths[order]
+    # Ends (exclusive) of the runs of equal length in sorted order: the only places worth cutting.
+    ends = np.flatnonzero(np.diff(ordered)) + 1
+    ends = np.append(ends, len(ordered)).tolist()
+    if max_size is not None:
+        if max_size < 1:
+            raise ValueError(f"max_size must be at least 1, got {max_size}")
+        # A run of equal lengths longer than max_size is cut in pieces of max_size (nothing pads inside a run).
+        ends = [
+            e
+            for start, stop in zip([0, *ends[:-1]], ends, strict=True)
+            for e in [*range(start + max_size, stop, max_size), stop]
+        ]
+    longest = [int(ordered[e - 1]) for e in ends]
+    cost = [0.0] + [float("inf")] * len(ends)  # cost[j]: best cost of the first ends[j-1] texts
+    cut = [0] * (len(ends) + 1)
+    for j in range(1, len(ends) + 1):
+        stop = ends[j - 1]
+        for i in range(j - 1, -1, -1):
+            start = ends[i - 1] if i else 0
+            size = stop - start
+            if max_size is not None and size > max_size:
+                break
+            total = cost[i] + overhead + size * longest[j - 1]
+            if total < cost[j]:
+                cost[j], cut[j] = total, i
+    bounds, j = [], len(ends)
+    while j > 0:
+        i = cut[j]
+        bounds.append((ends[i - 1] if i else 0, ends[j - 1]))
+        j = i
+    return [order[start:stop] for start, stop in reversed(bounds)]
+
+
+def padded_positions(lengths: Sequence[int], groups: Sequence[np.ndarray]) -> int:
+    """Token positions a forward pass over these groups computes (each group padded to its longest)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return int(sum(len(g) * lengths[g].max() for g in groups if len(g)))
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, token_budget: int | None = None) -> Iterator[np.ndarray]:
