@@ -10,6 +10,7 @@
 #   EXTRA=1               also the ablations and the presets of the references' recipes (see the end)
 #   ONLY="a b"            only the runs of these names (from the whole list, ablations included), e.g. to
 #                         spread them over lanes by hand: ONLY="separate-1-64 ese-angle-emb"
+#   HEADS=1               also the methods with exit heads trained along (issue 18; ONLY="ese-heads" picks one)
 #   DEVICE=cuda           train on a GPU (the peer too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ peer() {
   "$BIN/python" benchmarks/peer_st_matryoshka2d.py --data "$TRIPLETS" --output "$OUT/st-matryoshka2d" "${STEPS_ARG[@]}" "${DEVICE_ARG[@]}"
 }
 lane=${LANE:-all}
-[ -n "${ONLY:-}" ] && lane=all EXTRA=1  # the names choose
+[ -n "${ONLY:-}" ] && lane=all EXTRA=1 HEADS=1  # the names choose
 # Every method with its default loss (issue 8: the loss follows the kind of data; triplets -> angle-emb's AnglE).
 # Two lanes of about the same length (a separate model runs only its own layers).
 if [ "$lane" = a ] || [ "$lane" = all ]; then
@@ -54,6 +55,14 @@ if [ "$lane" = b ] || [ "$lane" = all ]; then
   run ese-compress-scaled --method ese --method-option beta=1 --method-option compress_target=scaled
   run separate-1-64 --method separate --layer 1 --dim 64
   run separate-3-128 --method separate --layer 3 --dim 128
+fi
+# Exit heads trained with the backbone (issue 18): each shallow view goes through its exit head; the heads start
+# from the closed-form fit on the training sentences and learn at their own rate.
+if [ "${HEADS:-0}" = 1 ]; then
+  for method in ese 2dmse starbucks; do
+    run "$method-heads" --method "$method" --exit-heads fit --exit-heads-lr 5e-4
+  done
+  run separate-3-128-heads --method separate --layer 3 --dim 128 --exit-heads fit --exit-heads-lr 5e-4
 fi
 # The ablations and the references' recipes (presets), when there is time for them.
 if [ "${EXTRA:-0}" = 1 ]; then

@@ -55,6 +55,8 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     for heading in ("[1/5] fine-tune", "[2/5] STS grid", "[3/5] pick", "[4/5] export", "[5/5] cascade search"):
         assert heading in out
     assert "recommended cell (" in out and "x faster encoding" in out and "bytes/vector" in out
+    assert "affine exit heads at layers 1,2,3" in out and "without heads the same budget would give (" in out
+    assert (tmp_path / "run" / "sts-no-heads" / "results.json").is_file()
     chosen = json.loads((tmp_path / "run" / "pick" / "pick.json").read_text())["recommended"]
     export = tmp_path / "run" / f"export-{chosen['layer']}x{chosen['dim']}"
     exported = json.loads((export / "matryoshka2d.json").read_text())["exported_cell"]
@@ -63,7 +65,8 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     assert SentenceTransformer(str(export), device="cpu").encode(["a b"]).shape == (1, chosen["dim"])
     assert (tmp_path / "run" / "index" / "manifest.json").is_file()
     assert main([*args, "--output", str(tmp_path / "again")]) == 0
-    assert "reusing the cached fine-tune" in capsys.readouterr().out
+    again = capsys.readouterr().out
+    assert "reusing the cached fine-tune" in again and "reusing the cached heads" in again
 
 
 def test_demo_cells_is_the_quick_timing_demo(tiny_dir, capsys):

@@ -5,10 +5,40 @@ from __future__ import annotations
 import yaml
 
 
-def model_args(p, default="minilm-l6") -> None:
+def model_args(p, default="minilm-l6", heads: bool = True) -> None:
     p.add_argument("--model", default=default, help="short name (minilm-l6, mpnet-base), directory or hub id")
     p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    if heads:
+        heads_flag(p)
+
+
+def heads_flag(p) -> None:
+    p.add_argument(
+        "--no-heads",
+        action="store_true",
+        help="leave the model's exit heads off: shallow cells are the pooled layer itself (to compare both)",
+    )
+
+
+def load_encoder(args, model: str | None = None, log=None, **options):
+    """The ElasticEncoder a command's --model (or `model`), --pooling, --device and --no-heads ask for. With
+    --no-heads it says whether the folder had heads to leave off."""
+    import sys
+
+    from matryoshka2d.models.backbones import check_device
+    from matryoshka2d.models.encoder import ElasticEncoder
+
+    device = options.pop("device", getattr(args, "device", None))
+    check_device(device)
+    no_heads = bool(getattr(args, "no_heads", False))
+    encoder = ElasticEncoder(
+        model or args.model, pooling=getattr(args, "pooling", None), device=device, heads=not no_heads, **options
+    )
+    if no_heads:
+        said = "exit heads left off (--no-heads)" if encoder.folder_has_heads else "--no-heads: it has no exit heads"
+        (log or (lambda m: print(m, file=sys.stderr)))(f"{encoder.name}: {said}")
+    return encoder
 
 
 def parse_options(values: list[str] | None, flag: str) -> dict:

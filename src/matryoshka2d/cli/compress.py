@@ -142,7 +142,7 @@ def register(sub, model_args) -> None:
         "best alone on the validation set, put the target pooler on it and fine-tune only the pooler. Writes "
         "two_step.json and two_step.md (the paper's Table 1/2) and the models of every stage.",
     )
-    model_args(p)
+    model_args(p, heads=False)
     p.add_argument("--target-dim", required=True, help="pooler output size d, or several: 128,64,32,16,8")
     p.add_argument(
         "--candidate-dims",
@@ -183,7 +183,7 @@ def register(sub, model_args) -> None:
         "decoder that reconstructs a more heavily masked copy from the size's sentence vector. Saves the "
         "encoder only; fine-tune it with `matryoshka2d train --model OUTPUT`.",
     )
-    model_args(p)
+    model_args(p, heads=False)
     p.add_argument("--method", choices=["smae"], default="smae")
     p.add_argument("--data", nargs="+", required=True, help="corpus: text files, one sentence per line (or TSVs)")
     p.add_argument("--output", required=True, help="folder for the pre-trained encoder, logs and checkpoints")

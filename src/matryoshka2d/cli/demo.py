@@ -1,9 +1,10 @@
 """`matryoshka2d demo`: the whole loop on the default backbone, each step printing what it produced.
 
 1. a short elastic fine-tune (2dmse) of the model on the shared NLI triplets, cached in the cache directory so a
-   second run reuses it;
-2. its STS grid (layers x dims) on a few STS sets;
-3. the cell picker's choice for a budget (default: half the full model's query encoding time);
+   second run reuses it; then exit heads fitted on the same sentences in closed form (cached too);
+2. its STS grid (layers x dims) on a few STS sets, with and without the heads from one pass;
+3. the cell picker's choice for a budget (default: half the full model's query encoding time), from the grid
+   with heads, and the frontier without them next to it;
 4. `matryoshka2d export` of that cell: a standalone sentence-transformers folder with only its layers;
 5. a faiss index of a small SciFact corpus and a cascade search: shortlist with a narrow last-layer cell,
    rerank with the full cell, next to flat full-cell search.
@@ -110,6 +111,29 @@ def fine_tune(args, root: Path) -> Path:
     return Trainer(config).run(resume=True, progress=not args.quiet)
 
 
+def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
+    """Exit heads fitted in closed form on the fine-tune's own training sentences, cached beside it."""
+    import itertools
+
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.heads import fit_heads
+    from matryoshka2d.training.checkpoints import save_model_atomically
+    from matryoshka2d.training.data import read_sentences
+
+    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}")
+    if (out / "matryoshka2d.json").is_file():
+        print(f"    reusing the cached heads {out}")
+        return out
+    encoder = ElasticEncoder(str(model_dir), device=args.device)
+    texts = iter(read_sentences(root / "nli" / "train_triplets.tsv")[: args.head_sentences])
+    heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []))
+    encoder.set_exit_heads(heads)
+    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
+    save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
+    print(f"    {heads.describe()}, fitted on {report.sentences} training sentences in {report.seconds:.0f} s")
+    return out
+
+
 def export_cell(encoder, layer: int, dim: int, out: Path) -> str:
     """`matryoshka2d export` of the picked cell: only `layer` layers and the first `dim` numbers, a folder that
     loads with SentenceTransformer(out) alone, checked against encode(layer, dim) before it is put in place.
@@ -160,19 +184,26 @@ def run_loop(args) -> int:
     model_dir = fine_tune(args, root)
     meta = json.loads((model_dir / "matryoshka2d.json").read_text())
     dev = meta.get("final_eval", {})
+    model_dir = fit_heads_for(args, root, model_dir)
     done(t, f"{model_dir}; STS-B dev Spearman at the full model: {dev.get('spearman', '?')}")
 
-    t = step(2, f"STS grid on {', '.join(args.sts)}: every layer x dims")
+    t = step(2, f"STS grid on {', '.join(args.sts)}: every layer x dims, with and without exit heads")
     encoder = ElasticEncoder(str(model_dir), device=args.device)
     dims = sorted({d for d in (32, 64, 128, 256) if d < encoder.hidden_size} | {encoder.hidden_size})
-    cells = EncoderCells(encoder, range(1, encoder.num_layers + 1), dims, show_progress=not args.quiet)
+    cells = EncoderCells(
+        encoder, range(1, encoder.num_layers + 1), dims, show_progress=not args.quiet, compare_heads=True
+    )
     result = evaluate_sts(cells, root, datasets=args.sts, log=quiet)
     write_outputs(result, work / "sts")
+    without = evaluate_sts(cells.without_heads(), root, datasets=args.sts, log=quiet)
+    write_outputs(without, work / "sts-no-heads")
     full = result["summary"]
+    shallow = {True: result["summary"].get("shallow_average"), False: without["summary"].get("shallow_average")}
     done(
         t,
-        f"{work / 'sts'}/results.md and heatmap.png; full model ({full['cell'][0]},{full['cell'][1]}): "
-        f"{full['average']:.2f} Spearman",
+        f"{work / 'sts'}/results.md and heatmap.png (and sts-no-heads/); full model ({full['cell'][0]},"
+        f"{full['cell'][1]}): {full['average']:.2f} Spearman; layers below it at full width: "
+        f"{shallow[False]:.2f} without heads, {shallow[True]:.2f} with",
     )
 
     t = step(3, "pick a cell for a budget")
@@ -196,7 +227,11 @@ def run_loop(args) -> int:
     run_pick(pick_args, log=quiet)
     chosen = json.loads((work / "pick" / "pick.json").read_text())["recommended"]
     layer, dim = chosen["layer"], chosen["dim"]
-    done(t, f"recommended ({layer},{dim}); {work / 'pick'}/pick.md and pick.png")
+    pick_args.results, pick_args.output = [str(work / "sts-no-heads")], str(work / "pick-no-heads")
+    run_pick(pick_args, log=quiet)
+    plain = json.loads((work / "pick-no-heads" / "pick.json").read_text())["recommended"]
+    print(f"    without heads the same budget would give ({plain['layer']},{plain['dim']}) at {plain['score']:.2f}")
+    done(t, f"recommended ({layer},{dim}) at {chosen['score']:.2f}; {work / 'pick'}/pick.md and pick.png")
 
     t = step(4, f"export cell ({layer},{dim})")
     done(t, export_cell(encoder, layer, dim, work / f"export-{layer}x{dim}"))
@@ -255,6 +290,9 @@ def register(sub, model_args) -> None:
     p.add_argument("--cells", action="store_true", help="the quick demo: a few sentences at several cells, timed")
     p.add_argument("--steps", type=int, default=60, help="fine-tuning steps (60)")
     p.add_argument("--batch-size", type=int, default=16, help="triplets per step (16)")
+    p.add_argument(
+        "--head-sentences", type=int, default=10000, help="training sentences the exit heads are fitted on (10000)"
+    )
     p.add_argument("--sts", nargs="+", default=["stsb", "sts16"], help="STS sets for the grid (stsb sts16)")
     p.add_argument("--budget-fraction", type=float, default=0.5, help="budget as a share of full query time (0.5)")
     p.add_argument("--max-latency-ms", type=float, help="budget in ms per query instead of --budget-fraction")

@@ -7,10 +7,10 @@ import sys
 
 
 def cmd_export(args) -> int:
+    from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.export import export_cell
-    from matryoshka2d.models.encoder import ElasticEncoder
 
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device="cpu")
+    encoder = load_encoder(args, device="cpu")
     report = export_cell(
         encoder,
         args.layer,
@@ -48,8 +48,8 @@ def check_listen(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
+    from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.server import ServerLimits, serve
-    from matryoshka2d.models.encoder import ElasticEncoder
 
     for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes"):
         if getattr(args, name) < 1:
@@ -57,7 +57,7 @@ def cmd_serve(args) -> int:
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
     check_listen(args.host, args.port)
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
+    encoder = load_encoder(args)
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,

@@ -12,15 +12,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
+from matryoshka2d.cli.args import heads_flag
 from matryoshka2d.files import iter_lines, open_input
 
 
 def _encoder(args):
-    from matryoshka2d.models.backbones import check_device
-    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.cli.args import load_encoder
 
-    check_device(getattr(args, "device", None))
-    return ElasticEncoder(args.model, pooling=getattr(args, "pooling", None), device=getattr(args, "device", None))
+    return load_encoder(args)
 
 
 def cmd_info(args) -> int:
@@ -117,6 +116,7 @@ def register(sub, model_args) -> None:
     p = sub.add_parser("info", help="layers, hidden size, pooling and parameters of a model")
     p.add_argument("model", help="short name, directory or hub id")
     p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
+    heads_flag(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("encode", help="embed one text per line of a file at one (layer, dim) cell into a .npy")

@@ -18,18 +18,40 @@ def _log(message: str) -> None:
 
 def _embedder(args, default_cells=None) -> EncoderCells:
     """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults)."""
-    from matryoshka2d.models.backbones import check_device
-    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.cli.args import load_encoder
 
     if args.max_length is not None and args.max_length < 1:
         raise ValueError(f"--max-length must be at least 1 token, got {args.max_length}")
-    check_device(args.device)
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    encoder = load_encoder(args, max_length=args.max_length, log=_log)
     layers, dims = parse_ints(args.layers, "layers"), parse_ints(args.dims, "dims")
     if default_cells is not None:
         default_layers, default_dims = default_cells(encoder.num_layers, encoder.hidden_size)
         layers, dims = layers or default_layers, dims or default_dims
-    return EncoderCells(encoder, layers, dims, batch_size=args.batch_size, show_progress=not args.quiet)
+    compare = bool(getattr(args, "compare_heads", False))
+    if compare and encoder.exit_heads is None:
+        raise ValueError(f"--compare-heads: {encoder.name} has no exit heads to compare (heads fit makes them)")
+    return EncoderCells(
+        encoder, layers, dims, batch_size=args.batch_size, show_progress=not args.quiet, compare_heads=compare
+    )
+
+
+def _evaluate(args, run, embedder) -> int:
+    """Run one evaluator; with --compare-heads also on the cells without heads from the same pass: results
+    in --output and --output/no-heads, and the gain per cell."""
+    result = run(embedder)
+    code = _finish(result, args.output)
+    if not getattr(args, "compare_heads", False):
+        return code
+    without = run(embedder.without_heads())
+    _finish(without, str(Path(args.output) / "no-heads"))
+    metric = result["metric"]
+    gains = {(r["layer"], r["dim"]): r[metric] for r in result["average"]}
+    print(f"exit heads, {result['task']} {metric} average: without -> with (gain)")
+    for row in without["average"]:
+        cell = (row["layer"], row["dim"])
+        if cell in gains and row.get(metric) is not None:
+            print(f"  ({cell[0]},{cell[1]}): {row[metric]:.2f} -> {gains[cell]:.2f} ({gains[cell] - row[metric]:+.2f})")
+    return code
 
 
 def _finish(result: dict, output: str) -> int:
@@ -56,10 +78,13 @@ def cmd_sts(args) -> int:
     if args.reducer:  # post-hoc PCA / Isomap / LLE cells instead of truncated ones (matryoshka2d.compress.reducers)
         from matryoshka2d.compress.reducers import reducer_cells
 
+        if args.compare_heads:
+            raise ValueError("--compare-heads and --reducer exclude each other: a reducer makes its own cells")
         dims = parse_ints(args.dims, "dims")
         embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, args.reducer_samples, _log)
-    result = evaluate_sts(embedder, root, variant=args.variant, datasets=args.datasets, log=_log)
-    return _finish(result, args.output)
+    return _evaluate(
+        args, lambda cells: evaluate_sts(cells, root, variant=args.variant, datasets=args.datasets, log=_log), embedder
+    )
 
 
 def cmd_classification(args) -> int:
@@ -68,16 +93,19 @@ def cmd_classification(args) -> int:
 
     directory = Path(args.classification_dir) if args.classification_dir else data_dir(args.data_dir) / "classification"
     embedder = _embedder(args, default_cells)
-    result = evaluate_classification(
+    return _evaluate(
+        args,
+        lambda cells: evaluate_classification(
+            cells,
+            directory,
+            datasets=args.datasets,
+            label_column=args.label_column,
+            folds=args.folds,
+            log=_log,
+            patience=args.c_patience,
+        ),
         embedder,
-        directory,
-        datasets=args.datasets,
-        label_column=args.label_column,
-        folds=args.folds,
-        log=_log,
-        patience=args.c_patience,
     )
-    return _finish(result, args.output)
 
 
 def pick_split(directory: Path, split: str | None) -> str:
@@ -104,19 +132,18 @@ def cmd_retrieval(args) -> int:
     _log(f"retrieval split: {split}")
     if args.cascade or args.query_layer:
         return _cascade(args, dirs, split)
-    result = evaluate_retrieval(_embedder(args), dirs, split=split, log=_log)
-    return _finish(result, args.output)
+    return _evaluate(args, lambda cells: evaluate_retrieval(cells, dirs, split=split, log=_log), _embedder(args))
 
 
 def _cascade(args, dirs: list[Path], split: str) -> int:
     """--cascade / --query-layer: flat full-cell search next to the cascade and/or shallow queries."""
     import json
 
+    from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.cli.retrieval import parse_cascade
-    from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.retrieval.cascade import cascade_markdown, evaluate_cascade
 
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    encoder = load_encoder(args, max_length=args.max_length, log=_log)
     result = evaluate_cascade(
         encoder,
         dirs,
@@ -154,6 +181,11 @@ def _common(p, model_args) -> None:
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", required=True, help="directory for results.json/.md/.csv and heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--compare-heads",
+        action="store_true",
+        help="also score every cell without the exit heads, from the same encoder pass (into OUTPUT/no-heads)",
+    )
 
 
 def register(sub, model_args) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from matryoshka2d.cli.args import heads_flag, load_encoder
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr)
@@ -22,11 +24,11 @@ def parse_cascade(text: str | None):
 
 
 def cmd_index_build(args) -> int:
-    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.retrieval.index import build_index, parse_cell_list
 
     cells = parse_cell_list(args.cells)
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device, max_length=args.max_length)
+    encoder = load_encoder(args, max_length=args.max_length)
     manifest = build_index(
         encoder,
         args.corpus,
@@ -66,7 +68,6 @@ def read_queries(path: str) -> list[str]:
 
 
 def cmd_search(args) -> int:
-    from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.retrieval.index import parse_cell_list
     from matryoshka2d.retrieval.search import CellIndex
 
@@ -79,7 +80,8 @@ def cmd_search(args) -> int:
     built = index.manifest["model"]
     model = args.model or built.get("location") or built.get("model")
     # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
-    encoder = ElasticEncoder(model, pooling=args.pooling or built.get("pooling"), device=args.device)
+    args.pooling = args.pooling or built.get("pooling")
+    encoder = load_encoder(args, model=model)
     cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
     hits = index.search(
         encoder,
@@ -148,6 +150,7 @@ def register(sub, model_args) -> None:
     p.add_argument("--model", help="query model (default: the index's model)")
     p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
     p.add_argument("--device")
+    heads_flag(p)
     p.add_argument("--query", help="one query text")
     p.add_argument("--queries", help="a file with one query per line, or a queries.jsonl")
     p.add_argument("--cell", help="flat search at this cell, layer:dim (default: the index's largest cell)")

@@ -99,6 +99,8 @@ def cmd_train(args) -> int:
         "precision",
         "log_every",
         "gradient_accumulation",
+        "exit_heads",
+        "exit_heads_lr",
     ):
         value = getattr(args, key, None)
         if value is not None:
@@ -168,6 +170,16 @@ def register(sub, model_args) -> None:
     p.add_argument("--dim", type=int, help="separate: at this width")
     p.add_argument("--method-option", action="append", metavar="KEY=VALUE", help="e.g. k=64, kl_temperature=0.5")
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. angle_weight=0.02")
+    heads = p.add_argument_group("exit heads (a small map at every exit into the last layer's space)")
+    heads.add_argument(
+        "--exit-heads",
+        nargs="?",
+        const="fit",
+        choices=["fit", "identity", "keep"],
+        help="train a head per exit with the backbone (2dmse, ese, starbucks, separate, asymmetric); it starts from "
+        "the closed-form fit on the training sentences (fit, the default), the identity, or the model's own (keep)",
+    )
+    heads.add_argument("--exit-heads-lr", type=float, help="learning rate of the heads (default: --lr)")
     decoder = p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)")
     decoder.add_argument(
         "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"

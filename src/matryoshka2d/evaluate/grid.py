@@ -69,8 +69,13 @@ class EncoderCells:
         dims: Iterable[int] | None = None,
         batch_size: int = 64,
         show_progress: bool = False,
+        compare_heads: bool = False,
     ):
+        """`compare_heads`: every pass also makes the cells without the exit heads (from the same pooled
+        vectors), for the embedder `without_heads()` returns: both sides of a comparison from one pass."""
         self.encoder = encoder
+        self.compare_heads = compare_heads
+        self._without: dict[tuple[str, ...], dict[Cell, np.ndarray]] = {}
         self.layers, self.dims = check_cells(
             layers or range(1, encoder.num_layers + 1),
             dims or default_dims(encoder.hidden_size),
@@ -84,11 +89,51 @@ class EncoderCells:
         return [(n, d) for n in self.layers for d in self.dims]
 
     def embed(self, texts: Sequence[str]) -> dict[Cell, np.ndarray]:
-        pooled = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress)
-        return {(n, d): pooled[n][:, :d] for n in self.layers for d in self.dims}
+        if not self.compare_heads:
+            pooled = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress)
+            return {(n, d): pooled[n][:, :d] for n in self.layers for d in self.dims}
+        import torch
+
+        raw = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress, pooled=True)
+        sides = {}
+        for heads in (True, False):
+            with torch.no_grad():
+                full = {
+                    n: self.encoder.cell_vector(n, torch.from_numpy(raw[n]).to(self.encoder.device), heads=heads)
+                    .float()
+                    .cpu()
+                    .numpy()
+                    for n in self.layers
+                }
+            sides[heads] = {(n, d): full[n][:, :d] for n in self.layers for d in self.dims}
+        self._without[tuple(texts)] = sides[False]
+        return sides[True]
+
+    def without_heads(self) -> CellEmbedder:
+        """The same cells without exit heads, read from what embed() made (call it on the same texts after)."""
+        return _Remembered(self, self._without)
 
     def info(self) -> dict:
         return {**self.encoder.info(), "batch_size": self.batch_size}
+
+
+class _Remembered:
+    """A CellEmbedder that serves cells another embedder already computed for the same texts."""
+
+    def __init__(self, source: EncoderCells, cells: dict[tuple[str, ...], dict[Cell, np.ndarray]]):
+        self.source, self.stored = source, cells
+
+    def cells(self) -> list[Cell]:
+        return self.source.cells()
+
+    def embed(self, texts: Sequence[str]) -> dict[Cell, np.ndarray]:
+        try:
+            return self.stored.pop(tuple(texts))
+        except KeyError:
+            raise ValueError("these texts were not embedded by the first pass of the comparison") from None
+
+    def info(self) -> dict:
+        return {**self.source.info(), "exit_heads": None, "heads": "off (compared in the same pass)"}
 
 
 def embed_distinct(embedder: CellEmbedder, texts: Sequence[str]) -> tuple[dict[Cell, np.ndarray], dict[str, int]]:

@@ -110,12 +110,20 @@ class ElasticEncoder(nn.Module):
         pooling: str | None = None,
         max_length: int | None = None,
         device: str | torch.device | None = None,
+        heads: bool = True,
     ):
+        """`heads=False` leaves a folder's exit heads unloaded and unused (to compare both sides)."""
         super().__init__()
         location, display = resolve(model)
         transformer, tokenizer = load_transformer(location, display)
         sentence_cfg = read_sentence_config(location)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
+        from matryoshka2d.models.heads import load_heads, read_record
+
+        record = read_record(location)
+        self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
+        if heads and record is not None:
+            self.set_exit_heads(load_heads(location, record, self))
 
     @classmethod
     def from_modules(
@@ -164,6 +172,9 @@ class ElasticEncoder(nn.Module):
         # The folder's Normalize module: unit-length vectors after slicing to a cell's dim. encode() keeps its
         # explicit normalize= argument; save() and export write the module again, after any truncation.
         self.normalize_output = bool(sentence_cfg.normalize) if sentence_cfg is not None else False
+        self.exit_heads = None  # ExitHeads (matryoshka2d.models.heads), set by set_exit_heads
+        self.use_heads = True  # apply the exit heads, when there are any, unless a call says otherwise
+        self.folder_has_heads = False
         self.to(torch.device(device) if device is not None else default_device())
         self.model.eval()
 
@@ -194,6 +205,19 @@ class ElasticEncoder(nn.Module):
         self.head = head.to(self.device) if head is not None else None
         return previous
 
+    def set_exit_heads(self, heads) -> None:
+        """Put exit heads on (None takes them off); they must map this model's pooled vectors to its output."""
+        if heads is not None:
+            if heads.dim_in != self.transformer_size or heads.dim_out != self.hidden_size:
+                raise BackboneError(
+                    f"exit heads mapping {heads.dim_in} -> {heads.dim_out} do not fit {self.name} (pooled vectors "
+                    f"of {self.transformer_size}, output {self.hidden_size})"
+                )
+            if bad := [n for n in heads.layers if not 1 <= n < self.num_layers]:
+                raise BackboneError(f"exit heads at layers {bad}: {self.name} has exits 1..{self.num_layers - 1}")
+            heads = heads.to(self.device)
+        self.exit_heads = heads
+
     def add_pooler(self, dim: int, seed: int = 0) -> PoolerHead:
         """A fresh D -> dim tanh head (BERT's pooler initialisation), put on the encoder and returned."""
         head = PoolerHead.fresh(self.transformer_size, dim, seed=seed)
@@ -213,6 +237,7 @@ class ElasticEncoder(nn.Module):
             "hidden_size": self.hidden_size,
             "transformer_size": self.transformer_size,
             "pooler": self.head.describe() if self.head is not None else None,
+            "exit_heads": self.exit_heads.describe() if self.exit_heads is not None else None,
             "pooling": self.pooling,
             "normalize": self.normalize_output,
             "max_length": self.max_length,
@@ -251,15 +276,27 @@ class ElasticEncoder(nn.Module):
         )
         return {k: v.to(self.device) for k, v in batch.items() if k in self._input_names}
 
-    def forward(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """Sentence vectors (B, hidden_size) after each requested layer: pooled, then through the pooler head if
-        the model has one; runs max(layers) layers only."""
+    def forward(
+        self, features: dict[str, torch.Tensor], layers: Iterable[int], heads: bool | None = None, pooled: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Sentence vectors (B, hidden_size) after each requested layer, as `cell_vector` makes them (`heads`:
+        None follows the encoder's `use_heads`); `pooled=True` gives the pooled vectors before any head
+        (B, transformer_size). Runs max(layers) layers only."""
         mask = features["attention_mask"]
+        use = self.use_heads if heads is None else heads
         out = {}
         for n, hidden in self.token_states(features, layers).items():
-            pooled = pool(hidden, mask, self.pooling)
-            out[n] = self.head(pooled) if self.head is not None else pooled
+            vector = pool(hidden, mask, self.pooling)
+            out[n] = vector if pooled else self.cell_vector(n, vector, use)
         return out
+
+    def cell_vector(self, layer: int, pooled: torch.Tensor, heads: bool = True) -> torch.Tensor:
+        """The one place a cell's vector is made from a pooled layer: through the exit head of that layer when
+        heads are on and the model has one (matryoshka2d.models.heads), else through the pooler head if the
+        model has one. A cell (layer, dim) is the first dim numbers of this."""
+        if heads and self.exit_heads is not None and self.exit_heads.has(layer):
+            return self.exit_heads(layer, pooled)
+        return self.head(pooled) if self.head is not None else pooled
 
     def token_states(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
         """Token states (B, T, D) after each requested layer (the final norm applied, for decoders); runs
@@ -316,11 +353,15 @@ class ElasticEncoder(nn.Module):
         batch_size: int = 64,
         normalize: bool = False,
         show_progress: bool = False,
+        heads: bool | None = None,
     ) -> np.ndarray:
-        """Embed texts at one cell: float32 array (len(texts), dim); a single string gives a vector."""
+        """Embed texts at one cell: float32 array (len(texts), dim); a single string gives a vector. `heads`: use
+        the exit heads (None: the encoder's `use_heads`)."""
         layer, dim = self.check_layer(layer), self.check_dim(dim)
         single = isinstance(texts, str)
-        grid = self.encode_grid([texts] if single else texts, [layer], [dim], batch_size, normalize, show_progress)
+        grid = self.encode_grid(
+            [texts] if single else texts, [layer], [dim], batch_size, normalize, show_progress, heads=heads
+        )
         out = grid[(layer, dim)]
         return out[0] if single else out
 
@@ -332,11 +373,12 @@ class ElasticEncoder(nn.Module):
         batch_size: int = 64,
         normalize: bool = False,
         show_progress: bool = False,
+        heads: bool | None = None,
     ) -> dict[tuple[int, int], np.ndarray]:
         """Every requested (layer, dim) cell from one forward pass per batch, keyed by (layer, dim)."""
         layers = sorted({self.check_layer(n) for n in (layers or [self.num_layers])})
         dims = sorted({self.check_dim(d) for d in (dims or [self.hidden_size])})
-        pooled = self.pooled_states(texts, layers, batch_size, show_progress)
+        pooled = self.pooled_states(texts, layers, batch_size, show_progress, heads=heads)
         grid = {}
         for n in layers:
             for d in dims:
@@ -347,17 +389,24 @@ class ElasticEncoder(nn.Module):
         return grid
 
     def pooled_states(
-        self, texts: Sequence[str], layers: Iterable[int], batch_size: int = 64, show_progress: bool = False
+        self,
+        texts: Sequence[str],
+        layers: Iterable[int],
+        batch_size: int = 64,
+        show_progress: bool = False,
+        heads: bool | None = None,
+        pooled: bool = False,
     ) -> dict[int, np.ndarray]:
-        """Full-width sentence vectors per layer (pooled, then through the pooler head if any), (len(texts),
-        hidden_size) each; duplicates are encoded once."""
+        """Full-width sentence vectors per layer as `forward` makes them, (len(texts), hidden_size) each (with
+        `pooled=True`, the pooled vectors before any head, transformer_size wide); duplicates are encoded once."""
         texts = check_texts(texts)
         layers = sorted({self.check_layer(n) for n in layers})
         if batch_size < 1:
             raise BackboneError(f"batch_size must be at least 1, got {batch_size}")
         unique: dict[str, int] = {}
         inverse = np.fromiter((unique.setdefault(t, len(unique)) for t in texts), dtype=np.int64, count=len(texts))
-        out = {n: np.zeros((len(unique), self.hidden_size), dtype=np.float32) for n in layers}
+        width = self.transformer_size if pooled else self.hidden_size
+        out = {n: np.zeros((len(unique), width), dtype=np.float32) for n in layers}
         if unique:
             encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
             ids = encoded["input_ids"]
@@ -372,7 +421,7 @@ class ElasticEncoder(nn.Module):
                         rows = [{k: encoded[k][i] for k in self._input_names if k in encoded} for i in idx]
                         features = self.tokenizer.pad(rows, return_tensors="pt")
                         features = {k: v.to(self.device) for k, v in features.items()}
-                        for n, vec in self.forward(features, layers).items():
+                        for n, vec in self.forward(features, layers, heads=heads, pooled=pooled).items():
                             out[n][idx] = vec.float().cpu().numpy()
             finally:
                 self.model.train(was_training)

@@ -17,6 +17,7 @@ from torch import nn
 
 from matryoshka2d.models.backbones import POOLING_MODES, BackboneError, layer_stack
 from matryoshka2d.models.card import write_model_card
+from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError, backbone_sha256, save_heads
 from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
 
 # sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
@@ -180,6 +181,10 @@ def save_folder(
     before Normalize, so the folder gives the cell's vectors). `normalize` overrides the model's own
     Normalize. `metadata` (method, training config, ...) goes to matryoshka2d.json.
 
+    Exit heads (matryoshka2d.models.heads): a whole model keeps them (exit_heads.safetensors and their record in
+    matryoshka2d.json); a model cut to layer n < N keeps the head of layer n as a Dense module holding only the
+    output rows the cell needs, so plain sentence-transformers gives the cell's vectors, head included.
+
     Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
     """
     out = Path(path)
@@ -187,6 +192,15 @@ def save_folder(
     n = self.check_layer(keep_layers) if keep_layers else self.num_layers
     width = self.check_dim(dim) if dim is not None else None
     normalize = self.normalize_output if normalize is None else bool(normalize)
+    metadata = None if metadata is None else {k: v for k, v in metadata.items() if k != RECORD_KEY}
+    heads = self.exit_heads if self.use_heads else None
+    cell_head = heads.heads[str(n)] if heads is not None and n < self.num_layers and heads.has(n) else None
+    if cell_head is not None and cell_head.kind != "affine":
+        raise HeadsError(
+            f"the exit head of layer {n} is a {cell_head.kind} head; a sentence-transformers folder can hold an "
+            "affine head only (a Dense module): fit affine heads to export this cell"
+        )
+    (out / HEADS_FILE).unlink(missing_ok=True)  # an earlier save's heads must not outlive their record
     for stale in out.iterdir():
         # Module folders of an earlier save into this folder (2_Dense, 2_Normalize, ...) must not survive.
         if stale.is_dir() and re.fullmatch(r"\d+_\w+", stale.name):
@@ -201,8 +215,10 @@ def save_folder(
             for attr, value in original.items():
                 setattr(self.model.config, attr, value)
     self.tokenizer.save_pretrained(out)
-    model = sentence_transformer_modules(self, out, width, normalize)
+    model = sentence_transformer_modules(self, out, width, normalize, cell_head)
     model.save(str(out), create_model_card=False)
+    if heads is not None and n == self.num_layers:
+        metadata = {**(metadata or {}), RECORD_KEY: save_heads(heads, out, backbone_sha256(self))}
     if metadata is not None:
         (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
 
@@ -210,15 +226,23 @@ def save_folder(
     return out
 
 
-def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize: bool):
-    """A SentenceTransformer on the Hugging Face files in `folder`, with this encoder's modules after it."""
+def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize: bool, cell_head=None):
+    """A SentenceTransformer on the Hugging Face files in `folder`, with this encoder's modules after it; with
+    `cell_head` (an affine exit head), that head in place of any pooler head, cut to the cell's `dim` rows."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
     transformer = Transformer(str(folder), max_seq_length=self.max_length)
     modules = [transformer, Pooling(self.transformer_size, pooling_mode=OUR_TO_ST_POOLING[self.pooling])]
-    if self.head is not None:
+    if cell_head is not None:
+        rows = dim or self.hidden_size
+        dense = Dense(self.transformer_size, rows, bias=True, activation_function=nn.Identity())
+        weight, bias = cell_head.linear.weight.detach().float().cpu(), cell_head.linear.bias.detach().float().cpu()
+        dense.linear.load_state_dict({"weight": weight[:rows].clone(), "bias": bias[:rows].clone()})
+        modules.append(dense)
+        dim = None  # the head's rows are the cell's numbers already
+    elif self.head is not None:
         dense = Dense(
             self.head.in_features,
             self.head.out_features,

@@ -65,6 +65,10 @@ class TrainConfig:
     device: str | None = None
     pooler_dim: int | None = None  # put a D -> d tanh pooler head on the encoder (dimensionality paper, sec. 3)
     freeze_encoder: bool = False  # train only the pooler head (and the loss's own parameters): two-step, step 2
+    # exit heads trained with the backbone (matryoshka2d.training.exit_heads): start "fit" | "identity" | "keep"
+    exit_heads: str | None = None
+    exit_heads_lr: float | None = None  # default: lr
+    exit_heads_sentences: int = 20000  # training sentences the closed-form start is fitted on
     # decoder backbones (ESE sec. 3.1; matryoshka2d.models.decoders)
     bidirectional: bool = False  # non-causal attention in a Llama/Qwen2/Mistral backbone, saved with the model
     lora_r: int | None = None  # train LoRA adapters of this rank (peft) instead of all weights
@@ -119,6 +123,10 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "save_steps", int, 0)
     _number(config, "keep_checkpoints", int, 1)
     _number(config, "pooler_dim", int, 1, allow_none=True)
+    _number(config, "exit_heads_lr", (int, float), 0, low_open=True, allow_none=True)
+    _number(config, "exit_heads_sentences", int, 1)
+    if config.exit_heads is not None and config.exit_heads not in ("fit", "identity", "keep"):
+        raise ValueError(f"--exit-heads must be fit, identity or keep, got {config.exit_heads!r}")
     for name in ("method_options", "loss_options"):
         value = getattr(config, name)
         if not isinstance(value, dict):

@@ -30,7 +30,7 @@ from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
-from matryoshka2d.training import checkpoints
+from matryoshka2d.training import checkpoints, exit_heads
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable, eval_cells
 from matryoshka2d.training.data import TrainingData, read_training_data
 from matryoshka2d.training.parallel import Processes
@@ -78,9 +78,11 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
+        exit_heads.prepare(self)
         params = [p for m in (self.encoder, self.method, self.task_loss) for p in m.parameters() if p.requires_grad]
+        groups = exit_heads.parameter_groups(self, params)  # the heads with their own learning rate
         self._prepare_throughput()
-        self.optimizer = adamw(params, config.lr, config.weight_decay, self.encoder.device)
+        self.optimizer = adamw(groups, config.lr, config.weight_decay, self.encoder.device)
         warmup = int(config.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.total_steps, warmup, config.lr_schedule)
         if self.processes.active:
@@ -371,6 +373,7 @@ class Trainer:
                 print(f"resumed from step {self.step} of {self.total_steps}")
             if main:
                 self.run_dir.trim_log(self.step)
+        exit_heads.fit_at_start(self)
         log = (self.out / "train_log.jsonl").open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
         start, first_step = time.perf_counter(), self.step
         bar = tqdm(

@@ -1,0 +1,150 @@
+"""Exit heads: which choices matter (issue 18), measured side by side on one encoding of the same sentences.
+
+Every variant is fitted on the same pooled vectors of the same fit sentences (NLI triplet sentences by default)
+and scored on the same STS 7-set average (Spearman x 100 of cosine, SentEval "all" per set), at a few cells:
+- no head (the pooled layer, sliced);
+- affine per exit, target the last layer's vector scaled to length 1 (the default of `heads fit`);
+- affine per exit, target the raw last-layer vector;
+- affine per (exit, width): for cell (l, d) a head fitted onto the first d numbers of the last layer's vector,
+  scaled to length 1 (the last layer's own cell (N, d));
+- MLP per exit: the default affine head plus a residual MLP trained with Adam (as `heads fit --kind mlp`).
+Ridge strengths are chosen on a held-out tenth as `heads fit` does. Then the cost of a head: time next to the
+layers it saves, and bytes per exported cell.
+
+    python benchmarks/exit_heads_choices.py [--sentences 10000] [--cells 1:64 3:128 5:384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import DEFAULT_DATA, header
+from matryoshka2d.evaluate.sts import STS_SETS, load_pairs, spearman_x100, sts_file
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.heads import HELD_OUT_EVERY, RIDGE_GRID, ExitHeads, NormalEquations, _train_mlp_residuals
+from matryoshka2d.training.data import read_sentences
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def ridge(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[W'; b'] with the strength of RIDGE_GRID that has the lowest held-out error, refitted on all rows."""
+    out = np.arange(len(x)) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+    fit, held = NormalEquations.empty(x.shape[1], y.shape[1]), NormalEquations.empty(x.shape[1], y.shape[1])
+    fit.add(x[~out], y[~out])
+    held.add(x[out], y[out])
+    best = min(RIDGE_GRID, key=lambda r: held.squared_error(fit.solve(r * fit.rows)))
+    everything = NormalEquations.empty(x.shape[1], y.shape[1])
+    everything.add(x, y)
+    return everything.solve(best * len(x))
+
+
+def apply(solution: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return x @ solution[:-1] + solution[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="minilm-l6")
+    parser.add_argument("--data", default=str(DEFAULT_DATA / "nli" / "train_triplets.tsv"))
+    parser.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    parser.add_argument("--sentences", type=int, default=10000, help="distinct fit sentences")
+    parser.add_argument("--cells", nargs="+", default=["1:64", "3:128", "5:384"])
+    parser.add_argument("--mlp-epochs", type=int, default=10)
+    args = parser.parse_args()
+    print(header())
+    cells = [tuple(int(v) for v in c.split(":")) for c in args.cells]
+    encoder = ElasticEncoder(args.model, device="cpu")
+    top = encoder.num_layers
+    layers = sorted({n for n, _ in cells} | {top})
+    fit_texts = read_sentences(args.data)[: args.sentences]
+    start = time.perf_counter()
+    fit_x = encoder.pooled_states(fit_texts, layers, pooled=True)
+    print(f"encoded {len(fit_texts)} fit sentences at layers {layers} in {time.perf_counter() - start:.0f} s")
+    sets = {name: load_pairs(sts_file(Path(args.data_dir), "raw", name), name) for name in STS_SETS}
+    texts = list(dict.fromkeys(t for p in sets.values() for t in p.sentences1 + p.sentences2))
+    row = {t: i for i, t in enumerate(texts)}
+    sts_x = encoder.pooled_states(texts, layers, pooled=True)
+    target_raw = fit_x[top]  # minilm has no pooler head: the last layer's pooled vector is its output
+
+    def score(vectors: np.ndarray, dim: int) -> float:
+        v = unit(vectors[:, :dim])
+        per_set = []
+        for pairs in sets.values():
+            a = v[[row[t] for t in pairs.sentences1]]
+            b = v[[row[t] for t in pairs.sentences2]]
+            per_set.append(spearman_x100(pairs.gold, (a * b).sum(1)))
+        return float(np.mean(per_set))
+
+    variants: dict[str, dict] = {
+        name: {}
+        for name in (
+            "no head",
+            "affine, normalized target (default)",
+            "affine, raw target",
+            "affine per (exit, width)",
+            "MLP",
+        )
+    }
+    for n, d in cells:
+        if n == top:
+            for name in variants:
+                variants[name][(n, d)] = score(sts_x[top], d)
+            continue
+        variants["no head"][(n, d)] = score(sts_x[n], d)
+        normalized = ridge(fit_x[n], unit(target_raw))
+        variants["affine, normalized target (default)"][(n, d)] = score(apply(normalized, sts_x[n]), d)
+        variants["affine, raw target"][(n, d)] = score(apply(ridge(fit_x[n], target_raw), sts_x[n]), d)
+        variants["affine per (exit, width)"][(n, d)] = score(
+            apply(ridge(fit_x[n], unit(target_raw[:, :d])), sts_x[n]), d
+        )
+        heads = ExitHeads([n], fit_x[n].shape[1], target_raw.shape[1], kind="mlp")
+        with torch.no_grad():
+            heads.heads[str(n)].linear.weight.copy_(torch.from_numpy(normalized[:-1].T.copy()).float())
+            heads.heads[str(n)].linear.bias.copy_(torch.from_numpy(normalized[-1].copy()).float())
+        _train_mlp_residuals(heads, {n: fit_x[n]}, unit(target_raw), args.mlp_epochs, seed=0)
+        with torch.no_grad():
+            mlp = heads(n, torch.from_numpy(sts_x[n])).numpy()
+        variants["MLP"][(n, d)] = score(mlp, d)
+    print(f"\nSTS 7-set average, Spearman x 100 of cosine; heads fitted on {len(fit_texts)} sentences of {args.data}")
+    print("| variant | " + " | ".join(f"({n},{d})" for n, d in cells) + " |")
+    print("|---|" + "---:|" * len(cells))
+    for name, values in variants.items():
+        print(f"| {name} | " + " | ".join(f"{values[c]:.2f}" for c in cells) + " |")
+
+    # The cost of a head: its matrix product next to the layers an exit saves, per text, at batch 64.
+    batch = encoder.tokenize(texts[:64])
+    with torch.inference_mode():
+        encoder(batch, [top])
+        t0 = time.perf_counter()
+        for _ in range(5):
+            encoder(batch, [top])
+        full_ms = (time.perf_counter() - t0) / 5 / 64 * 1000
+        x = torch.from_numpy(sts_x[1][:64])
+        head = torch.nn.Linear(x.shape[1], target_raw.shape[1])
+        t0 = time.perf_counter()
+        for _ in range(200):
+            head(x)
+        head_ms = (time.perf_counter() - t0) / 200 / 64 * 1000
+    print(
+        f"\ncost per text at batch 64: {top} layers {full_ms:.3f} ms, one {x.shape[1]}x{target_raw.shape[1]} head "
+        f"{head_ms:.4f} ms ({100 * head_ms / full_ms:.2f}% of the full model, {100 * head_ms * top / full_ms:.1f}% of "
+        "one layer)"
+    )
+    for n, d in cells:
+        if n < top:
+            print(
+                f"exported cell ({n},{d}): its head as a Dense module of {d} x {x.shape[1]} + {d} float32 = "
+                f"{4 * d * (x.shape[1] + 1) / 1024:.1f} KiB"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""`matryoshka2d heads fit`: exit heads fitted in closed form on unlabelled text, written with the model into a new
+folder (matryoshka2d.models.heads)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+FIT_BATCH = 512  # texts per encoder call while fitting (the encoder batches them further by --batch-size)
+GAIN_CELLS = ((1, 64), (3, 128), (5, 384))  # cells whose STS-B dev gain the fit prints (clipped to the model)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _beir_corpus(path: Path) -> Path | None:
+    """The corpus file of a BEIR folder (corpus.jsonl[.gz]), or the path itself if it is one; else None."""
+    if path.is_dir():
+        for name in ("corpus.jsonl", "corpus.jsonl.gz"):
+            if (path / name).is_file():
+                return path / name
+        return None
+    return path if path.name in ("corpus.jsonl", "corpus.jsonl.gz") else None
+
+
+def read_texts(sources: list[str]) -> Iterator[str]:
+    """Distinct texts of every source in order: training data of any kind (TSV or JSONL of triplets, NLI or
+    scored pairs), plain text files (one sentence per line), or a BEIR corpus (a folder holding corpus.jsonl, or
+    the file): its documents' title and text."""
+    from matryoshka2d.retrieval.index import read_corpus
+    from matryoshka2d.training.data import read_sentences
+
+    seen: set[str] = set()
+    for source in sources:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"--data {source}: no such file or folder")
+        corpus = _beir_corpus(path)
+        if corpus is not None:
+            texts: Iterator[str] = (text for _, text in read_corpus(corpus))
+        elif path.is_dir():
+            raise ValueError(f"--data {source}: a folder, but not a BEIR corpus (no corpus.jsonl in it)")
+        else:
+            texts = iter(read_sentences(path))
+        for text in texts:
+            if text.strip() and text not in seen:
+                seen.add(text)
+                yield text
+
+
+def _gain_table(encoder, cells) -> list[str]:
+    """STS-B dev Spearman x 100 at a few cells, without and with the heads (the only STS data a fit may see)."""
+    import torch
+
+    from matryoshka2d.evaluate.grid import unit_rows
+    from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
+    from matryoshka2d.paths import sts_dev_file
+
+    try:
+        pairs = load_pairs(sts_dev_file())
+    except (FileNotFoundError, ValueError) as exc:
+        return [f"(no STS-B dev gain table: {exc})"]
+    n = len(pairs.sentences1)
+    texts = pairs.sentences1 + pairs.sentences2
+    layers = sorted({c[0] for c in cells})
+    lines = ["STS-B dev, Spearman x 100 of cosine:", "| cell | no heads | heads | gain |", "|---|---:|---:|---:|"]
+    pooled = encoder.pooled_states(texts, layers, pooled=True)  # one pass; both sides made from it
+    for layer, dim in cells:
+        scores = []
+        for use in (False, True):
+            with torch.no_grad():
+                vectors = encoder.cell_vector(layer, torch.from_numpy(pooled[layer]).to(encoder.device), heads=use)
+            cell = unit_rows(vectors.float().cpu().numpy()[:, :dim])
+            scores.append(spearman_x100(pairs.gold, (cell[:n] * cell[n:]).sum(1)))
+        lines.append(f"| ({layer},{dim}) | {scores[0]:.2f} | {scores[1]:.2f} | {scores[1] - scores[0]:+.2f} |")
+    return lines
+
+
+def cmd_heads_fit(args) -> int:
+    import json
+
+    from matryoshka2d.cli.args import load_encoder
+    from matryoshka2d.evaluate.grid import parse_ints
+    from matryoshka2d.models.heads import fit_heads
+    from matryoshka2d.training.checkpoints import save_model_atomically
+
+    out = Path(args.output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ValueError(f"--output {out} already exists and is not empty; pass --overwrite or choose another folder")
+    if args.max_sentences is not None and args.max_sentences < 1:
+        raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
+    args.no_heads = True  # fit on the backbone alone: heads already in the folder are replaced
+    encoder = load_encoder(args, log=lambda _m: None)
+    if encoder.location and out.resolve() == Path(encoder.location).resolve():
+        raise ValueError(f"--output {out} is the model's own folder; write the model with heads to a new folder")
+    texts = read_texts(args.data)
+    if args.max_sentences is not None:
+        texts = itertools.islice(texts, args.max_sentences)
+
+    def batches():
+        while chunk := list(itertools.islice(texts, FIT_BATCH)):
+            yield chunk
+
+    heads, report = fit_heads(
+        encoder,
+        batches(),
+        target=args.target,
+        kind=args.kind,
+        select=args.select,
+        layers=parse_ints(args.layers, "layers"),
+        log=_log if not args.quiet else None,
+    )
+    heads.record["data"] = [str(Path(d).resolve()) for d in args.data]
+    encoder.set_exit_heads(heads)
+    source = Path(encoder.location or "") / "matryoshka2d.json"
+    metadata = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {}
+    metadata["heads_fit"] = {"from_model": encoder.location or encoder.name, "seconds": report.seconds}
+    saved = save_model_atomically(lambda folder: encoder.save(folder, metadata=metadata), out)
+    print(
+        f"fitted {heads.describe()} on {report.sentences} sentences ({report.held_out} held out to choose the ridge "
+        f"strength; lambda/n per layer: {', '.join(f'{n}: {v:g}' for n, v in report.strengths.items())}) in "
+        f"{report.seconds:.1f} s -> {saved}"
+    )
+    top, width = encoder.num_layers, encoder.hidden_size
+    cells = sorted({(min(n, top - 1), min(d, width)) for n, d in GAIN_CELLS} | {(top, width)})
+    print("\n".join(_gain_table(encoder, cells)))
+    return 0
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser("heads", help="exit heads: a small map at every exit into the last layer's space")
+    hsub = p.add_subparsers(dest="action", required=True)
+    f = hsub.add_parser(
+        "fit",
+        help="fit exit heads in closed form on unlabelled text and write the model with them",
+        description="One encoder pass over the text fits one affine head per exit layer l < N by ridge regression "
+        "from the pooled layer-l vector to the last layer's vector (normal equations in float64, streamed; the "
+        "ridge strength chosen on a held-out tenth). No labels are used. The model with its heads is written to "
+        "--output; the input model is not changed.",
+    )
+    model_args(f, heads=False)
+    f.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="training data (TSV/JSONL triplets, NLI or scored pairs), plain text files, or a BEIR corpus",
+    )
+    f.add_argument("--output", required=True, help="folder for the model with its heads")
+    f.add_argument("--target", choices=["normalized", "raw"], default="normalized", help="last-layer vector as target")
+    f.add_argument("--kind", choices=["affine", "mlp"], default="affine", help="affine (closed form) or a small MLP")
+    f.add_argument("--layers", nargs="*", help="exits to fit (default: every layer below the last)")
+    f.add_argument(
+        "--select",
+        choices=["similarity", "mse"],
+        default="mse",
+        help="choose the ridge strength on the held-out tenth by squared error to the last layer's vectors (mse) "
+        "or by how well the heads keep its cosine similarities between sentences (similarity)",
+    )
+    f.add_argument("--max-sentences", type=int, help="use at most this many distinct sentences (default: all)")
+    f.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    f.add_argument("--quiet", action="store_true", help="no progress lines")
+    f.set_defaults(func=cmd_heads_fit)

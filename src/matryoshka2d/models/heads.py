@@ -1,0 +1,424 @@
+"""Exit heads: one small learned map per exit layer l < N, from the pooled layer-l vector into the model's output
+space (what the last layer gives). A cell (l, d) is then the first d numbers of head_l(pool_l(x)).
+
+A pooled shallow layer lives in another space than the last layer; a plain affine map recovers most of the gap.
+Fitted in closed form (ridge regression onto the last layer's own vectors, no labels) on all-MiniLM-L6-v2, it
+lifts the STS average at (3,128) from about 50 to about 71 (docs/exit-heads.md). The last layer has no head.
+
+On disk (a model folder):
+- `exit_heads.safetensors`: `layer{l}.linear.weight` (out x in), `layer{l}.linear.bias`, and for MLP heads
+  `layer{l}.up.weight`, `layer{l}.up.bias`, `layer{l}.down.weight`;
+- `matryoshka2d.json` key `exit_heads`: kind, layers, sizes, the file's sha256, the sha256 of the backbone the
+  heads were fitted or trained on, and how they were made. A head file that does not match its record, or a
+  record whose backbone checksum is not the folder's backbone, is refused when the folder is loaded.
+
+Fitting (`fit_heads`) streams: for each exit it accumulates the normal equations X'X and X'Y in float64 batch by
+batch, so memory does not grow with the data; every tenth sentence is held out, and the ridge strength is the one of
+a small grid with the lowest held-out squared error (computed from held-out X'X, X'Y, Y'Y, no second pass; or,
+with select="similarity", the one whose heads best keep the last layer's cosine similarities between held-out
+sentences); the final head is refitted on all sentences with that strength.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from matryoshka2d.models.backbones import BackboneError
+
+HEADS_FILE = "exit_heads.safetensors"
+RECORD_KEY = "exit_heads"  # in matryoshka2d.json
+KINDS = ("affine", "mlp")
+TARGETS = ("normalized", "raw")  # the last layer's vector scaled to length 1, or as pooled
+# Ridge strengths tried, as multiples of the number of training sentences (lambda = r x n; the issue's
+# measurement used 0.01 x n). The bias is never penalised.
+RIDGE_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+HELD_OUT_EVERY = 10  # every tenth sentence is held out to choose the ridge strength
+# How the ridge strength is chosen on the held-out sentences: "similarity" keeps the strength whose heads best
+# preserve the last layer's cosine similarities between held-out sentences (Pearson over random pairs, what STS
+# and retrieval use); "mse" the lowest squared error to the target vectors. The similarity criterion needs the
+# held-out vectors themselves, so it keeps a fixed-size sample of them (memory stays bounded).
+SELECTIONS = ("similarity", "mse")
+SIMILARITY_SAMPLE = 2000  # held-out sentences kept for the similarity criterion
+SIMILARITY_PAIRS = 20000
+
+
+class HeadsError(BackboneError):
+    """Exit heads that cannot be fitted, loaded or used; the message says which file or option and why."""
+
+
+class ExitHead(nn.Module):
+    """An affine map y = W x + b; the MLP kind adds a residual y += V gelu(U x + c) (V starts at zero, so an
+    MLP head starts as its affine part)."""
+
+    def __init__(self, dim_in: int, dim_out: int, kind: str = "affine", hidden: int | None = None):
+        super().__init__()
+        if kind not in KINDS:
+            raise HeadsError(f"exit head kind '{kind}' is not known; choose one of {', '.join(KINDS)}")
+        self.kind = kind
+        self.linear = nn.Linear(dim_in, dim_out)
+        if kind == "mlp":
+            hidden = hidden or dim_in
+            self.up = nn.Linear(dim_in, hidden)
+            self.down = nn.Linear(hidden, dim_out, bias=False)
+            nn.init.zeros_(self.down.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.kind == "mlp":
+            y = y + self.down(nn.functional.gelu(self.up(x)))
+        return y
+
+
+class ExitHeads(nn.Module):
+    """One ExitHead per exit layer; `forward(layer, x)` maps layer `layer`'s pooled vectors."""
+
+    def __init__(
+        self, layers: Iterable[int], dim_in: int, dim_out: int, kind: str = "affine", hidden: int | None = None
+    ):
+        super().__init__()
+        self.layers = sorted({int(n) for n in layers})
+        self.dim_in, self.dim_out, self.kind = dim_in, dim_out, kind
+        self.hidden = (hidden or dim_in) if kind == "mlp" else None
+        self.heads = nn.ModuleDict({str(n): ExitHead(dim_in, dim_out, kind, self.hidden) for n in self.layers})
+        self.record: dict = {}  # how the heads were made (fit options, data, held-out errors), saved with them
+
+    @classmethod
+    def identity(cls, layers: Iterable[int], dim_in: int, dim_out: int, kind: str = "affine") -> ExitHeads:
+        """Heads that start as the identity (the first dim_out numbers when the sizes differ)."""
+        heads = cls(layers, dim_in, dim_out, kind)
+        with torch.no_grad():
+            for head in heads.heads.values():
+                head.linear.weight.copy_(torch.eye(dim_out, dim_in))
+                head.linear.bias.zero_()
+        heads.record = {"init": "identity"}
+        return heads
+
+    def has(self, layer: int) -> bool:
+        return str(layer) in self.heads
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        head = self.heads[str(layer)]
+        return head(x.to(head.linear.weight.dtype))
+
+    def describe(self) -> str:
+        return f"{self.kind} exit heads at layers {','.join(map(str, self.layers))} ({self.dim_in} -> {self.dim_out})"
+
+    def bytes_per_cell(self, dim: int) -> int:
+        """float32 bytes one exported cell of width `dim` keeps of its head (the first dim output rows)."""
+        params = dim * self.dim_in + dim  # W[:dim], b[:dim]
+        if self.kind == "mlp":
+            params += self.hidden * self.dim_in + self.hidden + dim * self.hidden
+        return 4 * params
+
+
+# ---- identity of the backbone ------------------------------------------------------------------------------
+
+
+def backbone_sha256(encoder) -> str:
+    """sha256 of the backbone's weights (the transformer and any pooler head, not the exit heads), in a form that
+    is the same for a model in memory and for the folder it was saved to."""
+    digest = hashlib.sha256()
+    modules = {"model": encoder.model}
+    if encoder.head is not None:
+        modules["pooler"] = encoder.head
+    with torch.no_grad():
+        for prefix, module in modules.items():
+            for name, tensor in sorted(module.state_dict().items()):
+                digest.update(f"{prefix}.{name}".encode())
+                digest.update(tensor.detach().to(torch.float32).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---- on disk -----------------------------------------------------------------------------------------------
+
+
+def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
+    """Write the heads' weights into `folder`; returns the record that goes into matryoshka2d.json."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tensors = {
+        f"layer{n}.{name}": tensor.detach().to(torch.float32).cpu().contiguous()
+        for n in heads.layers
+        for name, tensor in heads.heads[str(n)].state_dict().items()
+    }
+    save_file(tensors, str(folder / HEADS_FILE))
+    return {
+        "file": HEADS_FILE,
+        "sha256": _file_sha256(folder / HEADS_FILE),
+        "kind": heads.kind,
+        "layers": heads.layers,
+        "dim_in": heads.dim_in,
+        "dim_out": heads.dim_out,
+        "hidden": heads.hidden,
+        "backbone_sha256": backbone,
+        **({"made": heads.record} if heads.record else {}),
+    }
+
+
+def read_record(folder: str | Path) -> dict | None:
+    """The `exit_heads` record of a model folder's matryoshka2d.json, or None if the folder has no heads."""
+    meta = Path(folder) / "matryoshka2d.json"
+    if not meta.is_file():
+        return None
+    try:
+        record = json.loads(meta.read_text(encoding="utf-8")).get(RECORD_KEY)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise HeadsError(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
+    return record if record else None
+
+
+def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
+    """The heads a folder's record describes, checked against the file and against `encoder`'s backbone."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    where = f"{folder / 'matryoshka2d.json'} ({RECORD_KEY})"
+    try:
+        kind, layers = record["kind"], [int(n) for n in record["layers"]]
+        dim_in, dim_out = int(record["dim_in"]), int(record["dim_out"])
+        path = folder / record["file"]
+        expected_sha, backbone = record["sha256"], record["backbone_sha256"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HeadsError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
+    if not path.is_file():
+        raise HeadsError(f"{where} names {path.name}, which is missing from {folder}")
+    if _file_sha256(path) != expected_sha:
+        raise HeadsError(f"{path}: the file is damaged or was changed (its sha256 is not the one recorded in {where})")
+    if dim_in != encoder.transformer_size or dim_out != encoder.hidden_size:
+        raise HeadsError(
+            f"{path}: heads map {dim_in} -> {dim_out} numbers, but {encoder.name} pools {encoder.transformer_size} "
+            f"and outputs {encoder.hidden_size}: they were fitted on another backbone"
+        )
+    if bad := [n for n in layers if not 1 <= n < encoder.num_layers]:
+        raise HeadsError(f"{path}: heads at layers {bad}; {encoder.name} has exits 1..{encoder.num_layers - 1}")
+    actual = backbone_sha256(encoder)
+    if actual != backbone:
+        raise HeadsError(
+            f"{path}: these heads were fitted on another backbone (backbone sha256 {backbone[:12]}..., this "
+            f"model's is {actual[:12]}...); fit them again with `matryoshka2d heads fit`, or load with heads off "
+            "(heads=False, --no-heads)"
+        )
+    heads = ExitHeads(layers, dim_in, dim_out, kind, record.get("hidden"))
+    try:
+        tensors = load_file(str(path))
+        state = {
+            f"{n}.{name}": tensors.pop(f"layer{n}.{name}") for n in layers for name in heads.heads[str(n)].state_dict()
+        }
+        heads.heads.load_state_dict(state)
+    except (SafetensorError, KeyError, RuntimeError, OSError) as exc:
+        raise HeadsError(f"{path}: cannot read the heads ({str(exc).splitlines()[0]})") from None
+    heads.record = dict(record.get("made") or {})
+    return heads
+
+
+# ---- closed-form fitting -----------------------------------------------------------------------------------
+
+
+@dataclass
+class NormalEquations:
+    """X'X and X'Y of [x, 1] -> y, plus Y'Y, accumulated in float64 (for the held-out error too)."""
+
+    xtx: np.ndarray
+    xty: np.ndarray
+    yty: float = 0.0
+    rows: int = 0
+
+    @classmethod
+    def empty(cls, dim_in: int, dim_out: int) -> NormalEquations:
+        return cls(np.zeros((dim_in + 1, dim_in + 1)), np.zeros((dim_in + 1, dim_out)))
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        x1 = np.concatenate([x.astype(np.float64), np.ones((len(x), 1))], axis=1)
+        y = y.astype(np.float64)
+        self.xtx += x1.T @ x1
+        self.xty += x1.T @ y
+        self.yty += float(np.einsum("ij,ij->", y, y))
+        self.rows += len(x)
+
+    def solve(self, strength: float) -> np.ndarray:
+        """[W'; b'] of the ridge solution with penalty `strength` on W (not on the bias)."""
+        penalty = np.full(self.xtx.shape[0], strength)
+        penalty[-1] = 0.0
+        return np.linalg.solve(self.xtx + np.diag(penalty), self.xty)
+
+    def squared_error(self, solution: np.ndarray) -> float:
+        """sum ||[x,1] A - y||^2 over the accumulated rows, from the sums alone."""
+        return float(
+            np.einsum("ij,ij->", solution, self.xtx @ solution)
+            - 2 * np.einsum("ij,ij->", solution, self.xty)
+            + self.yty
+        )
+
+
+@dataclass
+class FitReport:
+    sentences: int
+    held_out: int
+    target: str
+    strengths: dict[int, float] = field(default_factory=dict)  # layer -> chosen lambda / n
+    held_out_mse: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: mse}
+    held_out_similarity: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: r}
+    seconds: float = 0.0
+
+
+def fit_heads(
+    encoder,
+    batches: Iterable[Sequence[str]],
+    target: str = "normalized",
+    kind: str = "affine",
+    layers: Sequence[int] | None = None,
+    mlp_epochs: int = 20,
+    seed: int = 0,
+    select: str = "mse",
+    log: Callable[[str], None] | None = None,
+) -> tuple[ExitHeads, FitReport]:
+    """Fit exit heads on batches of distinct texts, with no labels: each exit's pooled vector is regressed onto
+    the last layer's output vector (scaled to length 1 for target="normalized"). One encoder pass per batch,
+    every exit at once. The MLP kind starts from the closed-form affine fit and trains its residual with Adam on
+    the pooled vectors, which it keeps in memory (its memory grows with the data, unlike the affine fit)."""
+    import time
+
+    if target not in TARGETS:
+        raise HeadsError(f"--target {target}: choose one of {', '.join(TARGETS)}")
+    if kind not in KINDS:
+        raise HeadsError(f"--kind {kind}: choose one of {', '.join(KINDS)}")
+    if select not in SELECTIONS:
+        raise HeadsError(f"--select {select}: choose one of {', '.join(SELECTIONS)}")
+    top = encoder.num_layers
+    if top < 2:
+        raise HeadsError(f"{encoder.name} has one layer: there is no exit below the last layer to fit a head for")
+    exits = sorted({int(n) for n in (layers or range(1, top))})
+    if bad := [n for n in exits if not 1 <= n < top]:
+        raise HeadsError(f"--layers {bad}: exit heads go on layers 1..{top - 1} (the last layer has none)")
+    start = time.perf_counter()
+    d_in, d_out = encoder.transformer_size, encoder.hidden_size
+    fit = {n: NormalEquations.empty(d_in, d_out) for n in exits}
+    held = {n: NormalEquations.empty(d_in, d_out) for n in exits}
+    kept: dict[int, list[np.ndarray]] = {n: [] for n in [*exits, top]}
+    sample: dict[int, list[np.ndarray]] = {n: [] for n in [*exits, top]}  # held-out rows for the criterion
+    sampled, seen = 0, 0
+    for texts in batches:
+        texts = list(texts)
+        if not texts:
+            continue
+        raw = encoder.pooled_states(texts, [*exits, top], pooled=True)  # before any head, per layer
+        with torch.no_grad():
+            y = (
+                encoder.cell_vector(top, torch.from_numpy(raw[top]).to(encoder.device), heads=False)
+                .float()
+                .cpu()
+                .numpy()
+            )
+        if target == "normalized":
+            y = y / np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-12)
+        position = np.arange(seen, seen + len(texts))
+        out = position % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+        for n in exits:
+            fit[n].add(raw[n][~out], y[~out])
+            held[n].add(raw[n][out], y[out])
+            if kind == "mlp":
+                kept[n].append(raw[n])
+        if kind == "mlp":
+            kept[top].append(y)
+        take = np.flatnonzero(out)[: max(0, SIMILARITY_SAMPLE - sampled)]
+        for n in exits:
+            sample[n].append(raw[n][take])
+        sample[top].append(y[take])
+        sampled += len(take)
+        seen += len(texts)
+        if log:
+            log(f"heads fit: {seen} sentences encoded")
+    train_rows = fit[exits[0]].rows
+    if seen == 0:
+        raise HeadsError("heads fit: the data holds no sentences")
+    if train_rows <= d_in:
+        raise HeadsError(
+            f"heads fit: {seen} sentences, {train_rows} of them for fitting; a head of {encoder.name} has "
+            f"{d_in + 1} inputs, so fitting needs more sentences than that (give at least {2 * d_in})"
+        )
+    report = FitReport(sentences=seen, held_out=held[exits[0]].rows, target=target)
+    heads = ExitHeads(exits, d_in, d_out, kind)
+    pairs = _pairs(sampled, seed)
+    target_cos = _cosines(np.concatenate(sample[top]), pairs) if sampled else None
+    for n in exits:
+        errors, similarity = {}, {}
+        for ratio in RIDGE_GRID:
+            solution = fit[n].solve(ratio * train_rows)
+            errors[ratio] = held[n].squared_error(solution) / max(1, held[n].rows) if held[n].rows else 0.0
+            if target_cos is not None:
+                mapped = np.concatenate(sample[n]) @ solution[:-1] + solution[-1]
+                similarity[ratio] = float(np.corrcoef(_cosines(mapped, pairs), target_cos)[0, 1])
+        if not held[n].rows:
+            best = 1e-2
+        elif select == "similarity" and similarity:
+            best = max(similarity, key=similarity.get)
+        else:
+            best = min(errors, key=errors.get)
+        report.held_out_mse[n], report.held_out_similarity[n], report.strengths[n] = errors, similarity, best
+        everything = NormalEquations(fit[n].xtx + held[n].xtx, fit[n].xty + held[n].xty, fit[n].yty + held[n].yty)
+        solution = everything.solve(best * (train_rows + held[n].rows))
+        with torch.no_grad():
+            head = heads.heads[str(n)]
+            head.linear.weight.copy_(torch.from_numpy(solution[:-1].T.copy()).float())
+            head.linear.bias.copy_(torch.from_numpy(solution[-1].copy()).float())
+    if kind == "mlp":
+        _train_mlp_residuals(
+            heads, {n: np.concatenate(kept[n]) for n in exits}, np.concatenate(kept[top]), mlp_epochs, seed
+        )
+    report.seconds = round(time.perf_counter() - start, 1)
+    heads.record = {
+        "init": "closed-form ridge" + (" + MLP residual (Adam)" if kind == "mlp" else ""),
+        "target": f"last layer ({target})",
+        "sentences": report.sentences,
+        "held_out": report.held_out,
+        "ridge_lambda_over_n": {str(n): v for n, v in report.strengths.items()},
+        "ridge_chosen_by": f"held-out {select}",
+    }
+    return heads, report
+
+
+def _pairs(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random distinct pairs (i, j) of `rows` held-out sentences, the same for every ridge strength."""
+    rng = np.random.default_rng(seed)
+    i, j = rng.integers(0, max(rows, 1), SIMILARITY_PAIRS), rng.integers(0, max(rows, 1), SIMILARITY_PAIRS)
+    keep = i != j
+    return i[keep], j[keep]
+
+
+def _cosines(x: np.ndarray, pairs: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    unit = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    return (unit[pairs[0]] * unit[pairs[1]]).sum(1)
+
+
+def _train_mlp_residuals(heads: ExitHeads, x: dict[int, np.ndarray], y: np.ndarray, epochs: int, seed: int) -> None:
+    """Train each MLP head's residual (its affine part too) with Adam on mean squared error, full data in memory."""
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.from_numpy(y).float()
+    for n, features in x.items():
+        head = heads.heads[str(n)]
+        inputs = torch.from_numpy(features).float()
+        optimizer = torch.optim.Adam(head.parameters(), lr=1e-3)
+        for _ in range(epochs):
+            for idx in torch.randperm(len(inputs), generator=generator).split(256):
+                loss = nn.functional.mse_loss(head(inputs[idx]), target[idx])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()

@@ -1,0 +1,239 @@
+"""Exit heads (issue 18): the closed-form fit, heads in the model folder, every place a cell is made, training."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_transformer
+from matryoshka2d.cli import main
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.heads import HEADS_FILE, ExitHeads, HeadsError, NormalEquations, fit_heads
+
+
+@pytest.fixture(scope="module")
+def sentences(tokenizer):
+    """Two hundred distinct short 'sentences' of real word pieces (more than the tiny model's 33 inputs)."""
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:400]
+    rng = np.random.default_rng(1)
+    return list(dict.fromkeys(" ".join(rng.choice(words, rng.integers(3, 9))) for _ in range(220)))[:200]
+
+
+@pytest.fixture()
+def encoder(tokenizer):
+    return ElasticEncoder.from_modules(
+        tiny_transformer("bert", tokenizer.vocab_size), tokenizer, pooling="mean", name="tiny-bert", device="cpu"
+    )
+
+
+@pytest.fixture(scope="module")
+def text_file(sentences, tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "sentences.txt"
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    return path
+
+
+def test_streamed_normal_equations_give_the_ridge_solution_of_all_rows():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(300, 6)), rng.normal(size=(300, 4))
+    eq = NormalEquations.empty(6, 4)
+    for part in np.array_split(np.arange(300), 7):  # batch by batch, as the fit streams
+        eq.add(x[part], y[part])
+    strength = 3.0
+    x1 = np.hstack([x, np.ones((300, 1))])
+    penalty = np.diag([strength] * 6 + [0.0])
+    expected = np.linalg.solve(x1.T @ x1 + penalty, x1.T @ y)
+    np.testing.assert_allclose(eq.solve(strength), expected, atol=1e-10)
+    assert eq.squared_error(expected) == pytest.approx(float(((x1 @ expected - y) ** 2).sum()), rel=1e-9)
+
+
+def test_fitted_heads_map_shallow_layers_onto_the_last_and_leave_it_alone(encoder, sentences):
+    heads, report = fit_heads(encoder, [sentences[:120], sentences[120:]])
+    assert heads.layers == [1, 2, 3] and report.sentences == 200 and report.held_out == 20
+    assert set(report.strengths) == {1, 2, 3}
+    raw = encoder.pooled_states(sentences, [1, 4], pooled=True)
+    target = raw[4] / np.linalg.norm(raw[4], axis=1, keepdims=True)
+    before = np.mean((raw[1] - target) ** 2)
+    encoder.set_exit_heads(heads)
+    after = encoder.encode(sentences, layer=1)
+    assert np.mean((after - target) ** 2) < 0.5 * before  # closer to the last layer's space
+    np.testing.assert_array_equal(encoder.encode(sentences, layer=4), encoder.encode(sentences, layer=4, heads=False))
+    np.testing.assert_allclose(encoder.encode(sentences, layer=1, heads=False), raw[1], atol=1e-6)
+
+
+def test_fit_refuses_no_data_and_too_few_sentences(encoder, sentences):
+    with pytest.raises(HeadsError, match="holds no sentences"):
+        fit_heads(encoder, [])
+    with pytest.raises(HeadsError, match=r"fitting needs more sentences than that \(give at least 64\)"):
+        fit_heads(encoder, [sentences[:30]])
+    with pytest.raises(HeadsError, match=r"--layers \[4\]: exit heads go on layers 1..3"):
+        fit_heads(encoder, [sentences], layers=[4])
+
+
+def _saved_with_heads(encoder, sentences, folder):
+    heads, _ = fit_heads(encoder, [sentences])
+    encoder.set_exit_heads(heads)
+    encoder.save(folder, metadata={"method": {"name": "plain"}})
+    return folder
+
+
+def test_heads_live_in_the_folder_and_load_with_it(encoder, sentences, tmp_path):
+    folder = _saved_with_heads(encoder, sentences, tmp_path / "m")
+    record = json.loads((folder / "matryoshka2d.json").read_text())["exit_heads"]
+    assert record["layers"] == [1, 2, 3] and record["file"] == HEADS_FILE and len(record["backbone_sha256"]) == 64
+    assert json.loads((folder / "matryoshka2d.json").read_text())["method"] == {"name": "plain"}
+    loaded = ElasticEncoder(str(folder), device="cpu")
+    assert loaded.exit_heads is not None and loaded.folder_has_heads
+    np.testing.assert_allclose(
+        loaded.encode(sentences[:20], layer=2, dim=16), encoder.encode(sentences[:20], layer=2, dim=16), atol=1e-5
+    )
+    off = ElasticEncoder(str(folder), device="cpu", heads=False)
+    assert off.exit_heads is None and off.folder_has_heads
+    np.testing.assert_allclose(
+        off.encode(sentences[:20], layer=2), encoder.encode(sentences[:20], layer=2, heads=False), atol=1e-5
+    )
+    # Saving again keeps them: a model never silently loses its heads.
+    loaded.save(tmp_path / "again")
+    assert ElasticEncoder(str(tmp_path / "again"), device="cpu").exit_heads.layers == [1, 2, 3]
+
+
+def test_a_damaged_heads_file_or_record_is_refused(encoder, sentences, tmp_path):
+    folder = _saved_with_heads(encoder, sentences, tmp_path / "m")
+    data = bytearray((folder / HEADS_FILE).read_bytes())
+    data[-5] ^= 0xFF
+    (folder / HEADS_FILE).write_bytes(bytes(data))
+    with pytest.raises(HeadsError, match="exit_heads.safetensors: the file is damaged or was changed"):
+        ElasticEncoder(str(folder), device="cpu")
+    ElasticEncoder(str(folder), device="cpu", heads=False)  # off: the rest of the model still loads
+    (folder / HEADS_FILE).unlink()
+    with pytest.raises(HeadsError, match="names exit_heads.safetensors, which is missing"):
+        ElasticEncoder(str(folder), device="cpu")
+
+
+def test_heads_of_another_backbone_are_refused(encoder, sentences, tmp_path, tokenizer):
+    folder = _saved_with_heads(encoder, sentences, tmp_path / "m")
+    torch.manual_seed(5)
+    other = ElasticEncoder.from_modules(
+        tiny_transformer("bert", tokenizer.vocab_size).apply(
+            lambda m: m.reset_parameters() if isinstance(m, torch.nn.Linear) else None
+        ),
+        tokenizer,
+        pooling="mean",
+        device="cpu",
+    )
+    other.save(tmp_path / "other")
+    for name in (HEADS_FILE, "matryoshka2d.json"):  # graft the heads onto the other backbone
+        shutil.copy(folder / name, tmp_path / "other" / name)
+    with pytest.raises(HeadsError, match="fitted on another backbone"):
+        ElasticEncoder(str(tmp_path / "other"), device="cpu")
+
+
+def test_heads_of_another_shape_are_refused(encoder):
+    with pytest.raises(ValueError, match=r"do not fit tiny-bert"):
+        encoder.set_exit_heads(ExitHeads([1], 16, 32))
+    with pytest.raises(ValueError, match=r"exit heads at layers \[4\]: tiny-bert has exits 1..3"):
+        encoder.set_exit_heads(ExitHeads([4], 32, 32))
+
+
+def test_an_exported_cell_keeps_its_head(encoder, sentences, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    from matryoshka2d.deploy.export import export_cell
+
+    _saved_with_heads(encoder, sentences, tmp_path / "m")
+    model = ElasticEncoder(str(tmp_path / "m"), device="cpu")
+    report = export_cell(model, 3, 16, tmp_path / "cell", fmt="onnx", normalize=True)
+    expected = model.encode(sentences[:10], layer=3, dim=16, normalize=True)
+    got = SentenceTransformer(str(tmp_path / "cell"), device="cpu").encode(sentences[:10])
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert report.checks and max(report.checks.values()) < 1e-4  # the ONNX graph too
+    dense = json.loads((tmp_path / "cell" / "2_Dense" / "config.json").read_text())
+    assert (dense["in_features"], dense["out_features"]) == (32, 16)  # only the rows the cell needs
+    assert not (tmp_path / "cell" / HEADS_FILE).exists()
+
+
+def test_heads_fit_command_writes_a_new_folder_and_leaves_the_input_alone(tiny_dir, text_file, tmp_path, capsys):
+    before = sorted(p.name for p in tiny_dir.iterdir())
+    out = tmp_path / "with-heads"
+    args = ["heads", "fit", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(text_file)]
+    assert main([*args, "--output", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "fitted affine exit heads at layers 1,2,3 (32 -> 32) on 200 sentences (20 held out" in printed
+    assert "| cell | no heads | heads | gain |" in printed or "no STS-B dev gain table" in printed
+    assert sorted(p.name for p in tiny_dir.iterdir()) == before
+    assert ElasticEncoder(str(out), device="cpu").exit_heads.layers == [1, 2, 3]
+    assert main([*args, "--output", str(out)]) == 2  # not over a model without --overwrite
+    assert "already exists and is not empty" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert main([*args[:-1], str(empty), "--output", str(tmp_path / "x")]) == 2
+    assert "empty.txt: no sentences" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_no_heads_flag_on_a_folder_without_heads_is_fine_and_says_so(tiny_dir, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("a cat\na dog\n")
+    args = ["encode", "--model", str(tiny_dir), "--pooling", "mean", "--input", str(src), "--layer", "2"]
+    assert main([*args, "--output", str(tmp_path / "v"), "--no-heads"]) == 0
+    assert "--no-heads: it has no exit heads" in capsys.readouterr().err
+
+
+def test_training_with_exit_heads_trains_them_and_saves_them(tiny_dir, text_file, tmp_path):
+    from matryoshka2d.training.config import TrainConfig
+    from matryoshka2d.training.trainer import Trainer
+
+    lines = text_file.read_text().split("\n")
+    rows = ["anchor\tpositive\tnegative"] + [
+        f"{a}\t{a} too\t{b}" for a, b in zip(lines[:96:2], lines[1:96:2], strict=True)
+    ]
+    data = tmp_path / "t.tsv"
+    data.write_text("\n".join(rows) + "\n")
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("sentence1\tsentence2\tscore\nred cat\tred cat\t5\nred cat\tblue dog\t1\nold dog\thappy cat\t0\n")
+
+    def config(out, **kw):
+        return TrainConfig(
+            model=str(tiny_dir),
+            pooling="mean",
+            data=[str(data)],
+            output=str(out),
+            batch_size=8,
+            steps=2,
+            eval_file=str(dev),
+            lr=1e-3,
+            warmup_ratio=0.0,
+            save_steps=0,
+            method="2dmse",
+            **kw,
+        )
+
+    trainer = Trainer(config(tmp_path / "run", exit_heads="identity", exit_heads_lr=1e-2))
+    start = {k: v.clone() for k, v in trainer.encoder.exit_heads.state_dict().items()}
+    trainer.run(progress=False)
+    moved = [k for k, v in trainer.encoder.exit_heads.state_dict().items() if not torch.equal(v, start[k])]
+    assert moved  # the heads got gradient through the shallow views
+    saved = ElasticEncoder(str(tmp_path / "run"), device="cpu")
+    assert saved.exit_heads.layers == [1, 2, 3]
+    assert saved.exit_heads.record["init"] == "identity"
+    with pytest.raises(ValueError, match="method 'plain' trains no view below the last layer"):
+        Trainer(TrainConfig(**{**config(tmp_path / "p", exit_heads="fit").__dict__, "method": "plain"}))
+
+
+def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
+    from matryoshka2d.evaluate.grid import EncoderCells
+
+    heads, _ = fit_heads(encoder, [sentences])
+    encoder.set_exit_heads(heads)
+    cells = EncoderCells(encoder, [1, 4], [8, 32], compare_heads=True)
+    texts = sentences[:12]
+    with_heads = cells.embed(texts)
+    without = cells.without_heads().embed(texts)
+    for layer, dim in cells.cells():
+        np.testing.assert_allclose(with_heads[(layer, dim)], encoder.encode(texts, layer=layer, dim=dim), atol=1e-5)
+        np.testing.assert_allclose(
+            without[(layer, dim)], encoder.encode(texts, layer=layer, dim=dim, heads=False), atol=1e-5
+        )
+    assert not np.allclose(with_heads[(1, 32)], without[(1, 32)])
+    np.testing.assert_array_equal(with_heads[(4, 32)], without[(4, 32)])  # the last layer has no head
