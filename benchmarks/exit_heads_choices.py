@@ -58,12 +58,16 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=10000, help="distinct fit sentences")
     parser.add_argument("--cells", nargs="+", default=["1:64", "3:128", "5:384"])
     parser.add_argument("--mlp-epochs", type=int, default=10)
+    parser.add_argument("--cost-only", action="store_true", help="only the cost of a head in time and bytes")
     args = parser.parse_args()
     print(header())
     cells = [tuple(int(v) for v in c.split(":")) for c in args.cells]
     encoder = ElasticEncoder(args.model, device="cpu")
     top = encoder.num_layers
     layers = sorted({n for n, _ in cells} | {top})
+    if args.cost_only:
+        head_cost(encoder, read_sentences(args.data)[:64], cells)
+        return
     fit_texts = read_sentences(args.data)[: args.sentences]
     start = time.perf_counter()
     fit_x = encoder.pooled_states(fit_texts, layers, pooled=True)
@@ -119,30 +123,39 @@ def main() -> None:
     for name, values in variants.items():
         print(f"| {name} | " + " | ".join(f"{values[c]:.2f}" for c in cells) + " |")
 
-    # The cost of a head: its matrix product next to the layers an exit saves, per text, at batch 64.
-    batch = encoder.tokenize(texts[:64])
+    head_cost(encoder, texts[:64], cells)
+
+
+def head_cost(encoder, texts: list[str], cells) -> None:
+    """A head's matrix product next to the model's layers, per text at batch 64; and its bytes per exported cell."""
+    top, width = encoder.num_layers, encoder.hidden_size
+    batch = encoder.tokenize(texts)
     with torch.inference_mode():
-        encoder(batch, [top])
-        t0 = time.perf_counter()
-        for _ in range(5):
-            encoder(batch, [top])
-        full_ms = (time.perf_counter() - t0) / 5 / 64 * 1000
-        x = torch.from_numpy(sts_x[1][:64])
-        head = torch.nn.Linear(x.shape[1], target_raw.shape[1])
+        for n in (1, top):
+            encoder(batch, [n])
+        timings = {}
+        for n in (1, top):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                encoder(batch, [n])
+            timings[n] = (time.perf_counter() - t0) / 10 / len(texts) * 1000
+        x = encoder(batch, [1], pooled=True)[1]
+        head = torch.nn.Linear(x.shape[1], width)
         t0 = time.perf_counter()
         for _ in range(200):
             head(x)
-        head_ms = (time.perf_counter() - t0) / 200 / 64 * 1000
+        head_ms = (time.perf_counter() - t0) / 200 / len(texts) * 1000
+    layer_ms = (timings[top] - timings[1]) / (top - 1)
     print(
-        f"\ncost per text at batch 64: {top} layers {full_ms:.3f} ms, one {x.shape[1]}x{target_raw.shape[1]} head "
-        f"{head_ms:.4f} ms ({100 * head_ms / full_ms:.2f}% of the full model, {100 * head_ms * top / full_ms:.1f}% of "
-        "one layer)"
+        f"\ncost per text at batch {len(texts)}: exit at layer 1 {timings[1]:.3f} ms, all {top} layers "
+        f"{timings[top]:.3f} ms (one layer about {layer_ms:.3f} ms); one {x.shape[1]} x {width} head {head_ms:.4f} ms "
+        f"({100 * head_ms / layer_ms:.2f}% of a layer)"
     )
     for n, d in cells:
         if n < top:
             print(
-                f"exported cell ({n},{d}): its head as a Dense module of {d} x {x.shape[1]} + {d} float32 = "
-                f"{4 * d * (x.shape[1] + 1) / 1024:.1f} KiB"
+                f"exported cell ({n},{d}): its head is a Dense module of {d} x {x.shape[1]} weights + {d} biases, "
+                f"float32: {4 * d * (x.shape[1] + 1) / 1024:.1f} KiB"
             )
 
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_run
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
 from matryoshka2d.training.trainer import Trainer
-from test_train import config, sts_dev, triplets  # noqa: F401 - fixtures
 
 
 def test_plan_samples_a_shallow_query_layer_and_keeps_the_full_view():
@@ -46,12 +46,12 @@ def test_bad_options_name_the_problem():
         make_method("asymmetric", 6, 384, dims=[384])
 
 
-def test_trains_a_tiny_model_and_keeps_shallow_queries_in_the_last_layer_space(tiny_dir, triplets, sts_dev, tmp_path):  # noqa: F811
+def test_trains_a_tiny_model_and_keeps_shallow_queries_in_the_last_layer_space(tiny_dir, triplets, sts_dev, tmp_path):
     """Its loss falls over 30 steps, and afterwards a sentence's layer-2 vector is closer to its layer-4 vector
     than after the same 30 steps of plain training (which only shapes the last layer)."""
     closeness = {}
     for method in ("asymmetric", "plain"):
-        cfg = config(tiny_dir, triplets, sts_dev, tmp_path / method, method=method, steps=30, loss="cosent")
+        cfg = tiny_run(tiny_dir, triplets, sts_dev, tmp_path / method, method=method, steps=30, loss="cosent")
         if method == "asymmetric":
             cfg.method_options = {"query_layers": [2], "dims": [16]}
         trainer = Trainer(cfg)

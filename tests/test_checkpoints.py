@@ -6,55 +6,15 @@ damaged latest one falls back to the previous one, and a resume refuses changed 
 import json
 import pickle
 
-import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_run
 from matryoshka2d.cli import main
 from matryoshka2d.training.checkpoints import CheckpointError
-from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("ckpt-data")
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(24):
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    (root / "triplets.tsv").write_text("\n".join(rows) + "\n")
-    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(WORDS, 6)) for _ in range(24)) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (root / "dev.tsv").write_text("\n".join(dev) + "\n")
-    return root
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Payload:
@@ -73,20 +33,8 @@ def plant_state_pt(folder, marker):
 
 
 def config(tiny_dir, files, out, **kw):
-    base = dict(
-        model=str(tiny_dir),
-        pooling="mean",
-        data=[str(files / "triplets.tsv")],
-        output=str(out),
-        batch_size=8,
-        eval_file=str(files / "dev.tsv"),
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=1,
-        steps=2,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    """Two steps, a checkpoint after each."""
+    return tiny_run(tiny_dir, files / "triplets.tsv", files / "dev.tsv", out, **{"save_steps": 1, "steps": 2, **kw})
 
 
 def train_args(tiny_dir, files, out, *extra):

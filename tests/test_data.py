@@ -43,7 +43,7 @@ def test_mixed_kinds_are_refused(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("anchor\tpositive\tnegative\na\tb\n", r"bad.tsv:2: 2 fields, expected 3"),
+        ("anchor\tpositive\tnegative\na\tb\n", r"bad.tsv:2: 2 tab-separated columns, the header has 3"),
         ("anchor\tpositive\tnegative\na\tb\tc\nd\t\tf\n", r"bad.tsv:3: empty 'positive'"),
         ("sentence1\tsentence2\tscore\nx\ty\thigh\n", r"bad.tsv:2: score 'high' is not a number"),
         ("premise\thypothesis\tlabel\nx\ty\tmaybe\n", r"bad.tsv:2: label 'maybe' is not one of"),

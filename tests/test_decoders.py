@@ -30,43 +30,6 @@ def llama_dir(tmp_path_factory, tokenizer):
     return path
 
 
-@pytest.fixture(scope="module")
-def triplets(tmp_path_factory):
-    words = [
-        "red",
-        "green",
-        "blue",
-        "cat",
-        "dog",
-        "bird",
-        "runs",
-        "sleeps",
-        "eats",
-        "big",
-        "small",
-        "old",
-        "new",
-        "happy",
-        "sad",
-    ]
-    rng = np.random.default_rng(0)
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(16):
-        a = rng.choice(words, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])}\t{' '.join(rng.choice(words, 4))}")
-    path = tmp_path_factory.mktemp("data") / "triplets.tsv"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def sts_dev(tmp_path_factory):
-    rows = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "old dog\thappy cat\t0"]
-    path = tmp_path_factory.mktemp("dev") / "dev.tsv"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
 def first_token_states(enc: ElasticEncoder, texts):
     features = enc.tokenize(texts)
     with torch.no_grad():

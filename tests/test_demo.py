@@ -5,26 +5,9 @@ import json
 
 from sentence_transformers import SentenceTransformer
 
+from conftest import WORDS
 from matryoshka2d.cli import main
 from test_eval_retrieval import beir
-
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-]
 
 
 def data_root(root):

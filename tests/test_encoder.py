@@ -145,3 +145,20 @@ def test_layer_zero_is_the_embedding_output(tiny_bert):
         reference = tiny_bert.model(**features, output_hidden_states=True).hidden_states
     torch.testing.assert_close(states[0], reference[0])
     torch.testing.assert_close(states[2], reference[2])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_architecture_fact_comes_from_its_row_of_the_table(arch, tokenizer):
+    from matryoshka2d.models.backbones import ARCHITECTURES
+    from matryoshka2d.models.decoders import is_decoder
+
+    model = tiny_transformer(arch, tokenizer.vocab_size)
+    row = ARCHITECTURES[arch]
+    enc = ElasticEncoder.from_modules(model, tokenizer, pooling="mean", name=f"tiny-{arch}")
+    assert is_decoder(model) == row.decoder
+    assert (enc._final_norm is not None) == (row.final_norm is not None)
+    # RoBERTa and MPNet number positions after the padding index, so fewer tokens than position embeddings fit;
+    # a text longer than the model takes is cut to a length whose positions all exist.
+    positions = model.config.max_position_embeddings
+    assert enc.max_length == min(tokenizer.model_max_length, positions - row.position_offset)
+    assert enc.encode(["word " * 1000]).shape == (1, 32)

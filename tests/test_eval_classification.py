@@ -71,16 +71,16 @@ def test_separable_classes_give_100_with_dev_kfold_and_all_protocols(tmp_path):
     write_tsv(tmp_path / "kf_test.tsv", ["sentence", "label"], labelled(10, 400))
     write_tsv(tmp_path / "cv_all.tsv", ["sentence", "label"], labelled(36, 500))
     result = evaluate_classification(HashEmbedder(), tmp_path, folds=3, log=quiet)
-    assert result["datasets"] == ["cv", "kf", "split"]
-    rows = {(r["dataset"], r["layer"], r["dim"]): r for r in result["scores"]}
+    assert result.datasets == ["cv", "kf", "split"]
+    rows = {(r["dataset"], r["layer"], r["dim"]): r for r in result.scores}
     for name in ("cv", "kf", "split"):
         assert rows[(name, 1, 1)]["accuracy"] == 100.0
         assert rows[(name, 1, 4)]["accuracy"] == 100.0
         assert "f1" not in rows[(name, 1, 1)]  # single sentences: accuracy only, as SentEval
     assert rows[("split", 1, 1)]["C"] == 0.25  # first of SentEval's 2^-2..2^3 reaching the best dev score
-    protocols = {k: v["protocol"] for k, v in result["settings"]["datasets"].items()}
+    protocols = {k: v["protocol"] for k, v in result.settings["datasets"].items()}
     assert protocols["cv"].startswith("3-fold cross-validation") and "dev" in protocols["split"]
-    assert result["summary"]["cell"] == [2, 4]
+    assert result.summary["cell"] == [2, 4]
 
 
 def test_pair_features_are_senteval_mrpc_features():
@@ -119,9 +119,9 @@ def test_pair_dataset_reports_accuracy_and_f1(tmp_path):
     write_tsv(tmp_path / "para_test.tsv", header, pairs(10, 100))
     embedder = HashEmbedder(dims=[1])
     result = evaluate_classification(embedder, tmp_path, folds=3, log=quiet)
-    row = next(r for r in result["scores"] if r["layer"] == 1)
+    row = next(r for r in result.scores if r["layer"] == 1)
     assert row["accuracy"] == 100.0 and row["f1"] == 100.0
-    assert result["settings"]["datasets"]["para"]["pair"] is True
+    assert result.settings["datasets"]["para"]["pair"] is True
     assert len(embedder.seen) == 1  # every split's texts embedded in one call, for all cells
 
 
@@ -131,12 +131,12 @@ def test_multiclass_string_labels_and_label_column(tmp_path):
     write_tsv(tmp_path / "trec_train.tsv", ["sentence", "label", "fine_label"], rows)
     write_tsv(tmp_path / "trec_test.tsv", ["sentence", "label", "fine_label"], rows[:9])
     result = evaluate_classification(HashEmbedder(dims=[1], signal=signal), tmp_path, folds=3, log=quiet)
-    assert next(r for r in result["scores"] if r["layer"] == 1)["accuracy"] == 100.0
-    assert result["settings"]["datasets"]["trec"]["classes"] == ["HUM", "LOC", "NUM"]
+    assert next(r for r in result.scores if r["layer"] == 1)["accuracy"] == 100.0
+    assert result.settings["datasets"]["trec"]["classes"] == ["HUM", "LOC", "NUM"]
     fine = evaluate_classification(
         HashEmbedder(dims=[1], signal=signal), tmp_path, label_column="fine_label", folds=3, log=quiet
     )
-    assert fine["settings"]["datasets"]["trec"]["classes"] == ["HUM:x", "LOC:x", "NUM:x"]
+    assert fine.settings["datasets"]["trec"]["classes"] == ["HUM:x", "LOC:x", "NUM:x"]
 
 
 def test_discovery_picks_up_new_sets_and_checks_splits(tmp_path):

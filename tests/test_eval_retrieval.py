@@ -60,9 +60,9 @@ def test_right_document_first_gives_perfect_scores(tmp_path):
     root = beir(tmp_path / "toy", CORPUS, queries, [("q1", "d1", 1), ("q2", "d2", 1), ("q3", "d3", 0)], gz=True)
     embedder = KeywordEmbedder()
     result = evaluate_retrieval(embedder, [root], split="test", log=lambda m: None)
-    (row,) = result["scores"]
+    (row,) = result.scores
     assert row["ndcg@10"] == pytest.approx(100) and row["mrr@10"] == 100 and row["recall@100"] == 100
-    assert result["settings"]["datasets"]["toy"]["queries"] == 2  # q3 has no relevant document: not evaluated
+    assert result.settings["datasets"]["toy"]["queries"] == 2  # q3 has no relevant document: not evaluated
     assert "Apple an apple a day" in embedder.seen and "the river runs" in embedder.seen  # title + " " + text
 
 
@@ -70,7 +70,7 @@ def test_second_rank_and_graded_relevance_by_hand(tmp_path):
     # q1 mentions apple twice and stone once: d1 first, d3 second. Only d3 is relevant -> nDCG 1/log2(3), MRR 1/2.
     queries = [{"_id": "q1", "text": "apple apple stone"}]
     root = beir(tmp_path / "toy", CORPUS, queries, [("q1", "d3", 1)])
-    row = evaluate_retrieval(KeywordEmbedder(), [root], log=lambda m: None)["scores"][0]
+    row = evaluate_retrieval(KeywordEmbedder(), [root], log=lambda m: None).scores[0]
     assert row["ndcg@10"] == pytest.approx(100 / math.log2(3))
     assert row["mrr@10"] == pytest.approx(50) and row["recall@100"] == 100
     # Graded: ranking [a, b, c] with gains 1, 0, 2; ideal order 2, 1.
@@ -92,7 +92,7 @@ def test_search_orders_breaks_ties_and_excludes_identical_ids():
 def test_query_with_its_own_id_in_the_corpus_does_not_find_itself(tmp_path):
     corpus = [*CORPUS, {"_id": "q1", "title": "", "text": "apple apple"}]
     root = beir(tmp_path / "toy", corpus, [{"_id": "q1", "text": "apple apple"}], [("q1", "d1", 1)])
-    row = evaluate_retrieval(KeywordEmbedder(), [root], log=lambda m: None)["scores"][0]
+    row = evaluate_retrieval(KeywordEmbedder(), [root], log=lambda m: None).scores[0]
     assert row["mrr@10"] == 100
 
 
@@ -101,7 +101,7 @@ def test_query_with_its_own_id_in_the_corpus_does_not_find_itself(tmp_path):
     [
         (
             lambda r: (r / "corpus.jsonl").write_text('{"_id": "d1", "text": "a"}\n{"_id": "d2", "text": \n'),
-            r"corpus.jsonl line 2: invalid JSON",
+            r"corpus.jsonl line 2: not valid JSON",
         ),
         (lambda r: (r / "corpus.jsonl").write_text('{"text": "a"}\n'), r"corpus.jsonl line 1: no '_id' field"),
         (

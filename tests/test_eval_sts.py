@@ -79,28 +79,28 @@ def test_hand_computed_spearman_on_four_rows(tmp_path):
         [("a", "b", 5), ("c", "d", 0), ("e", "f", 3), ("g", "h", 3.5)],
     )
     result = evaluate_sts(TableEmbedder({1: vectors}, [2]), tmp_path, datasets=["four"], log=lambda m: None)
-    (row,) = result["scores"]
+    (row,) = result.scores
     assert (row["dataset"], row["layer"], row["dim"]) == ("four", 1, 2)
     assert row["spearman"] == pytest.approx(80.0)
-    assert result["summary"]["average"] == pytest.approx(80.0)
+    assert result.summary["average"] == pytest.approx(80.0)
 
 
 def test_grid_equals_per_cell_encoding_and_summary(tmp_path, tiny_bert):
     sts_tree(tmp_path)
     embedder = EncoderCells(tiny_bert, layers=[1, 2, 3, 4], dims=[8, 32])
     result = evaluate_sts(embedder, tmp_path, log=lambda m: None)
-    assert len(result["scores"]) == 7 * 4 * 2 and result["datasets"] == list(STS_SETS)
+    assert len(result.scores) == 7 * 4 * 2 and result.datasets == list(STS_SETS)
     pairs = load_pairs(tmp_path / "sts" / "raw" / "stsb_test.tsv")
     for layer, dim in [(2, 8), (4, 32)]:
         a = tiny_bert.encode(pairs.sentences1, layer=layer, dim=dim, normalize=True)
         b = tiny_bert.encode(pairs.sentences2, layer=layer, dim=dim, normalize=True)
         expected = 100 * spearmanr(pairs.gold, (a * b).sum(1)).statistic
-        got = next(r for r in result["scores"] if (r["dataset"], r["layer"], r["dim"]) == ("stsb", layer, dim))
+        got = next(r for r in result.scores if (r["dataset"], r["layer"], r["dim"]) == ("stsb", layer, dim))
         assert got["spearman"] == pytest.approx(expected, abs=1e-4)
-    avg = {(r["layer"], r["dim"]): r["spearman"] for r in result["average"]}
-    per = [r["spearman"] for r in result["scores"] if (r["layer"], r["dim"]) == (4, 32)]
+    avg = {(r["layer"], r["dim"]): r["spearman"] for r in result.average}
+    per = [r["spearman"] for r in result.scores if (r["layer"], r["dim"]) == (4, 32)]
     assert avg[(4, 32)] == pytest.approx(np.mean(per))
-    summary = result["summary"]
+    summary = result.summary
     assert summary["cell"] == [4, 32] and summary["average"] == pytest.approx(avg[(4, 32)])
     assert summary["shallow_layers"] == [1, 2, 3]
     assert summary["shallow_average"] == pytest.approx(np.mean([avg[(n, 32)] for n in (1, 2, 3)]))
@@ -212,5 +212,5 @@ def test_matches_sentence_transformers_evaluator_on_stsb(minilm):
         pairs.sentences1, pairs.sentences2, pairs.gold.tolist(), batch_size=64, main_similarity="cosine"
     )
     theirs = evaluator(model)["spearman_cosine"] * 100
-    assert ours["scores"][0]["spearman"] == pytest.approx(theirs, abs=0.01)
+    assert ours.scores[0]["spearman"] == pytest.approx(theirs, abs=0.01)
     assert 80 < theirs < 85  # all-MiniLM-L6-v2 on STS-B test is about 82

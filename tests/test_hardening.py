@@ -9,33 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import WORDS
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.training import checkpoints
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("hardening-data")
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(16):
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    (root / "triplets.tsv").write_text("\n".join(rows) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (root / "dev.tsv").write_text("\n".join(dev) + "\n")
-    return root
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_args(tiny_dir, files, out, *extra):
@@ -118,11 +97,25 @@ def test_bad_config_files(tiny_dir, files, tmp_path, capsys, text, needles):
     one_line_error(capsys, *needles)
 
 
-def test_output_that_is_a_file(tiny_dir, files, tmp_path, capsys):
+def test_an_output_that_is_a_file_or_taken_is_refused_before_the_model_loads(
+    tiny_dir, files, tmp_path, capsys, monkeypatch
+):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --output was checked")
+
+    monkeypatch.setattr("matryoshka2d.training.trainer.ElasticEncoder", no_model)
     out = tmp_path / "file"
     out.write_text("x")
     assert main(train_args(tiny_dir, files, out)) == 2
     one_line_error(capsys, "is a file")
+    taken = tmp_path / "run"
+    taken.mkdir()
+    (taken / "train_log.jsonl").write_text("")
+    assert main(train_args(tiny_dir, files, taken)) == 2
+    one_line_error(capsys, "already holds a model or a run")
+    pretrain = ["pretrain", "--model", str(tiny_dir), "--data", str(files / "triplets.tsv"), "--output", str(taken)]
+    assert main(pretrain) == 2
+    one_line_error(capsys, "already holds a model or a run")
 
 
 # ---- the atomic final save ----------------------------------------------------------------------------------

@@ -80,6 +80,12 @@ def test_angle_loss_on_triplets_is_angle_emb_format_c():
     cos_only = AnglELoss(cosine_weight=1, ibn_weight=0, cln_weight=0, angle_weight=0)(batch)
     assert cos_only.item() == pytest.approx(CoSENTLoss()(batch).item(), rel=1e-6)
     assert AnglELoss().describe("triplets").startswith("(in-batch 1 + with hard negatives 1) / 2, CoSENT 0, angle 0.02")
+    assert AnglELoss().describe("triplets").endswith("scales 20/20/20 (angle-emb 0.6.1 terms for triplets)")
+    era = AnglELoss(cosine_weight=1, ibn_weight=0, cln_weight=2, angle_weight=1, angle_scale=1.0)  # 2dmse-angle-0.3
+    assert era.describe("triplets") == (
+        "(in-batch 0 + with hard negatives 2) / 2, CoSENT 1, angle 1, scales 20/20/1 "
+        "(weights given over angle-emb 0.6.1's defaults for triplets)"
+    )
 
 
 def ranking(scores, labels):

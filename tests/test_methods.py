@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.align import feature_kl
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
-from matryoshka2d.methods.ese import pca_target, pca_targets
+from matryoshka2d.methods.ese import fixed_signs, pca_target, pca_targets
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.views import View, nested_dims, parse_cells
 
@@ -75,7 +76,7 @@ def test_ese_compress_target_and_terms():
     assert target.shape == (10, 4) and not target.requires_grad
     a = torch.softmax(x.T @ x / 4.0, dim=-1)
     u, s, _ = torch.linalg.svd(a)
-    torch.testing.assert_close(target, x @ u[:, :4] @ torch.diag(s[:4]))
+    torch.testing.assert_close(target, x @ fixed_signs(u[:, :4]) @ torch.diag(s[:4]))
     method = make_method("ese", 3, 16, k=4, beta=1.0, compress_target="dependency")
     states = {
         i: EmbeddedBatch([torch.randn(5, 16, requires_grad=True)] * 2, "scored", torch.ones(5)) for i in (1, 2, 3)
@@ -182,3 +183,25 @@ def test_parse_cells_errors():
     assert parse_cells("(1,32) (2,64)") == [(1, 32), (2, 64)]
     with pytest.raises(ValueError, match="cannot read cell 'x:1'"):
         parse_cells("x:1")
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("plain", {}),
+        ("mrl", {}),
+        ("2dmse", {}),
+        ("ese", {"k": 4, "beta": 1.0, "dynamic_weights": True}),
+        ("starbucks", {"sizes": [(1, 4), (3, 8)]}),
+        ("separate", {"layer": 2, "dim": 4}),
+        ("asymmetric", {"dims": [4]}),
+    ],
+)
+def test_a_methods_loss_parts_stay_on_the_device(name, options):
+    """The trainer reads the parts back on logging steps only; a float() in a method would be a host sync (a
+    wait for the GPU) every step."""
+    method = make_method(name, 3, 16, **options)
+    plan = method.plan(np.random.default_rng(0))
+    states = {n: EmbeddedBatch([torch.randn(6, 16) for _ in range(3)], "triplets", None) for n in plan.layers}
+    _, parts = method.loss(plan, states, make_task_loss("infonce"))
+    assert parts and all(isinstance(v, torch.Tensor) for v in parts.values()), parts

@@ -9,43 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import write_triplets
 from matryoshka2d.cli import main
 from matryoshka2d.compress.smae import pretrain_trainer
 from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.parallel import Processes, without_option
-from test_train import WORDS
-
-
-@pytest.fixture(scope="module")
-def no_dropout_dir(tmp_path_factory, tokenizer):
-    """A tiny BERT without dropout: one process and two must then compute the same numbers."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    path = tmp_path_factory.mktemp("tiny-no-dropout")
-    tf.AutoModel.from_config(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    rng = np.random.default_rng(1)
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(21):  # batches of 7: the processes' shares differ (4 + 3 rows)
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
     folder = tmp_path_factory.mktemp("parallel-data")
-    (folder / "triplets.tsv").write_text("\n".join(rows) + "\n")
+    write_triplets(folder / "triplets.tsv", 21, seed=1)  # batches of 7: the processes' shares differ (4 + 3 rows)
     dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
     (folder / "dev.tsv").write_text("\n".join([*dev, "old dog\thappy cat\t0"]) + "\n")
     return folder
@@ -107,15 +81,26 @@ def test_two_processes_train_the_weights_of_one(no_dropout_dir, data, tmp_path):
     assert len(losses(tmp_path / "two")) == 4  # rank 0 alone writes the log
 
 
-def test_a_two_process_run_resumes_to_the_same_weights(no_dropout_dir, data, tmp_path):
-    common = ["--method", "ese", "--method-option", "k=16", "--steps", "4", "--save-steps", "2", "--processes", "2"]
+def test_a_two_process_run_with_accumulation_is_one_process_run_and_resumes_to_the_same_weights(
+    no_dropout_dir, data, tmp_path
+):
+    """Gradient caching across processes: batches of 7 in micro-batches of 2, 2, 2 and 1 rows, each split over
+    two processes (the last one leaves process 1 a stand-in row only), give the whole batch's step, that of
+    one process without accumulation; and a killed run resumes to the very weights of an uninterrupted one."""
+    method = ["--method", "ese", "--method-option", "k=16", "--method-option", "beta=1", "--steps", "4"]
+    common = [*method, "--save-steps", "2", "--log-every", "1", "--processes", "2", "--gradient-accumulation", "4"]
     assert main(train_args(no_dropout_dir, data, tmp_path / "whole", *common)) == 0
+    assert main(train_args(no_dropout_dir, data, tmp_path / "one", *method, "--save-steps", "0")) == 0
+    np.testing.assert_allclose(losses(tmp_path / "whole"), losses(tmp_path / "one"), rtol=1e-5)
+    whole, one = weights(tmp_path / "whole"), weights(tmp_path / "one")
+    for key in one:
+        torch.testing.assert_close(whole[key], one[key], rtol=1e-4, atol=2e-5)
     # As if killed after step 2: only the step-2 checkpoint is there.
     (tmp_path / "cut" / "checkpoints").mkdir(parents=True)
     step2 = tmp_path / "whole" / "checkpoints" / "step-0000002"
     shutil.copytree(step2, tmp_path / "cut" / "checkpoints" / step2.name)
     assert main(train_args(no_dropout_dir, data, tmp_path / "cut", *common, "--resume")) == 0
-    whole, cut = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    cut = weights(tmp_path / "cut")
     for key in whole:
         torch.testing.assert_close(cut[key], whole[key], rtol=0, atol=1e-6)
 

@@ -7,72 +7,20 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_transformer
+from conftest import tiny_run, tiny_transformer
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.encoder import ElasticEncoder, pool
 from matryoshka2d.models.pooler import PoolerHead
-from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXTS = ["a red cat runs", "the old dog sleeps in the sun", "big birds", "a red cat runs"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on busy cores torch's thread pool makes them much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
 def encoder(tokenizer):
     return ElasticEncoder.from_modules(tiny_transformer("bert", tokenizer.vocab_size), tokenizer, pooling="mean")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    words = [
-        "red",
-        "green",
-        "blue",
-        "cat",
-        "dog",
-        "bird",
-        "runs",
-        "sleeps",
-        "eats",
-        "big",
-        "small",
-        "old",
-        "new",
-        "happy",
-        "sad",
-    ]
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(16):
-        a = rng.choice(words, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])}\t{' '.join(rng.choice(words, 4))}")
-    (root / "triplets.tsv").write_text("\n".join(rows) + "\n")
-    nli = ["premise\thypothesis\tlabel"] + [
-        f"{' '.join(rng.choice(words, 4))}\t{' '.join(rng.choice(words, 3))}\t{label}"
-        for label in ["entailment", "neutral", "contradiction"] * 4
-    ]
-    (root / "nli.tsv").write_text("\n".join(nli) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (root / "dev.tsv").write_text("\n".join([*dev, "old dog\thappy cat\t0"]) + "\n")
-    return root
 
 
 def test_the_head_output_is_the_embedding_at_every_exit(encoder):
@@ -152,21 +100,8 @@ def test_a_model_with_a_head_that_does_not_fit_is_refused(encoder, tmp_path):
 
 
 def config(tiny_dir, files, out, **kw):
-    base = dict(
-        model=str(tiny_dir),
-        pooling="mean",
-        data=[str(files / "triplets.tsv")],
-        output=str(out),
-        batch_size=8,
-        eval_file=str(files / "dev.tsv"),
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-        steps=3,
-        loss="cosent",
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    """Three steps of CoSENT."""
+    return tiny_run(tiny_dir, files / "triplets.tsv", files / "dev.tsv", out, **{"steps": 3, "loss": "cosent", **kw})
 
 
 def test_trainer_adds_a_pooler_and_a_frozen_encoder_keeps_every_weight(tiny_dir, files, tmp_path):

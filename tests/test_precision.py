@@ -7,51 +7,17 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_run
 from matryoshka2d.cli import main
-from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.throughput import PrecisionError, autocast, resolve_precision
 from matryoshka2d.training.trainer import Trainer
 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def triplets(tmp_path_factory):
-    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
-    rng = np.random.default_rng(1)
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(24):
-        a = rng.choice(words, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])}\t{' '.join(rng.choice(words, 4))}")
-    path = tmp_path_factory.mktemp("data") / "triplets.tsv"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def sts_dev(tmp_path_factory):
-    rows = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "old dog\tnew cat\t0"]
-    path = tmp_path_factory.mktemp("dev") / "dev.tsv"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
 def config(tiny_dir, triplets, sts_dev, out, **kw):
-    base = dict(
-        model=str(tiny_dir),
-        pooling="mean",
-        data=[str(triplets)],
-        output=str(out),
-        batch_size=8,
-        eval_file=str(sts_dev),
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-        device="cpu",
-        method="2dmse",
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    """2DMSE on the CPU."""
+    return tiny_run(tiny_dir, triplets, sts_dev, out, **{"device": "cpu", "method": "2dmse", **kw})
 
 
 def test_cpu_defaults_to_fp32_and_autocast_is_off():
@@ -86,8 +52,8 @@ def test_cli_fp16_on_cpu_names_the_flag(tiny_dir, triplets, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ({"log_every": 0}, "log_every must be at least 1"),
-        ({"gradient_accumulation": 9}, "gradient_accumulation 9 splits a batch of 8"),
+        ({"log_every": 0}, "--log-every must be at least 1"),
+        ({"gradient_accumulation": 9}, "--gradient-accumulation 9 splits a batch of 8"),
     ],
 )
 def test_bad_throughput_options_are_errors(option, message, tiny_dir, triplets, sts_dev, tmp_path):

@@ -5,43 +5,15 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from scipy.spatial.distance import pdist
 
-from conftest import tiny_transformer
+from conftest import WORDS
 from matryoshka2d.cli import main
 from matryoshka2d.compress.reducers import REDUCERS, ReducedCells, corpus_sample, fit_reducer
 from matryoshka2d.evaluate.sts import evaluate_sts
 from matryoshka2d.models.encoder import ElasticEncoder
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-    "fish",
-    "swims",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on busy cores torch's thread pool makes them much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sentences(n, seed=0):
@@ -86,14 +58,6 @@ def test_reducer_errors():
     assert corpus_sample(["a", "b", "a", "c"], samples=2) == ["a", "b"]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def sts_dir(root):
     rows = ["sentence1\tsentence2\tscore"]
     rng = np.random.default_rng(2)
@@ -112,8 +76,8 @@ def test_reduced_cells_in_the_sts_grid(name, tiny_dir, tmp_path):
     out = cells.embed(["a red cat", "dogs run"])
     assert {k: v.shape for k, v in out.items()} == {c: (2, c[1]) for c in cells.cells()}
     result = evaluate_sts(cells, sts_dir(tmp_path), datasets=["stsb"], log=lambda _: None)
-    assert sorted((r["layer"], r["dim"]) for r in result["scores"]) == cells.cells()
-    info = result["model"]
+    assert sorted((r["layer"], r["dim"]) for r in result.scores) == cells.cells()
+    info = result.model
     assert info["reducer"] == name and info["reducer_corpus_sentences"] == 50 and info["model"].endswith(name)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from matryoshka2d.cli import main
 from matryoshka2d.evaluate.report import write_report
-from matryoshka2d.evaluate.results import finish, load_result, write_outputs
+from matryoshka2d.evaluate.results import grid_result, load_result, write_outputs
 
 
 def fake_result(model, base, task="sts", metric="spearman", layers=(1, 2), dims=(8, 16)):
@@ -17,20 +17,32 @@ def fake_result(model, base, task="sts", metric="spearman", layers=(1, 2), dims=
         for n in layers
         for d in dims
     ]
-    result = {
-        "task": task,
-        "metric": metric,
-        "metrics": [metric],
-        "datasets": ["a", "b"],
-        "layers": list(layers),
-        "dims": list(dims),
-        "scores": scores,
-        "model": {"model": model, "layers": max(layers), "hidden_size": max(dims)},
-        "settings": {},
-        "seconds": {"total": 1.0},
-        "provenance": {"date": "2025-01-01 00:00 UTC"},
+    cells = [(n, d) for n in layers for d in dims]
+    model_info = {"model": model, "layers": max(layers), "hidden_size": max(dims)}
+    return grid_result(
+        task, [metric], ["a", "b"], scores, cells, model_info, {}, {"total": 1.0}, {"date": "2025-01-01 00:00 UTC"}
+    )
+
+
+def test_results_json_keeps_its_keys_and_reads_back_as_written(tmp_path):
+    result = fake_result("m", 50.0, layers=(1, 3), dims=(8,))
+    write_outputs(result, tmp_path)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert list(written) == [
+        *("task", "metric", "metrics", "datasets", "layers", "dims", "scores", "model", "settings", "seconds"),
+        *("provenance", "average", "summary"),
+    ]
+    # Cell (3, 8): a scores 50 + 3 + 1 = 54 and b 52; the summary's shallow average is layer 1's, (52 + 50) / 2.
+    assert written["average"][-1] == {"layer": 3, "dim": 8, "spearman": 53.0}
+    assert written["summary"] == {
+        "metric": "spearman",
+        "cell": [3, 8],
+        "average": 53.0,
+        "shallow_layers": [1],
+        "shallow_average": 51.0,
     }
-    return finish(result)
+    assert list(written["provenance"]) == ["date", "load_average_at_end"]
+    assert load_result(tmp_path).to_dict() == written == result.to_dict()
 
 
 def test_two_results_side_by_side_with_difference(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 from matryoshka2d.cli import main
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.retrieval.index import IndexBuildError, build_index, factory_string, make_index
-from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, unit
+from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search
+from matryoshka2d.views import unit_rows
 
 DOCS = [
     {"_id": f"d{i}", "title": f"Title {i}", "text": f"document number {i} talks about {w}"}
@@ -45,7 +46,7 @@ def test_build_stores_each_cell_from_one_pass(tiny_bert, tmp_path, monkeypatch):
     assert index.ids == [d["_id"] for d in DOCS]
     monkeypatch.undo()
     texts = [f"{d['title']} {d['text']}" for d in DOCS]
-    expected = unit(tiny_bert.encode(texts, layer=1, dim=8))
+    expected = unit_rows(tiny_bert.encode(texts, layer=1, dim=8))
     stored = index.index((1, 8)).reconstruct_n(0, 30)
     np.testing.assert_allclose(stored, expected, atol=1e-5)
 
@@ -94,7 +95,7 @@ def test_different_settings_in_the_same_directory_are_refused(tiny_bert, tmp_pat
 @pytest.mark.parametrize("storage", ["float32", "float16", "int8"])
 def test_index_kinds_and_storage_find_the_exact_neighbours(kind, storage):
     rng = np.random.default_rng(0)
-    vectors = unit(rng.normal(size=(400, 16)))
+    vectors = unit_rows(rng.normal(size=(400, 16)))
     index = make_index(vectors, kind, storage)
     if kind == "ivf":
         import faiss
@@ -108,15 +109,15 @@ def test_index_kinds_and_storage_find_the_exact_neighbours(kind, storage):
 
 def test_cascade_with_full_shortlist_equals_flat_and_excludes_ids():
     rng = np.random.default_rng(1)
-    docs = unit(rng.normal(size=(200, 32)))
-    queries = unit(rng.normal(size=(10, 32)))
-    small, full = make_index(unit(docs[:, :8]), "flat", "float32"), make_index(docs, "flat", "float32")
+    docs = unit_rows(rng.normal(size=(200, 32)))
+    queries = unit_rows(rng.normal(size=(10, 32)))
+    small, full = make_index(unit_rows(docs[:, :8]), "flat", "float32"), make_index(docs, "flat", "float32")
     flat_ids, flat_scores = flat_search(full, queries, 5)
-    ids, scores = cascade_search(small, full, unit(queries[:, :8]), queries, shortlist=200, k=5)
+    ids, scores = cascade_search(small, full, unit_rows(queries[:, :8]), queries, shortlist=200, k=5)
     np.testing.assert_array_equal(ids, flat_ids)
     np.testing.assert_allclose(scores, flat_scores, rtol=1e-5)
     exclude = flat_ids[:, 0].copy()
-    ids, _ = cascade_search(small, full, unit(queries[:, :8]), queries, shortlist=200, k=5, exclude=exclude)
+    ids, _ = cascade_search(small, full, unit_rows(queries[:, :8]), queries, shortlist=200, k=5, exclude=exclude)
     np.testing.assert_array_equal(ids, flat_search(full, queries, 5, exclude)[0])
     assert not (ids == exclude[:, None]).any()
     with pytest.raises(ValueError, match="--shortlist 3 is smaller than --top-k 5"):

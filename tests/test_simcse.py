@@ -6,61 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_transformer
+from conftest import tiny_run
 from matryoshka2d.losses import EmbeddedBatch, SimCSELoss, make_task_loss
-from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.data import DataError, read_sentences, read_training_data
 from matryoshka2d.training.trainer import Trainer
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-    "fish",
-    "swims",
-    "jumps",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on busy cores torch's thread pool makes them much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = np.random.default_rng(1)
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join(" ".join(rng.choice(WORDS, rng.integers(3, 8))) for _ in range(64)) + "\n")
-    dev = path.parent / "dev.tsv"
-    dev.write_text(
-        "sentence1\tsentence2\tscore\nred cat\tred cat\t5\nred cat\tblue dog\t1\nbig bird\tbig bird runs\t4\n"
-    )
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_simcse_loss_by_hand():
@@ -101,7 +52,7 @@ def test_sentence_corpus_errors(tmp_path):
         read_training_data([str(empty)])
     bad = tmp_path / "bad.tsv"
     bad.write_text("sentence\tlabel\nok\t1\nbroken\n")
-    with pytest.raises(DataError, match=r"bad.tsv:3: 1 fields, expected 2"):
+    with pytest.raises(DataError, match=r"bad.tsv:3: 1 tab-separated columns, the header has 2"):
         read_sentences(bad)
     no_text = tmp_path / "ids.tsv"
     no_text.write_text("id\tlabel\n1\t2\n")
@@ -109,26 +60,14 @@ def test_sentence_corpus_errors(tmp_path):
         read_sentences(no_text)
 
 
-def config(tiny_dir, corpus, out, **kw):
-    base = dict(
-        model=str(tiny_dir),
-        pooling="mean",
-        data=[str(corpus)],
-        output=str(out),
-        loss="simcse",
-        batch_size=16,
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-        steps=16,
-        eval_file=str(corpus.parent / "dev.tsv"),
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+def config(tiny_dir, corpus, sts_dev, out, **kw):
+    """16 steps of SimCSE on the tiny corpus, batches of 16 sentences."""
+    options = {"loss": "simcse", "batch_size": 16, "steps": 16, **kw}
+    return tiny_run(tiny_dir, corpus, sts_dev, out, **options)
 
 
-def test_simcse_on_a_tiny_corpus_lowers_its_loss(tiny_dir, corpus, tmp_path):
-    trainer = Trainer(config(tiny_dir, corpus, tmp_path))
+def test_simcse_on_a_tiny_corpus_lowers_its_loss(tiny_dir, corpus, sts_dev, tmp_path):
+    trainer = Trainer(config(tiny_dir, corpus, sts_dev, tmp_path))
     trainer.compute_loss(0)  # a step computes without error before any training
     # Both copies of a sentence went through the encoder with their own dropout masks.
     trainer.encoder.train()
@@ -139,6 +78,6 @@ def test_simcse_on_a_tiny_corpus_lowers_its_loss(tiny_dir, corpus, tmp_path):
     assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
 
 
-def test_plain_sentences_need_a_sentence_loss(tiny_dir, corpus, tmp_path):
+def test_plain_sentences_need_a_sentence_loss(tiny_dir, corpus, sts_dev, tmp_path):
     with pytest.raises(ValueError, match="holds plain sentences; .* not 'angle'"):
-        Trainer(config(tiny_dir, corpus, tmp_path, loss="angle"))
+        Trainer(config(tiny_dir, corpus, sts_dev, tmp_path, loss="angle"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import tiny_transformer
+from conftest import WORDS, tiny_run, tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.compress.smae import (
     DECODER_MASK_RATIO,
@@ -21,56 +21,9 @@ from matryoshka2d.compress.smae import (
 )
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-    "fish",
-    "swims",
-    "jumps",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on busy cores torch's thread pool makes them much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(WORDS, 8)) for _ in range(48)) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (root / "dev.tsv").write_text("\n".join(dev) + "\n")
-    return root
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
@@ -118,29 +71,37 @@ def test_the_decoder_sees_only_the_first_d_numbers(encoder, tokenizer):
         assert objective.decoder_loss(encoder, changed_beyond, 32, batch) != base
     # The decoder ran on its own layer, and the encoder's layer stack is back in place afterwards.
     assert len(encoder.model.encoder.layer) == 4 and objective.decoder[0] is not encoder.model.encoder.layer[0]
+    # Its loss parts stay device tensors, read back on the trainer's logging steps only (no host sync a step).
+    _, parts = objective.loss(encoder, batch)
+    assert set(parts) == {f"{term}({n},{d})" for n, d in objective.sizes for term in ("mlm", "mae")}
+    assert all(isinstance(v, torch.Tensor) for v in parts.values())
 
 
-def config(tiny_dir, corpus, out, **kw):
-    base = dict(
-        model=str(tiny_dir),
-        pooling="mean",
-        method="smae",
-        loss="mlm+mae",
-        data=[str(corpus / "corpus.txt")],
-        output=str(out),
-        batch_size=8,
-        lr=2e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-        eval_file=str(corpus / "dev.tsv"),
-        method_options={"sizes": [[1, 16], [2, 32]]},
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+def test_mean_reduction_is_the_sum_over_twice_the_sizes(encoder):
+    """ielab's smae/modeling.py averages (mlm + mae) / 2 over the sizes; the paper's eq. 9 sums."""
+    encoder.eval()
+    texts = ["a red cat runs fast", "old dogs sleep", "big fish swims"]
+    totals = {}
+    for reduction in ("sum", "mean"):
+        objective = SMAEObjective(encoder, sizes=[(1, 16), (2, 32), (4, 32)], reduction=reduction, seed=3)
+        batch = objective.mask(encoder, texts, np.random.default_rng(0))
+        with torch.no_grad():
+            totals[reduction], parts = objective.loss(encoder, batch)
+        assert sum(parts.values()) == pytest.approx(float(totals["sum"]), rel=1e-5)
+        assert objective.config()["reduction"] == reduction
+    assert float(totals["mean"]) == pytest.approx(float(totals["sum"]) / (2 * 3), rel=1e-6)
+    with pytest.raises(SMAEError, match="reduction must be 'sum' .* or 'mean' .*, got 'max'"):
+        SMAEObjective(encoder, reduction="max")
 
 
-def test_a_tiny_smae_run_lowers_its_loss(tiny_dir, corpus, tmp_path):
-    trainer = pretrain_trainer(config(tiny_dir, corpus, tmp_path, steps=24))
+def config(tiny_dir, files, out, **kw):
+    """SMAE at sizes (1, 16) and (2, 32) on the tiny corpus."""
+    options = {"method": "smae", "loss": "mlm+mae", "lr": 2e-3, "method_options": {"sizes": [[1, 16], [2, 32]]}, **kw}
+    return tiny_run(tiny_dir, files / "corpus.txt", files / "dev.tsv", out, **options)
+
+
+def test_a_tiny_smae_run_lowers_its_loss(tiny_dir, files, tmp_path):
+    trainer = pretrain_trainer(config(tiny_dir, files, tmp_path, steps=24))
     records = [trainer.train_step() for _ in range(24)]
     losses = [r["loss"] for r in records]
     assert {"mlm(1,16)", "mae(1,16)", "mlm(2,32)", "mae(2,32)"} <= set(records[0])
@@ -151,9 +112,9 @@ class Killed(Exception):
     pass
 
 
-def test_pretrain_resumes_exactly_and_saves_a_fine_tunable_encoder(tiny_dir, corpus, tmp_path, monkeypatch):
+def test_pretrain_resumes_exactly_and_saves_a_fine_tunable_encoder(tiny_dir, files, tmp_path, monkeypatch):
     kw = dict(steps=5, save_steps=2)
-    straight = pretrain_trainer(config(tiny_dir, corpus, tmp_path / "a", **kw))
+    straight = pretrain_trainer(config(tiny_dir, files, tmp_path / "a", **kw))
     straight.run(progress=False)
     expected = {k: v.clone() for k, v in straight.encoder.state_dict().items()}
     expected_decoder = {k: v.clone() for k, v in straight.method.state_dict().items()}
@@ -167,9 +128,9 @@ def test_pretrain_resumes_exactly_and_saves_a_fine_tunable_encoder(tiny_dir, cor
 
     monkeypatch.setattr(Trainer, "train_step", dying)
     with pytest.raises(Killed):
-        pretrain_trainer(config(tiny_dir, corpus, tmp_path / "b", **kw)).run(progress=False)
+        pretrain_trainer(config(tiny_dir, files, tmp_path / "b", **kw)).run(progress=False)
     monkeypatch.setattr(Trainer, "train_step", original)
-    resumed = pretrain_trainer(config(tiny_dir, corpus, tmp_path / "b", **kw))
+    resumed = pretrain_trainer(config(tiny_dir, files, tmp_path / "b", **kw))
     resumed.run(resume=True, progress=False)
     for key, value in resumed.encoder.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6, msg=key)
@@ -188,15 +149,15 @@ def test_pretrain_resumes_exactly_and_saves_a_fine_tunable_encoder(tiny_dir, cor
     triplets = tmp_path / "t.tsv"
     triplets.write_text("anchor\tpositive\tnegative\nred cat\tred cat runs\tblue dog\nold dog\told dogs\tbig bird\n")
     args = ["train", "--model", str(out), "--data", str(triplets), "--steps", "1", "--method", "starbucks"]
-    args += ["--sizes", "1:16,2:32", "--output", str(tmp_path / "ft"), "--eval-file", str(corpus / "dev.tsv")]
+    args += ["--sizes", "1:16,2:32", "--output", str(tmp_path / "ft"), "--eval-file", str(files / "dev.tsv")]
     assert main(args) == 0
 
 
-def test_pretrain_cli(tiny_dir, corpus, tmp_path, capsys):
+def test_pretrain_cli(tiny_dir, files, tmp_path, capsys):
     out = tmp_path / "smae"
     args = ["pretrain", "--method", "smae", "--model", str(tiny_dir), "--pooling", "mean"]
-    args += ["--data", str(corpus / "corpus.txt"), "--steps", "2", "--batch-size", "8", "--sizes", "1:16,2:32"]
-    args += ["--output", str(out), "--eval-file", str(corpus / "dev.tsv"), "--quiet"]
+    args += ["--data", str(files / "corpus.txt"), "--steps", "2", "--batch-size", "8", "--sizes", "1:16,2:32"]
+    args += ["--output", str(out), "--eval-file", str(files / "dev.tsv"), "--quiet"]
     assert main(args) == 0
     meta = json.loads((out / "matryoshka2d.json").read_text())
     training = meta["training"]
@@ -208,11 +169,11 @@ def test_pretrain_cli(tiny_dir, corpus, tmp_path, capsys):
     )
     assert meta["method"]["encoder_mask_ratio"] == 0.2 and meta["method"]["decoder_mask_ratio"] == 0.4
     assert "pre-trained encoder saved" in capsys.readouterr().out
-    assert main([*args, "--encoder-mask-ratio", "1.5"]) == 2
+    assert main([*args, "--encoder-mask-ratio", "1.5", "--output", str(tmp_path / "other")]) == 2
     assert "encoder_mask_ratio must be between 0 and 1" in capsys.readouterr().err
 
 
-def test_smae_errors(encoder, tokenizer, tiny_dir, corpus, tmp_path):
+def test_smae_errors(encoder, tokenizer, tiny_dir, files, tmp_path):
     with pytest.raises(SMAEError, match=r"size \(5,32\) is outside the model's 4 layers x 32 dims"):
         SMAEObjective(encoder, sizes=[(5, 32)])
     with pytest.raises(SMAEError, match="bottleneck must be 'pooled' or 'cls'"):
@@ -223,9 +184,11 @@ def test_smae_errors(encoder, tokenizer, tiny_dir, corpus, tmp_path):
     encoder.add_pooler(8)
     with pytest.raises(SMAEError, match="has a pooler head"):
         SMAEObjective(encoder)
+    with pytest.raises(SMAEError, match="smae: gradient_accumulation is not supported"):
+        pretrain_trainer(config(tiny_dir, files, tmp_path, gradient_accumulation=2))
     with pytest.raises(SMAEError, match="unknown method 'mlm'"):
-        pretrain_trainer(config(tiny_dir, corpus, tmp_path, method="mlm"))
+        pretrain_trainer(config(tiny_dir, files, tmp_path, method="mlm"))
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="empty.txt: no sentences"):
-        pretrain_trainer(config(tiny_dir, corpus, tmp_path, data=[str(empty)]))
+        pretrain_trainer(config(tiny_dir, files, tmp_path, data=[str(empty)]))

@@ -47,7 +47,9 @@ def test_our_folder_loads_in_sentence_transformers_and_keeps_normalize(minilm, t
     from sentence_transformers import SentenceTransformer
 
     assert minilm.normalize_output  # all-MiniLM-L6-v2 ships a Normalize module
-    out = minilm.save(tmp_path / "m", keep_layers=2, metadata={"method": {"name": "2dmse"}, "loss": "angle"})
+    out = minilm.save(
+        tmp_path / "m", keep_layers=2, metadata={"method": {"method": "2dmse", "kl_weight": 1.0}, "loss": "angle"}
+    )
     theirs = SentenceTransformer(str(out), device="cpu")
     vectors = theirs.encode(SENTENCES)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)

@@ -7,73 +7,46 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_run
 from matryoshka2d.cli import main
 from matryoshka2d.models.backbones import layer_stack
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-]
+
+@pytest.mark.parametrize("loss", [None, "cosent", "simcse"])
+def test_the_training_data_is_read_once(loss, tiny_dir, triplets, sts_dev, tmp_path, monkeypatch):
+    """Without --loss the data is read to pick the default loss; that read is the one the run trains on."""
+    from matryoshka2d.training import trainer as trainer_module
+
+    calls = []
+    read = trainer_module.read_training_data
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("sentences", False))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "read_training_data", counting)
+    trainer = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path, loss=loss))
+    assert calls == [loss == "simcse"] and trainer.loss_name == (loss or "angle")
+    assert trainer.data.kind == ("sentences" if loss == "simcse" else "triplets")
 
 
-@pytest.fixture(scope="module")
-def triplets(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(24):
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    path = tmp_path_factory.mktemp("data") / "triplets.tsv"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def sts_dev(tmp_path_factory):
-    rows = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    rows += ["old dog\thappy cat\t0", "sad bird\tsad bird\t5"]
-    path = tmp_path_factory.mktemp("dev") / "dev.tsv"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def config(tiny_dir, triplets, sts_dev, out, **kw):
-    base = dict(
-        model=str(tiny_dir),
-        pooling="mean",
-        data=[str(triplets)],
-        output=str(out),
-        batch_size=8,
-        eval_file=str(sts_dev),
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+def test_a_trained_models_card_shows_its_method_and_last_evaluation(tiny_dir, triplets, sts_dev, tmp_path):
+    run = tiny_run(tiny_dir, triplets, sts_dev, tmp_path / "run", method="2dmse", steps=2, loss="cosent")
+    out = Trainer(run).run(progress=False)
+    card = (out / "README.md").read_text()
+    final = json.loads((out / "matryoshka2d.json").read_text())["final_eval"]
+    assert "- method: 2dmse (`{" in card and "- loss: cosent" in card
+    assert f"Spearman x 100 of cosine vs gold {final['spearman']:.2f} on dev.tsv@(4,32)" in card
 
 
 @pytest.mark.parametrize("method", ["plain", "mrl", "2dmse", "ese", "starbucks"])
 def test_twenty_steps_lower_the_loss(method, tiny_dir, triplets, sts_dev, tmp_path):
     options = {"ese": {"k": 16}, "starbucks": {"sizes": [(1, 8), (2, 16), (4, 32)]}}.get(method, {})
     trainer = Trainer(
-        config(tiny_dir, triplets, sts_dev, tmp_path, method=method, steps=20, loss="cosent", method_options=options)
+        tiny_run(tiny_dir, triplets, sts_dev, tmp_path, method=method, steps=20, loss="cosent", method_options=options)
     )
     losses = [trainer.train_step()["loss"] for _ in range(20)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]), losses
@@ -82,7 +55,7 @@ def test_twenty_steps_lower_the_loss(method, tiny_dir, triplets, sts_dev, tmp_pa
 @pytest.mark.parametrize("method", ["2dmse", "ese", "separate"])
 def test_gradients_reach_the_shallow_layers(method, tiny_dir, triplets, sts_dev, tmp_path):
     options = {"separate": {"layer": 1, "dim": 16}, "ese": {"k": 16}}.get(method, {})
-    trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, method=method, steps=1, method_options=options))
+    trainer = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path, method=method, steps=1, method_options=options))
     loss, _ = trainer.compute_loss(0)
     loss.backward()
     first = layer_stack(trainer.encoder.model)[0]
@@ -91,7 +64,7 @@ def test_gradients_reach_the_shallow_layers(method, tiny_dir, triplets, sts_dev,
 
 def test_a_method_runs_only_the_layers_its_views_need(tiny_dir, triplets, sts_dev, tmp_path):
     trainer = Trainer(
-        config(
+        tiny_run(
             tiny_dir,
             triplets,
             sts_dev,
@@ -120,11 +93,11 @@ class Killed(Exception):
 def test_resume_after_interruption_gives_the_same_weights(tiny_dir, triplets, sts_dev, tmp_path, monkeypatch):
     # 7 steps over 24 rows at batch 8 crosses an epoch boundary, with 2dmse's random views and dropout.
     kw = dict(method="2dmse", steps=7, save_steps=2)
-    straight = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path / "a", **kw))
+    straight = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path / "a", **kw))
     straight.run(progress=False)
     expected = {k: v.clone() for k, v in straight.encoder.state_dict().items()}
 
-    interrupted = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path / "b", **kw))
+    interrupted = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path / "b", **kw))
     original_step = Trainer.train_step
 
     def dying_step(self):
@@ -138,7 +111,7 @@ def test_resume_after_interruption_gives_the_same_weights(tiny_dir, triplets, st
     monkeypatch.setattr(Trainer, "train_step", original_step)
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
 
-    resumed = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path / "b", **kw))
+    resumed = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path / "b", **kw))
     resumed.run(resume=True, progress=False)
     assert resumed.step == 7
     for key, value in resumed.encoder.state_dict().items():
@@ -146,8 +119,8 @@ def test_resume_after_interruption_gives_the_same_weights(tiny_dir, triplets, st
 
 
 def test_resume_refuses_a_different_run(tiny_dir, triplets, sts_dev, tmp_path):
-    Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=2, save_steps=1)).run(progress=False)
-    other = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, steps=2, save_steps=1, method="mrl"))
+    Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path, steps=2, save_steps=1)).run(progress=False)
+    other = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path, steps=2, save_steps=1, method="mrl"))
     with pytest.raises(ValueError, match="differs in method"):
         other.run(resume=True, progress=False)
 
@@ -155,7 +128,7 @@ def test_resume_refuses_a_different_run(tiny_dir, triplets, sts_dev, tmp_path):
 def test_saved_model_loads_in_sentence_transformers_and_elastic_encoder(tiny_dir, triplets, sts_dev, tmp_path):
     from sentence_transformers import SentenceTransformer
 
-    out = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path, method="mrl", steps=2)).run(progress=False)
+    out = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path, method="mrl", steps=2)).run(progress=False)
     meta = json.loads((out / "matryoshka2d.json").read_text())
     assert meta["method"]["method"] == "mrl" and meta["training"]["steps"] == 2 and meta["steps"] == 2
     assert "spearman" in meta["final_eval"]
@@ -167,7 +140,7 @@ def test_saved_model_loads_in_sentence_transformers_and_elastic_encoder(tiny_dir
 
 def test_separate_saves_a_cut_model(tiny_dir, triplets, sts_dev, tmp_path):
     out = Trainer(
-        config(
+        tiny_run(
             tiny_dir, triplets, sts_dev, tmp_path, method="separate", steps=2, method_options={"layer": 2, "dim": 16}
         )
     ).run(progress=False)
@@ -176,7 +149,7 @@ def test_separate_saves_a_cut_model(tiny_dir, triplets, sts_dev, tmp_path):
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-def test_cli_train_with_yaml_config(tiny_dir, triplets, sts_dev, tmp_path, capsys):
+def test_cli_train_with_yaml_tiny_run(tiny_dir, triplets, sts_dev, tmp_path, capsys):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
         f"model: {tiny_dir}\npooling: mean\nmethod: ese\nloss: angle\nsteps: 2\nbatch_size: 8\n"
@@ -207,15 +180,15 @@ def test_cli_train_help_lists_every_method(capsys):
 def test_without_a_loss_the_run_picks_the_one_for_its_kind_of_data_and_says_so(
     tiny_dir, triplets, sts_dev, tmp_path, capsys
 ):
-    trainer = Trainer(config(tiny_dir, triplets, sts_dev, tmp_path / "t", loss=None, steps=1))
+    trainer = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path / "t", loss=None, steps=1))
     assert trainer.loss_name == "angle"
     assert "loss: angle (default for triplets data" in capsys.readouterr().out
-    scored = Trainer(config(tiny_dir, sts_dev, sts_dev, tmp_path / "s", loss=None, steps=1))
+    scored = Trainer(tiny_run(tiny_dir, sts_dev, sts_dev, tmp_path / "s", loss=None, steps=1))
     assert scored.loss_name == "angle" and scored.data.kind == "scored"
     assert "default for scored data" in capsys.readouterr().out
     sentences = tmp_path / "sentences.txt"
     sentences.write_text("red cat runs\nold dog sleeps\nblue bird eats\n")
-    plain_text = Trainer(config(tiny_dir, sentences, sts_dev, tmp_path / "u", loss=None, steps=1))
+    plain_text = Trainer(tiny_run(tiny_dir, sentences, sts_dev, tmp_path / "u", loss=None, steps=1))
     assert plain_text.loss_name == "simcse"
     out = plain_text.run(progress=False)
     assert json.loads((out / "matryoshka2d.json").read_text())["loss"] == "simcse"
@@ -240,13 +213,16 @@ def test_every_preset_builds_its_method_and_loss_and_cites_a_source():
 
     names = presets.available()
     assert {"2dmse-paper", "ese-paper", "ese-angle-emb", "starbucks-paper", "st-matryoshka2d"} <= set(names)
+    assert {"2dmse-authors", "2dmse-angle-0.3"} <= set(names)
     for name in names:
         options = presets.load(name)
         TrainConfig.from_dict({**options, "data": ["x.tsv"], "output": "o"})  # only known training options
         make_method(options["method"], 6, 384, **options.get("method_options", {}))
         make_task_loss(options["loss"], **options.get("loss_options", {}))
         assert len(presets.source(name)) > 80
-    with pytest.raises(ValueError, match="unknown preset 'ese'; choose one of 2dmse-paper"):
+    with pytest.raises(
+        ValueError, match="unknown preset 'ese'; choose one of 2dmse-angle-0.3, 2dmse-authors, 2dmse-paper"
+    ):
         presets.load("ese")
 
 

@@ -7,41 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_transformer
+from conftest import WORDS, tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.cli.compress import parse_dims
 from matryoshka2d.compress.two_step import TwoStepConfig, run_two_step
 from matryoshka2d.models.encoder import ElasticEncoder
 
-WORDS = [
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "runs",
-    "sleeps",
-    "eats",
-    "big",
-    "small",
-    "old",
-    "new",
-    "happy",
-    "sad",
-    "fish",
-    "swims",
-    "jumps",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on busy cores torch's thread pool makes them much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

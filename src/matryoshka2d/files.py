@@ -25,10 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-class DataFormatError(ValueError):
-    """An evaluation file is missing or malformed; the message names the file and, when known, the line."""
-
-
 def file_sha256(path: Path) -> str:
     """sha256 of a file's bytes, read in 1 MiB blocks (checkpoints and index files are checked with it)."""
     digest = hashlib.sha256()
@@ -40,6 +36,12 @@ def file_sha256(path: Path) -> str:
 
 def where(path: Path, line: int | None = None) -> str:
     return f"{path} line {line}" if line is not None else str(path)
+
+
+class DataFormatError(ValueError):
+    """A data file is missing or malformed; the message names the file and, when known, the line."""
+
+    at = staticmethod(where)  # how a message names a place; training data writes `file:line` instead
 
 
 def utf8_problem(lines: Iterable[bytes], name: object, at=lambda name, n: f"{name}:{n}:", what="file") -> str:
@@ -101,46 +103,72 @@ class Table:
         return out
 
 
-def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
-    """Read a header + rows TSV (UTF-8, no quoting); check the column count of every row and the header."""
+def iter_tsv(path: str | Path, error: type[DataFormatError] = DataFormatError) -> Iterator[tuple[int, list[str]]]:
+    """(line number, cells) of a header + rows TSV (UTF-8, gzipped if the name ends in .gz, no quoting): the
+    header first, as line 1, stripped; then every row that is not blank, each checked to have the header's
+    number of columns. Every problem is an `error` naming the file and the line."""
     path = Path(path)
     if not path.is_file():
-        raise DataFormatError(f"{path}: file not found")
-    rows: list[tuple[int, list[str]]] = []
+        raise error(f"{path}: file not found")
+    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with path.open(encoding="utf-8-sig", newline="") as f:
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-            header = next(reader, None)
-            if header is None or header == [] or header == [""]:
-                raise DataFormatError(f"{path}: empty file (expected a header line)")
-            header = [h.strip() for h in header]
-            for row in reader:
-                line = reader.line_num
+            header = None
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as exc:
+                    raise error(_csv_problem(error.at(path, reader.line_num), exc)) from None
+                if header is None:
+                    if row == [] or row == [""]:
+                        break
+                    header = [h.strip() for h in row]
+                    yield 1, header
+                    continue
                 if not row or row == [""]:
                     continue  # a trailing blank line is harmless
                 if len(row) != len(header):
-                    raise DataFormatError(
-                        f"{where(path, line)}: {len(row)} tab-separated columns, the header has {len(header)} "
-                        f"({', '.join(header)})"
+                    raise error(
+                        f"{error.at(path, reader.line_num)}: {len(row)} tab-separated columns, the header has "
+                        f"{len(header)} ({', '.join(header)})"
                     )
-                rows.append((line, row))
+                yield reader.line_num, row
     except UnicodeDecodeError:
-        raise DataFormatError(first_bad_utf8_line(path)) from None
-    except csv.Error as exc:
-        raise DataFormatError(f"{path}: unreadable TSV ({exc})") from exc
-    table = Table(path, header, rows)
+        raise error(first_bad_utf8_line(path)) from None
+    if header is None:
+        raise error(f"{path}: empty file (expected a header line)")
+
+
+def _csv_problem(place: str, exc: csv.Error) -> str:
+    if "field larger than field limit" in str(exc):
+        return (
+            f"{place}: a field is longer than {csv.field_size_limit():,} characters (the csv field limit); "
+            "is a tab or newline missing? Split or shorten that text"
+        )
+    return f"{place}: unreadable TSV row ({exc})"
+
+
+def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
+    """Read a header + rows TSV into memory (see iter_tsv); the required columns must be in the header."""
+    rows = iter_tsv(path)
+    _, header = next(rows)
+    table = Table(Path(path), header, list(rows))
     for name in required:
         table.column(name)
-    if not rows:
+    if not table.rows:
         raise DataFormatError(f"{path}: no data rows after the header")
     return table
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield (line number, object) from a JSON-lines file, gzipped if the name ends in .gz."""
+def read_jsonl(path: str | Path, error: type[DataFormatError] = DataFormatError) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, object) from a JSON-lines file, gzipped if the name ends in .gz; blank lines are
+    skipped, anything else that is not a JSON object is an `error` naming the line."""
     path = Path(path)
     if not path.is_file():
-        raise DataFormatError(f"{path}: file not found")
+        raise error(f"{path}: file not found")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8-sig") as f:
@@ -150,12 +178,45 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataFormatError(f"{where(path, line_no)}: invalid JSON ({exc.msg})") from exc
+                    raise error(f"{error.at(path, line_no)}: not valid JSON ({exc.msg})") from None
                 if not isinstance(obj, dict):
-                    raise DataFormatError(f"{where(path, line_no)}: expected a JSON object, got {type(obj).__name__}")
+                    raise error(f"{error.at(path, line_no)}: expected a JSON object, got {type(obj).__name__}")
                 yield line_no, obj
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
-        raise DataFormatError(f"{path}: unreadable ({exc})") from exc
+    except UnicodeDecodeError:
+        raise error(first_bad_utf8_line(path)) from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise error(f"{path}: unreadable ({exc})") from exc
+
+
+def read_beir(path: str | Path, titles: bool) -> Iterator[tuple[int, str, str]]:
+    """(line, id, text) of each record of a BEIR corpus or queries file (JSON lines with `_id` and `text`).
+    With `titles` (a corpus), a document is `title + " " + text`, stripped, as BEIR and sentence-transformers
+    embed it. A record without an id or a text, or an id used twice, is an error naming the line."""
+    path = Path(path)
+    seen: dict[str, int] = {}
+    for line, obj in read_jsonl(path):
+        if "_id" not in obj:
+            raise DataFormatError(f"{where(path, line)}: no '_id' field")
+        if not isinstance(obj.get("text"), str):
+            raise DataFormatError(f"{where(path, line)}: no 'text' string field")
+        key = str(obj["_id"])
+        if key in seen:
+            raise DataFormatError(f"{where(path, line)}: _id {key!r} already used on line {seen[key]}")
+        seen[key] = line
+        text = obj["text"]
+        if titles:
+            title = obj.get("title") or ""
+            text = (f"{title} {text}" if title else text).strip()
+        yield line, key, text
+
+
+def read_json(path: str | Path, error: type[Exception] = DataFormatError):
+    """A JSON document; a syntax error is an `error` naming the file and the line."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise error(f"{where(path, exc.lineno)}: not valid JSON ({exc.msg})") from None
 
 
 # ---- one text per line: the inputs of `encode` and `search --queries` -------------------------------------

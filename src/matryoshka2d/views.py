@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class View:
@@ -17,6 +19,13 @@ class View:
 
     def __str__(self) -> str:
         return f"({self.layer},{self.dim})" + ("" if self.weight == 1.0 else f"x{self.weight:.3g}")
+
+
+def unit_rows(x) -> np.ndarray:
+    """A cell's vectors scaled to length 1, as a new contiguous float32 array; an all-zero row stays zero
+    instead of becoming NaN. Cosine similarity is the inner product of unit rows."""
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 def nested_dims(hidden: int, start: int = 8) -> list[int]:

@@ -1,14 +1,46 @@
-"""Options shared by several commands: the model to load, key=value option lists, the run-safety flags."""
+"""Options shared by several commands: the model to load, the options of a training run, key=value option
+lists, the run-safety flags; and reading back which of them were given."""
 
 from __future__ import annotations
 
 import yaml
 
+POOLING_CHOICES = ["mean", "cls", "last-token"]  # models.backbones.POOLING_MODES, without importing torch here
 
-def model_args(p, default="minilm-l6", heads: bool = True) -> None:
-    p.add_argument("--model", default=default, help="short name (minilm-l6, mpnet-base), directory or hub id")
-    p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
-    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+MODEL_HELP = "short name (minilm-l6, mpnet-base), directory or hub id"
+POOLING_HELP = "override the model's pooling"
+DEVICE_HELP = "cpu, cuda, ... (default: cuda if available)"
+
+
+def command(sub, name: str, func, **parser_options):
+    """A subcommand whose arguments go to `func(args)`: the parser, created with its function."""
+    p = sub.add_parser(name, **parser_options)
+    p.set_defaults(func=func)
+    return p
+
+
+def command_group(sub, name: str, help: str, dest: str, func=None):
+    """A command of subcommands (`eval sts`, `index build`, `models list`): the subparsers to add them to;
+    `func`, if given, runs every subcommand that has none of its own."""
+    p = sub.add_parser(name, help=help)
+    if func is not None:
+        p.set_defaults(func=func)
+    return p.add_subparsers(dest=dest, required=True)
+
+
+def model_args(
+    p,
+    default="minilm-l6",
+    model_help=MODEL_HELP,
+    pooling_help=POOLING_HELP,
+    device_help=DEVICE_HELP,
+    heads: bool = True,
+) -> None:
+    """--model, --pooling and --device (and --no-heads unless `heads` is False); a command whose default model
+    comes from elsewhere says so in its help."""
+    p.add_argument("--model", default=default, help=model_help)
+    p.add_argument("--pooling", choices=POOLING_CHOICES, help=pooling_help)
+    p.add_argument("--device", help=device_help)
     if heads:
         heads_flag(p)
 
@@ -30,15 +62,58 @@ def load_encoder(args, model: str | None = None, log=None, **options):
     from matryoshka2d.models.encoder import ElasticEncoder
 
     device = options.pop("device", getattr(args, "device", None))
+    pooling = options.pop("pooling", getattr(args, "pooling", None))
     check_device(device)
     no_heads = bool(getattr(args, "no_heads", False))
-    encoder = ElasticEncoder(
-        model or args.model, pooling=getattr(args, "pooling", None), device=device, heads=not no_heads, **options
-    )
+    encoder = ElasticEncoder(model or args.model, pooling=pooling, device=device, heads=not no_heads, **options)
     if no_heads:
         said = "exit heads left off (--no-heads)" if encoder.folder_has_heads else "--no-heads: it has no exit heads"
         (log or (lambda m: print(m, file=sys.stderr)))(f"{encoder.name}: {said}")
     return encoder
+
+
+# The options of a training run that train, two-step and pretrain share: flag -> (argparse keywords, help).
+# Every one defaults to None, so that a command can tell what was given (see `given`) from its own defaults.
+RUN_OPTIONS = {
+    "--steps": ({"type": int}, "optimizer steps (default: one epoch)"),
+    "--epochs": ({"type": float}, None),
+    "--batch-size": ({"type": int}, None),
+    "--lr": ({"type": float}, None),
+    "--weight-decay": ({"type": float}, None),
+    "--lr-schedule": ({"choices": ["cosine", "linear"]}, None),
+    "--warmup-ratio": ({"type": float}, None),
+    "--seed": ({"type": int}, None),
+    "--max-length": ({"type": int}, None),
+    "--save-steps": ({"type": int}, "checkpoint every N steps (default 200)"),
+    "--eval-steps": ({"type": int}, None),
+    "--eval-file": ({}, None),
+    "--resume": ({"action": "store_true"}, "continue from the last checkpoint in --output"),
+    "--quiet": ({"action": "store_true"}, "no progress bars"),
+}
+
+
+def run_options(p, *flags: str, **helps: str) -> None:
+    """Add these training-run options, in this order; `helps` (by option name: batch_size="...") gives a
+    command's own help for one."""
+    for flag in flags:
+        keywords, text = RUN_OPTIONS[flag]
+        text = helps.get(flag[2:].replace("-", "_"), text)
+        p.add_argument(flag, **keywords, **({"help": text} if text else {}))
+
+
+def given(args, names) -> dict:
+    """The options among `names` given on the command line, by name: a value, or a switch turned on (None, and
+    False for a switch, mean not given, so that a preset's or a config file's value stands)."""
+    return {name: value for name in names if (value := getattr(args, name, None)) is not None and value is not False}
+
+
+def training_options(args, but=()) -> dict:
+    """The flags named like a TrainConfig option (--batch-size: batch_size) that were given, except `but`."""
+    import dataclasses
+
+    from matryoshka2d.training.config import TrainConfig
+
+    return given(args, [f.name for f in dataclasses.fields(TrainConfig) if f.name not in but])
 
 
 def parse_options(values: list[str] | None, flag: str) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from matryoshka2d.cli.args import add_safety_flags, parse_options
+from matryoshka2d.cli.args import add_safety_flags, command, parse_options, run_options, training_options
 from matryoshka2d.compress.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.views import parse_cells
@@ -26,33 +26,10 @@ def parse_dims(text: str, flag: str) -> list[int]:
     return out
 
 
-def _train_values(args, keys) -> dict:
-    values = {}
-    for key in keys:
-        value = getattr(args, key, None)
-        if value is not None:
-            values[key] = value
-    return values
-
-
 def cmd_two_step(args) -> int:
-    from matryoshka2d.compress.two_step import TwoStepConfig, run_two_step
+    from matryoshka2d.compress.two_step import MANAGED, TwoStepConfig, run_two_step
 
-    train = _train_values(
-        args,
-        (
-            "pooling",
-            "device",
-            "steps",
-            "epochs",
-            "batch_size",
-            "lr",
-            "warmup_ratio",
-            "seed",
-            "max_length",
-            "save_steps",
-        ),
-    )
+    train = training_options(args, but=MANAGED)  # model, data, output, loss: each stage sets them for its runs
     loss_options = parse_options(args.loss_option, "--loss-option")
     if loss_options:
         train["loss_options"] = loss_options
@@ -82,38 +59,8 @@ def cmd_pretrain(args) -> int:
     from matryoshka2d.training.config import TrainConfig
 
     # Defaults of the SMAE paper, sec. 4.1: AdamW lr 1e-4, weight decay 0.05, cosine schedule, warm-up 0.05.
-    values = {
-        "model": args.model,
-        "method": args.method,
-        "loss": "mlm+mae",
-        "data": args.data,
-        "output": args.output,
-        "lr": 1e-4,
-        "weight_decay": 0.05,
-        "lr_schedule": "cosine",
-        "warmup_ratio": 0.05,
-    }
-    values.update(
-        _train_values(
-            args,
-            (
-                "pooling",
-                "device",
-                "steps",
-                "epochs",
-                "batch_size",
-                "lr",
-                "weight_decay",
-                "lr_schedule",
-                "warmup_ratio",
-                "seed",
-                "max_length",
-                "save_steps",
-                "eval_steps",
-                "eval_file",
-            ),
-        )
-    )
+    values = {"loss": "mlm+mae", "lr": 1e-4, "weight_decay": 0.05, "lr_schedule": "cosine", "warmup_ratio": 0.05}
+    values.update(training_options(args))
     options = {
         "encoder_mask_ratio": args.encoder_mask_ratio if args.encoder_mask_ratio is not None else ENCODER_MASK_RATIO,
         "decoder_mask_ratio": args.decoder_mask_ratio if args.decoder_mask_ratio is not None else DECODER_MASK_RATIO,
@@ -135,8 +82,10 @@ def cmd_pretrain(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "two-step",
+        cmd_two_step,
         help="pooler compression to d dims with two-step training (dimensionality paper, Algorithm 1)",
         description="Train the encoder with a D->d tanh pooler for every candidate d', pick the encoder that is "
         "best alone on the validation set, put the target pooler on it and fine-tune only the pooler. Writes "
@@ -159,14 +108,11 @@ def register(sub, model_args) -> None:
         help="default simcse (Table 1); softmax on NLI pairs is Table 2",
     )
     p.add_argument("--output", required=True, help="folder for every run, the final models and the report")
-    p.add_argument("--steps", type=int, help="optimizer steps of each step-1 run (default: one epoch)")
-    p.add_argument("--epochs", type=float)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup-ratio", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
+    run_options(
+        p,
+        *("--steps", "--epochs", "--batch-size", "--lr", "--warmup-ratio", "--seed", "--max-length", "--save-steps"),
+        steps="optimizer steps of each step-1 run (default: one epoch)",
+    )
     p.add_argument("--pooler-steps", type=int, help="steps of the step-2 pooler fine-tuning (default: as step 1)")
     p.add_argument("--pooler-lr", type=float, help="learning rate of step 2 (default: as step 1)")
     p.add_argument("--validation-file", help="STS file that selects encoder_opt (default: STS-B dev)")
@@ -174,10 +120,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. temperature=0.05")
     add_safety_flags(p, overwrite=False)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_two_step)
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "pretrain",
+        cmd_pretrain,
         help="SMAE pre-training of a backbone (Starbucks sec. 3.2); resumable like train",
         description="Masked-LM pre-training of the encoder at a list of (layer, dim) sizes plus a one-layer "
         "decoder that reconstructs a more heavily masked copy from the size's sentence vector. Saves the "
@@ -187,15 +134,16 @@ def register(sub, model_args) -> None:
     p.add_argument("--method", choices=["smae"], default="smae")
     p.add_argument("--data", nargs="+", required=True, help="corpus: text files, one sentence per line (or TSVs)")
     p.add_argument("--output", required=True, help="folder for the pre-trained encoder, logs and checkpoints")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
-    p.add_argument("--epochs", type=float)
-    p.add_argument("--batch-size", type=int, help="default 32 (the paper: 512)")
-    p.add_argument("--lr", type=float, help="default 1e-4 (paper sec. 4.1)")
-    p.add_argument("--weight-decay", type=float, help="default 0.05 (paper sec. 4.1)")
-    p.add_argument("--lr-schedule", choices=["cosine", "linear"], help="default cosine (paper sec. 4.1)")
-    p.add_argument("--warmup-ratio", type=float, help="default 0.05 (paper sec. 4.1)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-length", type=int)
+    run_options(
+        p,
+        *("--steps", "--epochs", "--batch-size", "--lr", "--weight-decay", "--lr-schedule", "--warmup-ratio"),
+        *("--seed", "--max-length"),
+        batch_size="default 32 (the paper: 512)",
+        lr="default 1e-4 (paper sec. 4.1)",
+        weight_decay="default 0.05 (paper sec. 4.1)",
+        lr_schedule="default cosine (paper sec. 4.1)",
+        warmup_ratio="default 0.05 (paper sec. 4.1)",
+    )
     p.add_argument("--sizes", help="(layer,dim) list, e.g. 1:32,2:64,6:384 (default: the Starbucks SRL sizes)")
     p.add_argument("--encoder-mask-ratio", type=float, help=f"alpha_e (default {ENCODER_MASK_RATIO})")
     p.add_argument("--decoder-mask-ratio", type=float, help=f"alpha_d (default {DECODER_MASK_RATIO})")
@@ -205,10 +153,10 @@ def register(sub, model_args) -> None:
         default="pooled",
         help="decoder input vector: the model's pooled sentence vector (default) or the [CLS] state",
     )
-    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
-    p.add_argument("--eval-steps", type=int, help="STS-B dev check every N steps (and at the end)")
-    p.add_argument("--eval-file", help="STS file for that check (default STS-B dev, skipped if absent)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    run_options(
+        p,
+        *("--save-steps", "--eval-steps", "--eval-file", "--resume", "--quiet"),
+        eval_steps="STS-B dev check every N steps (and at the end)",
+        eval_file="STS file for that check (default STS-B dev, skipped if absent)",
+    )
     add_safety_flags(p)
-    p.set_defaults(func=cmd_pretrain)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.cli.args import command
+
 DEMO_SENTENCES = [
     "A man is playing a guitar on stage.",
     "Someone performs music with a guitar in front of an audience.",
@@ -197,8 +199,8 @@ def run_loop(args) -> int:
     write_outputs(result, work / "sts")
     without = evaluate_sts(cells.without_heads(), root, datasets=args.sts, log=quiet)
     write_outputs(without, work / "sts-no-heads")
-    full = result["summary"]
-    shallow = {True: result["summary"].get("shallow_average"), False: without["summary"].get("shallow_average")}
+    full = result.summary
+    shallow = {True: result.summary.get("shallow_average"), False: without.summary.get("shallow_average")}
     done(
         t,
         f"{work / 'sts'}/results.md and heatmap.png (and sts-no-heads/); full model ({full['cell'][0]},"
@@ -280,8 +282,10 @@ def cmd_demo(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "demo",
+        cmd_demo,
         help="the whole loop: elastic fine-tune, STS grid, pick a cell, export it, cascade search",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -303,4 +307,3 @@ def register(sub, model_args) -> None:
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", default="runs/demo", help="where the results go (runs/demo)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or detail lines")
-    p.set_defaults(func=cmd_demo)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from matryoshka2d.cli.args import command
+
 
 def cmd_export(args) -> int:
     from matryoshka2d.cli.args import load_encoder
@@ -77,8 +79,10 @@ def cmd_serve(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "export",
+        cmd_export,
         help="write one (layer, dim) cell as a standalone model (sentence-transformers folder, ONNX, int8)",
         description="A folder holding only LAYER layers (config and weights cut), the model's pooling, the first "
         "DIM numbers and Normalize as the cell does: plain SentenceTransformer(OUTPUT) gives the cell's "
@@ -99,10 +103,11 @@ def register(sub, model_args) -> None:
         help="L2-normalise after slicing (default: as the model does; it has a Normalize module or not)",
     )
     p.add_argument("--sts-file", help="STS-B test TSV for the int8 score (default: the shared data's stsb_test.tsv)")
-    p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "serve",
+        cmd_serve,
         help="OpenAI-compatible embeddings server; one model serves every (layer, dim) cell",
         description="POST /v1/embeddings (OpenAI's request plus an optional 'layer'), GET /v1/models, GET /health. "
         "Concurrent requests are micro-batched in one model worker.",
@@ -118,4 +123,3 @@ def register(sub, model_args) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_serve)

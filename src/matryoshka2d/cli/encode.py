@@ -12,7 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
-from matryoshka2d.cli.args import heads_flag
+from matryoshka2d.cli.args import POOLING_CHOICES, command, command_group, heads_flag
 from matryoshka2d.files import iter_lines, open_input
 
 
@@ -45,17 +45,13 @@ def npy_path(output: str) -> Path:
 
 def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
     """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
+    from matryoshka2d.models.encoder import length_batches
+
     ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
-    lengths = np.array([len(x) for x in ids])
-    order = np.argsort(-lengths, kind="stable")
     out = np.empty((len(texts), dim), dtype=np.float32)
-    start = 0
-    while start < len(order):
-        size = max(1, min(batch_size, TOKEN_BUDGET // max(1, int(lengths[order[start]]))))
-        idx = order[start : start + size]
+    for idx in length_batches([len(x) for x in ids], batch_size, TOKEN_BUDGET):
         batch = [texts[i] for i in idx]
-        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=size, normalize=normalize)
-        start += size
+        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=len(idx), normalize=normalize)
     return out
 
 
@@ -113,13 +109,14 @@ def cmd_models(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser("info", help="layers, hidden size, pooling and parameters of a model")
+    p = command(sub, "info", cmd_info, help="layers, hidden size, pooling and parameters of a model")
     p.add_argument("model", help="short name, directory or hub id")
-    p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
+    p.add_argument("--pooling", choices=POOLING_CHOICES)
     heads_flag(p)
-    p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("encode", help="embed one text per line of a file at one (layer, dim) cell into a .npy")
+    p = command(
+        sub, "encode", cmd_encode, help="embed one text per line of a file at one (layer, dim) cell into a .npy"
+    )
     model_args(p)
     p.add_argument("--layer", type=int, help="exit after this many layers (default: all)")
     p.add_argument("--dim", type=int, help="keep the first DIM numbers (default: all)")
@@ -129,12 +126,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--output", required=True, help="where to write the float32 .npy array ('.npy' is added if missing)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--normalize", action="store_true", help="L2-normalise each vector after slicing")
-    p.set_defaults(func=cmd_encode)
 
-    p = sub.add_parser("models", help="list short model names or prepare one offline")
-    msub = p.add_subparsers(dest="action", required=True)
+    msub = command_group(
+        sub, "models", help="list short model names or prepare one offline", dest="action", func=cmd_models
+    )
     msub.add_parser("list", help="short names and the cache directory")
     mp = msub.add_parser("prepare", help="unpack a short-name model into the cache (mpnet-base)")
     mp.add_argument("name")
     mp.add_argument("--force", action="store_true", help="unpack again even if present")
-    p.set_defaults(func=cmd_models)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from matryoshka2d.cli.args import command, command_group
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
 
 
@@ -44,28 +45,28 @@ def _evaluate(args, run, embedder) -> int:
         return code
     without = run(embedder.without_heads())
     _finish(without, str(Path(args.output) / "no-heads"))
-    metric = result["metric"]
-    gains = {(r["layer"], r["dim"]): r[metric] for r in result["average"]}
-    print(f"exit heads, {result['task']} {metric} average: without -> with (gain)")
-    for row in without["average"]:
+    metric = result.metric
+    gains = {(r["layer"], r["dim"]): r[metric] for r in result.average}
+    print(f"exit heads, {result.task} {metric} average: without -> with (gain)")
+    for row in without.average:
         cell = (row["layer"], row["dim"])
         if cell in gains and row.get(metric) is not None:
             print(f"  ({cell[0]},{cell[1]}): {row[metric]:.2f} -> {gains[cell]:.2f} ({gains[cell] - row[metric]:+.2f})")
     return code
 
 
-def _finish(result: dict, output: str) -> int:
+def _finish(result, output: str) -> int:
     from matryoshka2d.evaluate.results import write_outputs
 
     paths = write_outputs(result, output)
-    summary = result.get("summary", {})
+    summary = result.summary
     if summary.get("average") is not None:
         layer, dim = summary["cell"]
-        line = f"{result['task']} {result['metric']}: {summary['average']:.2f} at layer {layer}, dim {dim}"
+        line = f"{result.task} {result.metric}: {summary['average']:.2f} at layer {layer}, dim {dim}"
         if "shallow_average" in summary:
             line += f"; shallow average (layers {summary['shallow_layers']}): {summary['shallow_average']:.2f}"
         print(line)
-    print(f"{len(result['scores'])} scores in {result['seconds']['total']:.1f} s -> {', '.join(map(str, paths))}")
+    print(f"{len(result.scores)} scores in {result.seconds['total']:.1f} s -> {', '.join(map(str, paths))}")
     return 0
 
 
@@ -189,11 +190,14 @@ def _common(p, model_args) -> None:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser("eval", help="evaluate every (layer, dim) cell: sts, classification, retrieval")
-    esub = p.add_subparsers(dest="task", required=True)
+    esub = command_group(
+        sub, "eval", help="evaluate every (layer, dim) cell: sts, classification, retrieval", dest="task"
+    )
 
-    p = esub.add_parser(
+    p = command(
+        esub,
         "sts",
+        cmd_sts,
         help="Spearman x 100 of cosine vs gold on STS12-16, STS-B, SICK-R",
         description="Default cells: every layer x dims 8, 16, 32, ... doubling, and the hidden size.",
     )
@@ -208,10 +212,11 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--reducer-corpus", help="sentences to fit it on (default: DATA/nli/train_triplets.tsv)")
     p.add_argument("--reducer-samples", type=int, default=2000, help="first N distinct corpus sentences (2000)")
-    p.set_defaults(func=cmd_sts)
 
-    p = esub.add_parser(
+    p = command(
+        esub,
         "classification",
+        cmd_classification,
         help="SentEval-style logistic regression accuracy per cell",
         description="Default cells: layers at each quarter of the depth (minilm-l6: 2, 3, 4, 6) x dims 32, 128 and "
         "the hidden size. Every <name>_{train,dev,test}.tsv or <name>_all.tsv set in the directory is evaluated.",
@@ -228,10 +233,11 @@ def register(sub, model_args) -> None:
         help="stop the search over C after this many larger values in a row score below the best (2); 0 tries "
         "every C, exactly as SentEval",
     )
-    p.set_defaults(func=cmd_classification)
 
-    p = esub.add_parser(
+    p = command(
+        esub,
         "retrieval",
+        cmd_retrieval,
         help="nDCG@10, MRR@10, Recall@100 on BEIR-layout folders",
         description="Default cells: every layer x dims 8, 16, 32, ... doubling, and the hidden size.",
     )
@@ -247,10 +253,8 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--query-layer", type=int, help="also encode queries with only this many layers against full-depth documents"
     )
-    p.set_defaults(func=cmd_retrieval)
 
-    p = sub.add_parser("report", help="put results side by side: markdown table and difference heatmaps")
+    p = command(sub, "report", cmd_report, help="put results side by side: markdown table and difference heatmaps")
     p.add_argument("results", nargs="+", help="result directories or results.json files (first = baseline)")
     p.add_argument("--output", required=True, help="directory for report.md and diff_*.png")
     p.add_argument("--names", nargs="+", help="a short name per result (default: model names)")
-    p.set_defaults(func=cmd_report)

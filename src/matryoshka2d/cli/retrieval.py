@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from matryoshka2d.cli.args import heads_flag, load_encoder
+from matryoshka2d.cli.args import command, command_group, load_encoder
 
 
 def _log(message: str) -> None:
@@ -80,8 +80,7 @@ def cmd_search(args) -> int:
     built = index.manifest["model"]
     model = args.model or built.get("location") or built.get("model")
     # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
-    args.pooling = args.pooling or built.get("pooling")
-    encoder = load_encoder(args, model=model)
+    encoder = load_encoder(args, model=model, pooling=args.pooling or built.get("pooling"))
     cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
     hits = index.search(
         encoder,
@@ -119,10 +118,11 @@ def cmd_pick(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    p = sub.add_parser("index", help="faiss indexes of (layer, dim) cells of a corpus")
-    isub = p.add_subparsers(dest="action", required=True)
-    b = isub.add_parser(
+    isub = command_group(sub, "index", help="faiss indexes of (layer, dim) cells of a corpus", dest="action")
+    b = command(
+        isub,
         "build",
+        cmd_index_build,
         help="encode a corpus once and index several cells",
         description="One encoder pass over the corpus (to the deepest requested layer) fills one faiss index per "
         "cell. Run the same command again to resume a killed build.",
@@ -139,18 +139,16 @@ def register(sub, model_args) -> None:
     b.add_argument("--limit", type=int, help="index only the first N documents")
     b.add_argument("--overwrite", action="store_true", help="replace a different build in --output")
     b.add_argument("--keep-shards", action="store_true", help="keep the per-shard vectors after the build")
-    b.set_defaults(func=cmd_index_build)
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "search",
+        cmd_search,
         help="search an index: flat, cascade (--cascade) or shallow queries (--query-layer)",
         description="Queries are encoded once, up to the deepest cell needed. Results print as rank, id, score.",
     )
     p.add_argument("--index", required=True, help="directory written by `matryoshka2d index build`")
-    p.add_argument("--model", help="query model (default: the index's model)")
-    p.add_argument("--pooling", choices=["mean", "cls", "last-token"], help="override the model's pooling")
-    p.add_argument("--device")
-    heads_flag(p)
+    model_args(p, default=None, model_help="query model (default: the index's model)", device_help=None)
     p.add_argument("--query", help="one query text")
     p.add_argument("--queries", help="a file with one query per line, or a queries.jsonl")
     p.add_argument("--cell", help="flat search at this cell, layer:dim (default: the index's largest cell)")
@@ -163,10 +161,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
     p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes)")
     p.add_argument("--output", help="write one JSON line per query (query, ids, scores) instead of printing")
-    p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "pick",
+        cmd_pick,
         help="the quality/cost Pareto frontier of a result grid and the cell that fits a budget",
         description="Quality from results.json files (STS, classification, retrieval); cost from encode time per "
         "layer measured on this machine (cached) and bytes per vector. Writes pick.md, pick.json and pick.png.",
@@ -180,4 +179,3 @@ def register(sub, model_args) -> None:
     p.add_argument("--model", help="model to time (default: the one named in the results)")
     p.add_argument("--remeasure", action="store_true", help="time the layers again instead of using the cache")
     p.add_argument("--output", help="directory for pick.md/.json/.png (default: the first results directory)")
-    p.set_defaults(func=cmd_pick)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from matryoshka2d.cli.args import add_safety_flags, parse_options
+from matryoshka2d.cli.args import add_safety_flags, parse_options, run_options, training_options
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.methods import METHODS
 from matryoshka2d.training import presets
@@ -74,40 +74,7 @@ def cmd_train(args) -> int:
             if isinstance(loaded.get(key), dict) and isinstance(values.get(key), dict):
                 loaded[key] = {**values[key], **loaded[key]}
         values.update(loaded)
-    for key in (
-        "model",
-        "method",
-        "loss",
-        "data",
-        "steps",
-        "epochs",
-        "batch_size",
-        "lr",
-        "seed",
-        "output",
-        "pooling",
-        "eval_steps",
-        "eval_file",
-        "save_steps",
-        "max_length",
-        "warmup_ratio",
-        "device",
-        "lora_r",
-        "lora_alpha",
-        "lora_dropout",
-        "lora_target_modules",
-        "precision",
-        "log_every",
-        "gradient_accumulation",
-        "exit_heads",
-        "exit_heads_lr",
-    ):
-        value = getattr(args, key, None)
-        if value is not None:
-            values[key] = value
-    for flag in ("bidirectional", "gradient_checkpointing", "compile"):
-        if getattr(args, flag, False):
-            values[flag] = True
+    values.update(training_options(args, but=("eval_cell",)))  # given flags override the preset and the config
     if args.eval_cell:
         cells = [list(c) for c in parse_cells(args.eval_cell)]
         values["eval_cell"] = cells[0] if len(cells) == 1 else cells  # several: each is evaluated
@@ -140,9 +107,13 @@ def register(sub, model_args) -> None:
         description="Train an elastic embedding model.\n\n" + _method_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="backbone: short name, directory or hub id (default minilm-l6)")
-    p.add_argument("--pooling", choices=["mean", "cls", "last-token"])
-    p.add_argument("--device")
+    model_args(
+        p,
+        default=None,
+        model_help="backbone: short name, directory or hub id (default minilm-l6)",
+        pooling_help=None,
+        device_help=None,
+    )
     p.add_argument(
         "--processes",
         type=int,
@@ -153,18 +124,17 @@ def register(sub, model_args) -> None:
     p.add_argument("--loss", choices=list(TASK_LOSSES), help="task loss (default: by kind of data, see above)")
     p.add_argument("--preset", choices=list(presets.available()), help="a paper's or reference code's recipe")
     p.add_argument("--data", nargs="+", help="training files (TSV/JSONL: triplets, NLI pairs or scored pairs)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
-    p.add_argument("--epochs", type=float)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup-ratio", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-length", type=int)
+    run_options(p, "--steps", "--epochs", "--batch-size", "--lr", "--warmup-ratio", "--seed", "--max-length")
     p.add_argument("--output", help="folder for the trained model, logs and checkpoints")
-    p.add_argument("--eval-steps", type=int, help="evaluate on STS-B dev every N steps (and always at the end)")
-    p.add_argument("--eval-file", help="STS file for the periodic evaluation (default STS-B dev)")
+    run_options(
+        p,
+        "--eval-steps",
+        "--eval-file",
+        eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
+        eval_file="STS file for the periodic evaluation (default STS-B dev)",
+    )
     p.add_argument("--eval-cell", help="layer:dim to evaluate, or several: 1:16,2:32 (default: the full model)")
-    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 200)")
+    run_options(p, "--save-steps")
     p.add_argument("--sizes", help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
     p.add_argument("--layer", type=int, help="separate: train the model cut to this many layers")
     p.add_argument("--dim", type=int, help="separate: at this width")
@@ -202,6 +172,6 @@ def register(sub, model_args) -> None:
     speed.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
     p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    run_options(p, "--resume")
     add_safety_flags(p)
     p.set_defaults(func=cmd_train)

@@ -24,8 +24,11 @@ Readings of points the paper leaves to its code (github.com/ielab/Starbucks, sma
 - The vector fed to the decoder: the paper uses the [CLS] embedding because its models are CLS-pooled. We use
   the model's own sentence vector (its pooling, mean for minilm-l6), so that pre-training shapes the vector
   fine-tuning will use; `bottleneck="cls"` takes the [CLS] token state as in the paper.
-- Loss: eq. 8 adds the two MLM losses and eq. 9 sums over sizes; the authors' code takes the mean of both
-  instead, a constant factor (2 x number of sizes) that AdamW mostly absorbs. We follow the paper: the sum.
+- Loss: eq. 8 adds the two MLM losses and eq. 9 sums over sizes ("summing the MLM loss for all pairs");
+  the authors' code averages instead (ielab/Starbucks smae/modeling.py, BertFor2DMaekMatryoshkaMaskedLM.forward
+  L159-171: (mlm + mae) / 2 per size, then / the number of sizes). The factor (2 x number of sizes) is not
+  absorbed by AdamW in the first steps when gradients are clipped at 1.0. `reduction=`: "sum" (the paper, the
+  default) or "mean" (their code).
 - The decoder layer starts as a copy of the backbone's first layer (the authors keep layer 1 of the pretrained
   BERT as the decoder); the embeddings and the MLM head are shared, not copied.
 - The MLM head: our short-name backbones are loaded with AutoModel, and all-MiniLM-L6-v2's folder holds no MLM
@@ -53,23 +56,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.methods.starbucks import default_sizes
-from matryoshka2d.models.backbones import layer_stack
+from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack
 from matryoshka2d.models.encoder import ElasticEncoder, pool
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training.data import read_training_data
+from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.trainer import Trainer
 
 ENCODER_MASK_RATIO = 0.2  # alpha_e: the authors' smae/README.md command, --mlm_probability 0.2
 DECODER_MASK_RATIO = 0.4  # alpha_d: the same command, --decoder_mlm_probability 0.4
-MLM_ARCHITECTURES = ("bert", "roberta", "xlm-roberta", "electra", "mpnet", "distilbert")
+# The bidirectional encoders of the architecture table: masked-LM pre-training needs attention both ways.
+MLM_ARCHITECTURES = tuple(name for name, arch in ARCHITECTURES.items() if not arch.decoder)
 IGNORE = -100  # label of positions that are not predicted (torch's cross_entropy ignore_index)
-
-# Where masked-LM checkpoints keep their head: (transform dense, transform norm, output bias) key prefixes.
-MLM_HEAD_KEYS = (
-    ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.bias"),  # BERT
-    ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias"),  # RoBERTa, XLM-R, MPNet
-    ("vocab_transform", "vocab_layer_norm", "vocab_projector.bias"),  # DistilBERT
-)
 
 
 class SMAEError(ValueError):
@@ -220,26 +218,27 @@ class MLMHead(nn.Module):
         return F.linear(self.project(x), word_embeddings, self.bias)
 
 
-def load_mlm_head(head: MLMHead, model_dir: str | None) -> str | None:
-    """Fill the head from a masked-LM checkpoint's weights if the folder has them; returns where they came from."""
-    if not model_dir or not Path(model_dir).is_dir():
+def load_mlm_head(head: MLMHead, model_dir: str | None, keys: tuple[str, str, str] | None) -> str | None:
+    """Fill the head from a masked-LM checkpoint's weights if the folder has them under `keys` (the
+    architecture's mlm_head prefixes); returns where they came from."""
+    if not model_dir or not keys or not Path(model_dir).is_dir():
         return None
     from safetensors import safe_open
 
+    dense, norm, bias = keys
+    names = [f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias", bias]
+    targets = [head.dense.weight, head.dense.bias, head.norm.weight, head.norm.bias, head.bias]
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            keys = set(f.keys())
-            for dense, norm, bias in MLM_HEAD_KEYS:
-                names = [f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias", bias]
-                if all(n in keys for n in names):
-                    tensors = [f.get_tensor(n) for n in names]
-                    targets = [head.dense.weight, head.dense.bias, head.norm.weight, head.norm.bias, head.bias]
-                    if any(t.shape != p.shape for t, p in zip(tensors, targets, strict=True)):
-                        continue
-                    with torch.no_grad():
-                        for t, p in zip(tensors, targets, strict=True):
-                            p.copy_(t)
-                    return f"{file.name}:{dense}"
+            if not set(names) <= set(f.keys()):
+                continue
+            tensors = [f.get_tensor(n) for n in names]
+            if any(t.shape != p.shape for t, p in zip(tensors, targets, strict=True)):
+                continue
+            with torch.no_grad():
+                for t, p in zip(tensors, targets, strict=True):
+                    p.copy_(t)
+            return f"{file.name}:{dense}"
     return None
 
 
@@ -272,6 +271,7 @@ class SMAEObjective(nn.Module):
         decoder_mask_ratio: float = DECODER_MASK_RATIO,
         bottleneck: str = "pooled",
         seed: int = 0,
+        reduction: str = "sum",
     ):
         super().__init__()
         model = encoder.model
@@ -295,6 +295,11 @@ class SMAEObjective(nn.Module):
                 raise SMAEError(f"smae: {what} must be between 0 and 1 (exclusive), got {ratio}")
         if bottleneck not in ("pooled", "cls"):
             raise SMAEError(f"smae: bottleneck must be 'pooled' or 'cls', got '{bottleneck}'")
+        if reduction not in ("sum", "mean"):
+            raise SMAEError(
+                f"smae: reduction must be 'sum' (the paper's eq. 9) or 'mean' (ielab's code), got '{reduction}'"
+            )
+        self.reduction = reduction
         num_layers, width = encoder.num_layers, encoder.transformer_size
         self.sizes = sorted(tuple(int(v) for v in s) for s in (sizes or default_sizes(num_layers, width)))
         for layer, dim in self.sizes:
@@ -311,7 +316,7 @@ class SMAEObjective(nn.Module):
             getattr(config, "layer_norm_eps", 1e-12),
         )
         self.mlm_head.reset(getattr(config, "initializer_range", 0.02), seed)
-        loaded = load_mlm_head(self.mlm_head, encoder.location)
+        loaded = load_mlm_head(self.mlm_head, encoder.location, ARCHITECTURES[arch].mlm_head)
         self.head_source = f"loaded from {loaded}" if loaded else "fresh (the model folder has no MLM head weights)"
         self.to(encoder.device)
 
@@ -364,15 +369,17 @@ class SMAEObjective(nn.Module):
         return F.cross_entropy(self.mlm_head.logits(hidden[chosen], word).float(), batch.decoder_labels[chosen])
 
     def loss(self, encoder: ElasticEncoder, batch: MaskedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Eq. 9: the sum over sizes of the encoder MLM loss and the decoder MAE loss."""
+        """Eq. 9: the sum over sizes of the encoder MLM loss and the decoder MAE loss (or their mean)."""
         features = {"input_ids": batch.encoder_ids, "attention_mask": batch.attention_mask, **batch.extra}
         states = encoder.token_states(features, {n for n, _ in self.sizes})
         total, parts = None, {}
         for n, d in self.sizes:
             mlm = self.encoder_loss(encoder, states[n], d, batch)
             mae = self.decoder_loss(encoder, self.sentence_vector(encoder, states[n], batch.attention_mask), d, batch)
-            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = float(mlm.detach()), float(mae.detach())
+            parts[f"mlm({n},{d})"], parts[f"mae({n},{d})"] = mlm.detach(), mae.detach()
             total = mlm + mae if total is None else total + mlm + mae
+        if self.reduction == "mean":  # ielab's code: (mlm + mae) / 2 per size, then the mean over sizes
+            total = total / (2 * len(self.sizes))
         return total, parts
 
     def config(self) -> dict:
@@ -382,6 +389,7 @@ class SMAEObjective(nn.Module):
             "encoder_mask_ratio": self.encoder_mask_ratio,
             "decoder_mask_ratio": self.decoder_mask_ratio,
             "bottleneck": self.bottleneck,
+            "reduction": self.reduction,
             "decoder_layers": len(self.decoder),
             "mlm_head": self.head_source,
         }
@@ -396,12 +404,14 @@ class SMAETrainer(Trainer):
     supports_processes = False  # its masked-token losses are per process; not wired to the gather
 
     def build_method(self):
+        if self.config.gradient_accumulation != 1:  # its batch is masked and run whole (prepare_batch below)
+            raise SMAEError("smae: gradient_accumulation is not supported; lower --batch-size to save memory")
         return SMAEObjective(self.encoder, seed=self.config.seed, **self.config.method_options)
 
     def build_task_loss(self):
         return nn.Module()  # SMAE has no sentence-embedding loss; the objective holds its own terms
 
-    def read_data(self):
+    def read_data(self, first_read=None):
         return read_training_data(self.config.data, sentences=True)
 
     def prepare_batch(self, step: int):
@@ -438,6 +448,7 @@ def pretrain_trainer(config) -> SMAETrainer:
 def pretrain(
     config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
 ) -> Path:
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
     return pretrain_trainer(config).run(
         resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle
     )

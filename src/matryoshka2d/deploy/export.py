@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from matryoshka2d.models.backbones import count_parameters
-from matryoshka2d.models.encoder import ElasticEncoder, pool
+from matryoshka2d.models.encoder import ElasticEncoder, length_batches, pool
 
 FORMATS = ("st", "onnx")
 QUANTIZE = ("int8",)
@@ -273,10 +273,8 @@ class OnnxCellEncoder:
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         encoded = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
-        order = np.argsort([-len(x) for x in encoded["input_ids"]], kind="stable")
         out = None
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in length_batches([len(x) for x in encoded["input_ids"]], batch_size):
             rows = [{k: encoded[k][i] for k in self.inputs if k in encoded} for i in idx]
             batch = self.tokenizer.pad(rows, return_tensors="np")
             (vectors,) = self.session.run(None, {k: batch[k].astype(np.int64) for k in self.inputs})
@@ -288,7 +286,7 @@ class OnnxCellEncoder:
 
 def _score_int8(encoder, folder, layer, dim, normalize, sts_file, report: ExportReport) -> None:
     """STS-B test Spearman of the int8 graph next to fp32 torch at the same cell (if the data can be found)."""
-    from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
+    from matryoshka2d.evaluate.sts import distinct_rows, load_pairs, pair_spearman
 
     if sts_file is None:
         from matryoshka2d.paths import sts_file as shared_sts_file
@@ -303,15 +301,11 @@ def _score_int8(encoder, folder, layer, dim, normalize, sts_file, report: Export
         report.notes.append(f"STS-B score skipped: {sts_file} not found; pass --sts-file")
         return
     pairs = load_pairs(sts_file, "stsb")
-    texts = sorted(set(pairs.sentences1) | set(pairs.sentences2))
-    row = {t: i for i, t in enumerate(texts)}
+    rows = distinct_rows(pairs)
     forms = {
-        "torch fp32": encoder.encode(texts, layer=layer, dim=dim, normalize=True),
-        "ONNX int8": OnnxCellEncoder(folder, ONNX_INT8_FILE).encode(texts),
+        "torch fp32": encoder.encode(list(rows), layer=layer, dim=dim),
+        "ONNX int8": OnnxCellEncoder(folder, ONNX_INT8_FILE).encode(list(rows)),
     }
     for form, vectors in forms.items():
-        unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        a = unit[[row[s] for s in pairs.sentences1]]
-        b = unit[[row[s] for s in pairs.sentences2]]
-        report.sts[form] = spearman_x100(pairs.gold, np.einsum("ij,ij->i", a, b))
+        report.sts[form] = pair_spearman(pairs, vectors, rows)
     report.notes.append(f"(STS-B: {sts_file}, {len(pairs.gold)} pairs)")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from matryoshka2d.evaluate.results import grid_of, load_result
+from matryoshka2d.evaluate.results import cpu_name, grid_of, load_result
 from matryoshka2d.retrieval.index import STORAGES
 
 QUERY_TEXTS = [
@@ -60,15 +59,14 @@ class Point:
         return f"({self.layer},{self.dim})"
 
 
-def _checksum(result: dict) -> str | None:
-    model = result.get("model")
-    return model.get("weights_sha256") if isinstance(model, dict) else None
+def _checksum(result) -> str | None:
+    return result.model.get("weights_sha256") if isinstance(result.model, dict) else None
 
 
-def _described(path: str, result: dict) -> str:
+def _described(path: str, result) -> str:
     from matryoshka2d.models.identity import short
 
-    model = result.get("model") if isinstance(result.get("model"), dict) else {}
+    model = result.model if isinstance(result.model, dict) else {}
     return f"{path} (model {model.get('model', '?')}, weights sha256 {short(_checksum(result))})"
 
 
@@ -83,15 +81,15 @@ def load_quality(paths: list[str]) -> tuple[dict[tuple[int, int], float], str, d
                 f"the result files are of different models: {_described(*recorded[0])} and "
                 f"{_described(path, result)}; pick averages the scores of one model"
             )
-    grids = [grid_of(r["average"], r["metric"]) for r in results]
+    grids = [grid_of(r.average, r.metric) for r in results]
     shared = set(grids[0]).intersection(*grids[1:])
     if not shared:
         raise ValueError(f"the result files {', '.join(paths)} have no (layer, dim) cell in common")
-    label = " + ".join(f"{r['task']} {r['metric']}" for r in results)
+    label = " + ".join(f"{r.task} {r.metric}" for r in results)
     if len(results) > 1:
         label = f"mean of {label}"
     quality = {cell: sum(g[cell] for g in grids) / len(grids) for cell in shared}
-    model = dict(results[0].get("model", {}))
+    model = dict(results[0].model)
     if recorded:
         model["weights_sha256"] = _checksum(recorded[0][1])
     return quality, label, model
@@ -138,14 +136,7 @@ def cost_key(info: dict) -> str:
     """Timing depends on the architecture, the machine and the threads, not on the weights."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     parts = [info.get(k) for k in ("architecture", "layers", "transformer_size", "hidden_size", "parameters")]
     return f"{'/'.join(map(str, parts))} | {cpu} x{os.cpu_count()} | torch threads {torch.get_num_threads()}"
 

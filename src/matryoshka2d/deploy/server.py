@@ -32,6 +32,7 @@ from fastapi import Request
 
 from matryoshka2d.allocator import trim_heap
 from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.views import unit_rows
 
 ENCODING_FORMATS = ("float", "base64")
 KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user"}
@@ -268,8 +269,7 @@ def create_app(encoder: ElasticEncoder, model_id: str, limits: ServerLimits | No
             )
         used = [min(n, max_length) for n in lengths]
         vectors = (await batcher.encode(texts, layer))[:, :dim]
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        vectors = vectors.astype("<f4", copy=False)
+        vectors = unit_rows(vectors).astype("<f4", copy=False)
         data = []
         for i, row in enumerate(vectors):
             value = base64.b64encode(row.tobytes()).decode("ascii") if encoding == "base64" else row.tolist()

@@ -39,7 +39,7 @@ from sklearn.metrics import f1_score
 from sklearn.model_selection import StratifiedKFold
 
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
-from matryoshka2d.evaluate.results import finish, model_record, provenance
+from matryoshka2d.evaluate.results import GridResult, grid_result, model_record, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
 
 SPLIT_REGS = [2.0**t for t in range(-2, 4)]  # SentEval SplitClassifier / InnerKFoldClassifier
@@ -328,8 +328,8 @@ def evaluate_classification(
     folds: int = 10,
     log: Callable[[str], None] | None = None,
     patience: int = PATIENCE,
-) -> dict:
-    """Evaluate every cell of `embedder` on each discovered dataset; return a result dict (see results.py).
+) -> GridResult:
+    """Evaluate every cell of `embedder` on each discovered dataset.
 
     `patience` stops each C search once that many larger C values in a row score below the best (0: try
     every C, as SentEval)."""
@@ -381,27 +381,24 @@ def evaluate_classification(
             "pair": ds.pair,
             "protocol": ds.protocol(folds),
         }
-    cell_list = embedder.cells()
-    names = list(loaded)
-    result = {
-        "task": "classification",
-        "metric": "accuracy",
-        "metrics": ["accuracy", "f1"],
-        "datasets": names,
-        "layers": sorted({n for n, _ in cell_list}),
-        "dims": sorted({d for _, d in cell_list}),
-        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": model_record(embedder),
-        "settings": {
-            "data_dir": str(Path(directory).resolve()),
-            "label_column": label_column,
-            "folds": folds,
-            "classifier": "sklearn LogisticRegression (lbfgs, max_iter 1000, centred features, warm start along C "
-            "and across folds), SentEval C grids"
-            + (f", C search stopped after {patience} values below the best" if patience else ", every C tried"),
-            "datasets": described,
-        },
-        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
-        "provenance": started,
+    settings = {
+        "data_dir": str(Path(directory).resolve()),
+        "label_column": label_column,
+        "folds": folds,
+        "classifier": "sklearn LogisticRegression (lbfgs, max_iter 1000, centred features, warm start along C "
+        "and across folds), SentEval C grids"
+        + (f", C search stopped after {patience} values below the best" if patience else ", every C tried"),
+        "datasets": described,
     }
-    return finish(result)
+    seconds = {"total": time.perf_counter() - start, "encode": encode_seconds}
+    return grid_result(
+        "classification",
+        ["accuracy", "f1"],
+        list(loaded),
+        scores,
+        embedder.cells(),
+        model_record(embedder),
+        settings,
+        seconds,
+        started,
+    )

@@ -144,12 +144,6 @@ def embed_distinct(embedder: CellEmbedder, texts: Sequence[str]) -> tuple[dict[C
     return embedder.embed(list(rows)), rows
 
 
-def unit_rows(x: np.ndarray) -> np.ndarray:
-    """Rows scaled to length 1 (float32); an all-zero row stays zero instead of becoming NaN."""
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-
-
 def parse_ints(values: Sequence[str] | None, what: str) -> list[int] | None:
     """Accept '--layers 1 2 3', '--layers 1,2,3' or '--layers 1-6'; None stays None (use the default)."""
     if not values:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from matryoshka2d.evaluate.grid import Cell
 from matryoshka2d.evaluate.plots import heatmap
-from matryoshka2d.evaluate.results import TITLES, grid_of, load_result, markdown_grid
+from matryoshka2d.evaluate.results import TITLES, GridResult, grid_of, load_result, markdown_grid
 
 
-def default_names(results: list[dict], paths: Sequence[str | Path]) -> list[str]:
+def default_names(results: list[GridResult], paths: Sequence[str | Path]) -> list[str]:
     """Model names; if two runs share a model, their directory names; if those clash too, numbered."""
-    names = [str(r.get("model", {}).get("model", "?")) for r in results]
+    names = [str(r.model.get("model", "?")) for r in results]
     if len(set(names)) < len(names):
         names = [Path(p).name if Path(p).is_dir() else Path(p).parent.name for p in paths]
     if len(set(names)) < len(names):
@@ -25,43 +25,43 @@ def default_names(results: list[dict], paths: Sequence[str | Path]) -> list[str]
     return names
 
 
-def check_comparable(results: list[dict], paths: Sequence[str | Path]) -> None:
+def check_comparable(results: list[GridResult], paths: Sequence[str | Path]) -> None:
     first = results[0]
     for r, p in zip(results[1:], paths[1:], strict=True):
-        if (r["task"], r["metric"]) != (first["task"], first["metric"]):
+        if (r.task, r.metric) != (first.task, first.metric):
             raise ValueError(
-                f"{p}: a {r['task']} result ({r['metric']}) cannot be compared with {paths[0]}, a {first['task']} "
-                f"result ({first['metric']})"
+                f"{p}: a {r.task} result ({r.metric}) cannot be compared with {paths[0]}, a {first.task} "
+                f"result ({first.metric})"
             )
 
 
-def per_dataset(result: dict, cell: Cell) -> dict[str, float]:
-    metric = result["metric"]
-    return {r["dataset"]: r[metric] for r in result["scores"] if (r["layer"], r["dim"]) == cell and metric in r}
+def per_dataset(result: GridResult, cell: Cell) -> dict[str, float]:
+    metric = result.metric
+    return {r["dataset"]: r[metric] for r in result.scores if (r["layer"], r["dim"]) == cell and metric in r}
 
 
-def build_report(results: list[dict], names: list[str], paths: Sequence[str | Path]) -> tuple[str, list[dict]]:
+def build_report(results: list[GridResult], names: list[str], paths: Sequence[str | Path]) -> tuple[str, list[dict]]:
     """The markdown report and, per later result, its difference grid against the first."""
-    metric = results[0]["metric"]
-    grids = [grid_of(r["average"], metric) for r in results]
+    metric = results[0].metric
+    grids = [grid_of(r.average, metric) for r in results]
     common = sorted(set.intersection(*(set(g) for g in grids)))
     if not common:
         raise ValueError("the results share no (layer, dim) cell; nothing to compare")
     layers = sorted({n for n, _ in common})
     dims = sorted({d for _, d in common})
     lines = [
-        f"# Report: {TITLES.get(results[0]['task'], results[0]['task'])}, {metric} x 100",
+        f"# Report: {TITLES.get(results[0].task, results[0].task)}, {metric} x 100",
         "",
         "| name | model | datasets | average (cell) | shallow average | date | result |",
         "|---|---|---|---:|---:|---|---|",
     ]
     for name, r, p in zip(names, results, paths, strict=True):
-        s = r.get("summary", {})
+        s = r.summary
         avg = f"{s['average']:.2f} ({s['cell'][0]}, {s['cell'][1]})" if s.get("average") is not None else ""
         shallow = f"{s['shallow_average']:.2f}" if "shallow_average" in s else ""
         lines.append(
-            f"| {name} | {r['model'].get('model')} | {len(r['datasets'])} | {avg} | {shallow} | "
-            f"{r.get('provenance', {}).get('date', '')} | {p} |"
+            f"| {name} | {r.model.get('model')} | {len(r.datasets)} | {avg} | {shallow} | "
+            f"{r.provenance.get('date', '')} | {p} |"
         )
     diff_heads = [f"{n} - {names[0]}" for n in names[1:]]
     lines += [
@@ -77,7 +77,7 @@ def build_report(results: list[dict], names: list[str], paths: Sequence[str | Pa
         lines.append(f"| {cell[0]} | {cell[1]} | " + " | ".join(cells) + " |")
     top = (max(layers), max(d for n, d in common if n == max(layers)))
     tables = [per_dataset(r, top) for r in results]
-    datasets = [d for d in results[0]["datasets"] if all(d in t for t in tables)]
+    datasets = [d for d in results[0].datasets if all(d in t for t in tables)]
     if datasets:
         lines += [
             "",
@@ -112,7 +112,7 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path, names: Sequen
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "report.md"]
     written[0].write_text(markdown, encoding="utf-8")
-    metric = results[0]["metric"]
+    metric = results[0].metric
     for diff in diffs:
         file = out / f"diff_{_slug(diff['name'])}_minus_{_slug(names[0])}.png"
         title = f"{metric} x 100: {diff['name']} minus {names[0]}"

@@ -1,8 +1,8 @@
-"""One result format for every evaluator, and its four outputs: results.json, results.md, results.csv, heatmap.png.
+"""One result type for every evaluator, and its four outputs: results.json, results.md, results.csv, heatmap.png.
 
-A result is a plain JSON-able dict, so that `matryoshka2d report` (and anyone else) can read it back without
-this package. `scores` holds one row per (dataset, layer, dim) with every metric of that row; `average` is the
-primary metric averaged over datasets for each cell, the number the tables and heatmaps show.
+A GridResult is written as a plain JSON object (`to_dict`), so that `matryoshka2d report` (and anyone else) can
+read it back without this package. `scores` holds one row per (dataset, layer, dim) with every metric of that
+row; `average` is each metric averaged over datasets for each cell, the number the tables and heatmaps show.
 """
 
 from __future__ import annotations
@@ -14,13 +14,27 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
 from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.files import read_json
 
 TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def provenance() -> dict:
@@ -28,14 +42,7 @@ def provenance() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -61,6 +68,17 @@ def model_record(embedder) -> dict:
             break
         encoder = getattr(encoder, "encoder", None) or getattr(encoder, "source", None)
     return info
+
+
+def provenance_lines(prov: dict, seconds: float | None = None) -> list[str]:
+    """The markdown lines that say when, where and how a result was made (see provenance())."""
+    took = f"; time taken: {seconds:.1f} s" if seconds is not None else ""
+    return [
+        f"- date: {prov.get('date')}; machine: {prov.get('machine')}; {prov.get('software')}",
+        f"- load average at start / end: {prov.get('load_average_at_start')} / {prov.get('load_average_at_end')}"
+        + took,
+        f"- command: `{prov.get('command')}`",
+    ]
 
 
 def cell_average(scores: list[dict], metric: str) -> dict[Cell, float]:
@@ -92,20 +110,74 @@ def summarize(scores: list[dict], metric: str, num_layers: int) -> dict:
     return out
 
 
-def finish(result: dict) -> dict:
-    """Fill the derived parts of a result (averages per metric and the summary) from its scores."""
-    scores = result["scores"]
-    result["average"] = []
-    for layer, dim in sorted({(r["layer"], r["dim"]) for r in scores}):
+@dataclass
+class GridResult:
+    """Scores of every (layer, dim) cell on one task's datasets, with what made them (fields in the order of
+    results.json)."""
+
+    task: str  # sts, classification or retrieval
+    metric: str  # the primary metric: the one tables, heatmaps and the summary show
+    metrics: list[str]
+    datasets: list[str]
+    layers: list[int]
+    dims: list[int]
+    scores: list[dict]  # one row per (dataset, layer, dim): {"dataset", "layer", "dim", metric: value, ...}
+    model: dict = field(default_factory=dict)  # CellEmbedder.info()
+    settings: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
+    average: list[dict] = field(default_factory=list)  # one row per cell: each metric averaged over datasets
+    summary: dict = field(default_factory=dict)  # see summarize()
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GridResult:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values.setdefault("metrics", [data["metric"]])
+        values.setdefault("datasets", sorted({r["dataset"] for r in data.get("scores", [])}))
+        values.setdefault("scores", [])
+        return cls(**values)
+
+
+def grid_result(
+    task: str,
+    metrics: Sequence[str],
+    datasets: Sequence[str],
+    scores: list[dict],
+    cells: Sequence[Cell],
+    model: dict,
+    settings: dict,
+    seconds: dict,
+    provenance: dict,
+) -> GridResult:
+    """The one way a result is made: the first metric is the primary one; scores sorted by dataset (in the
+    order given), layer and dim; the averages and the summary derived from them; the load average at the end
+    added to the provenance."""
+    names = list(datasets)
+    result = GridResult(
+        task=task,
+        metric=metrics[0],
+        metrics=list(metrics),
+        datasets=names,
+        layers=sorted({n for n, _ in cells}),
+        dims=sorted({d for _, d in cells}),
+        scores=sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
+        model=model,
+        settings=settings,
+        seconds=seconds,
+        provenance={**provenance, "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
+    )
+    for layer, dim in sorted({(r["layer"], r["dim"]) for r in result.scores}):
+        rows = [r for r in result.scores if (r["layer"], r["dim"]) == (layer, dim)]
         row = {"layer": layer, "dim": dim}
-        for metric in result["metrics"]:
-            value = cell_average([r for r in scores if (r["layer"], r["dim"]) == (layer, dim)], metric)
-            if value:
+        for metric in result.metrics:
+            if value := cell_average(rows, metric):
                 row[metric] = value[(layer, dim)]
-        result["average"].append(row)
-    result["summary"] = summarize(scores, result["metric"], int(result["model"].get("layers", 0)))
-    if "provenance" in result:
-        result["provenance"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        result.average.append(row)
+    result.summary = summarize(result.scores, result.metric, int(model.get("layers", 0)))
     return result
 
 
@@ -122,15 +194,15 @@ def markdown_grid(values: dict[Cell, float], layers: list[int], dims: list[int],
     return "\n".join(lines)
 
 
-def markdown_per_dataset(result: dict, dim: int) -> str:
+def markdown_per_dataset(result: GridResult, dim: int) -> str:
     """Rows: layers; columns: each dataset's metrics at one dim, then the average of the primary metric."""
-    columns = [(ds, m) for ds in result["datasets"] for m in result["metrics"] if _has(result, ds, m)]
-    primary = result["metric"]
+    columns = [(ds, m) for ds in result.datasets for m in result.metrics if _has(result, ds, m)]
+    primary = result.metric
     heads = [ds if m == primary else f"{ds} {m}" for ds, m in columns]
     lines = ["| layer | " + " | ".join(heads) + f" | avg {primary} |", "|---:" * (len(columns) + 2) + "|"]
-    index = {(r["dataset"], r["layer"], r["dim"]): r for r in result["scores"]}
-    avg = grid_of(result["average"], primary)
-    for n in result["layers"]:
+    index = {(r["dataset"], r["layer"], r["dim"]): r for r in result.scores}
+    avg = grid_of(result.average, primary)
+    for n in result.layers:
         cells = []
         for ds, m in columns:
             row = index.get((ds, n, dim), {})
@@ -140,27 +212,23 @@ def markdown_per_dataset(result: dict, dim: int) -> str:
     return "\n".join(lines)
 
 
-def _has(result: dict, dataset: str, metric: str) -> bool:
-    return any(r["dataset"] == dataset and metric in r for r in result["scores"])
+def _has(result: GridResult, dataset: str, metric: str) -> bool:
+    return any(r["dataset"] == dataset and metric in r for r in result.scores)
 
 
-def to_markdown(result: dict) -> str:
-    title = TITLES.get(result["task"], result["task"])
-    model, prov = result["model"], result.get("provenance", {})
+def to_markdown(result: GridResult) -> str:
+    title = TITLES.get(result.task, result.task)
+    model, prov = result.model, result.provenance
     lines = [
-        f"# {title} grid: {model.get('model')} ({result['metric']} x 100)",
+        f"# {title} grid: {model.get('model')} ({result.metric} x 100)",
         "",
         f"- model: {model.get('model')} ({model.get('layers')} layers x {model.get('hidden_size')}, "
         f"pooling {model.get('pooling')}, max_length {model.get('max_length')})",
-        f"- datasets: {', '.join(result['datasets'])}",
-        *[f"- {k}: {v}" for k, v in result.get("settings", {}).items() if not isinstance(v, (dict, list))],
-        f"- date: {prov.get('date')}; machine: {prov.get('machine')}; {prov.get('software')}",
-        f"- load average at start / end: {prov.get('load_average_at_start')} / {prov.get('load_average_at_end')}; "
-        f"time taken: "
-        f"{result.get('seconds', {}).get('total', 0):.1f} s",
-        f"- command: `{prov.get('command')}`",
+        f"- datasets: {', '.join(result.datasets)}",
+        *[f"- {k}: {v}" for k, v in result.settings.items() if not isinstance(v, (dict, list))],
+        *provenance_lines(prov, result.seconds.get("total", 0)),
     ]
-    summary = result.get("summary", {})
+    summary = result.summary
     if summary.get("average") is not None:
         layer, dim = summary["cell"]
         lines.append(f"- average at layer {layer}, dim {dim}: **{summary['average']:.2f}**")
@@ -169,15 +237,15 @@ def to_markdown(result: dict) -> str:
             f"- shallow average (layers {_span(summary['shallow_layers'])}, dim {summary['cell'][1]}): "
             f"**{summary['shallow_average']:.2f}**"
         )
-    for metric in result["metrics"]:
-        values = grid_of(result["average"], metric)
+    for metric in result.metrics:
+        values = grid_of(result.average, metric)
         if not values:
             continue
-        having = [ds for ds in result["datasets"] if _has(result, ds, metric)]
+        having = [ds for ds in result.datasets if _has(result, ds, metric)]
         what = f"average over {len(having)} datasets" if len(having) > 1 else having[0]
         lines += ["", f"## {metric}: {what} (rows: layer, columns: dim)", ""]
-        lines.append(markdown_grid(values, result["layers"], result["dims"]))
-    full = max(result["dims"])
+        lines.append(markdown_grid(values, result.layers, result.dims))
+    full = max(result.dims)
     lines += ["", f"## Per dataset at dim {full}", "", markdown_per_dataset(result, full), ""]
     return "\n".join(lines)
 
@@ -188,27 +256,27 @@ def _span(layers: list[int]) -> str:
     return ", ".join(map(str, layers))
 
 
-def write_outputs(result: dict, out_dir: str | Path) -> list[Path]:
+def write_outputs(result: GridResult, out_dir: str | Path) -> list[Path]:
     """Write results.json, results.md, results.csv and heatmap.png into out_dir (created if needed)."""
     from matryoshka2d.evaluate.plots import heatmap
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md", out / "results.csv", out / "heatmap.png"]
-    paths[0].write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    paths[0].write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     paths[1].write_text(to_markdown(result), encoding="utf-8")
     with paths[2].open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["dataset", "layer", "dim", *result["metrics"]])
-        for row in result["scores"]:
-            writer.writerow([row["dataset"], row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result["metrics"])])
-        for row in result["average"]:
-            writer.writerow(["average", row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result["metrics"])])
-    metric = result["metric"]
-    n_sets = len(result["datasets"])
-    title = f"{result['model'].get('model')}: {TITLES.get(result['task'], result['task'])} {metric} x 100"
-    title += f", average of {n_sets} datasets" if n_sets > 1 else f", {result['datasets'][0]}"
-    heatmap(grid_of(result["average"], metric), result["layers"], result["dims"], paths[3], title, metric)
+        writer.writerow(["dataset", "layer", "dim", *result.metrics])
+        for row in result.scores:
+            writer.writerow([row["dataset"], row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result.metrics)])
+        for row in result.average:
+            writer.writerow(["average", row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result.metrics)])
+    metric = result.metric
+    n_sets = len(result.datasets)
+    title = f"{result.model.get('model')}: {TITLES.get(result.task, result.task)} {metric} x 100"
+    title += f", average of {n_sets} datasets" if n_sets > 1 else f", {result.datasets[0]}"
+    heatmap(grid_of(result.average, metric), result.layers, result.dims, paths[3], title, metric)
     return paths
 
 
@@ -216,17 +284,16 @@ def _fmt(value) -> str:
     return "" if value is None else f"{value:.4f}"
 
 
-def load_result(path: str | Path) -> dict:
+def load_result(path: str | Path) -> GridResult:
     """Read a results.json, or the results.json inside a directory; the error says what was expected."""
     path = Path(path)
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no results.json (give a result directory or its results.json)")
-    try:
-        result = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} line {exc.lineno}: not valid JSON ({exc.msg})") from exc
-    missing = [k for k in ("task", "metric", "average", "layers", "dims") if k not in result]
+    result = read_json(file)
+    missing = [
+        k for k in ("task", "metric", "average", "layers", "dims") if not isinstance(result, dict) or k not in result
+    ]
     if missing:
         raise ValueError(f"{file}: not a matryoshka2d result (missing {', '.join(missing)})")
-    return result
+    return GridResult.from_dict(result)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct, unit_rows
-from matryoshka2d.evaluate.results import finish, model_record, provenance
-from matryoshka2d.files import DataFormatError, read_jsonl, read_tsv
+from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
+from matryoshka2d.evaluate.results import GridResult, grid_result, model_record, provenance
+from matryoshka2d.files import DataFormatError, read_beir, read_tsv
+from matryoshka2d.views import unit_rows
 
 METRICS = ("ndcg@10", "mrr@10", "recall@100")
 DEPTH = 100  # the deepest rank any metric looks at
@@ -49,26 +50,11 @@ def corpus_file(directory: Path) -> Path:
     raise DataFormatError(f"{directory}: no corpus.jsonl or corpus.jsonl.gz")
 
 
-def _read_records(path: Path, need_title: bool) -> tuple[list[str], list[str]]:
-    ids, texts, seen = [], [], {}
-    for line, obj in read_jsonl(path):
-        if "_id" not in obj:
-            raise DataFormatError(f"{path} line {line}: no '_id' field")
-        if not isinstance(obj.get("text"), str):
-            raise DataFormatError(f"{path} line {line}: no 'text' string field")
-        key = str(obj["_id"])
-        if key in seen:
-            raise DataFormatError(f"{path} line {line}: _id {key!r} already used on line {seen[key]}")
-        seen[key] = line
-        text = obj["text"]
-        if need_title:
-            title = obj.get("title") or ""
-            text = (f"{title} {text}" if title else text).strip()
-        ids.append(key)
-        texts.append(text)
-    if not ids:
+def _read_records(path: Path, titles: bool) -> tuple[list[str], list[str]]:
+    records = list(read_beir(path, titles))
+    if not records:
         raise DataFormatError(f"{path}: empty file")
-    return ids, texts
+    return [key for _, key, _ in records], [text for _, _, text in records]
 
 
 def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
@@ -76,8 +62,8 @@ def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
     directory = Path(directory)
     if not directory.is_dir():
         raise DataFormatError(f"{directory}: dataset directory not found")
-    doc_ids, doc_texts = _read_records(corpus_file(directory), need_title=True)
-    all_qids, all_qtexts = _read_records(directory / "queries.jsonl", need_title=False)
+    doc_ids, doc_texts = _read_records(corpus_file(directory), titles=True)
+    all_qids, all_qtexts = _read_records(directory / "queries.jsonl", titles=False)
     qrels_path = directory / "qrels" / f"{split}.tsv"
     if not qrels_path.is_file():
         have = sorted(p.stem for p in (directory / "qrels").glob("*.tsv")) if (directory / "qrels").is_dir() else []
@@ -166,8 +152,8 @@ def evaluate_retrieval(
     directories: Sequence[str | Path],
     split: str = "test",
     log: Callable[[str], None] | None = None,
-) -> dict:
-    """Evaluate every cell of `embedder` on each BEIR folder; return a result dict (see results.py)."""
+) -> GridResult:
+    """Evaluate every cell of `embedder` on each BEIR folder."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     sets = [load_beir(d, split) for d in directories]  # read and check everything before encoding
     names = [s.name for s in sets]
@@ -202,23 +188,13 @@ def evaluate_retrieval(
         }
         if ds.unknown_docs:
             log(f"{ds.name}: warning: {ds.unknown_docs} qrels rows name documents missing from the corpus")
-    cell_list = embedder.cells()
-    result = {
-        "task": "retrieval",
-        "metric": "ndcg@10",
-        "metrics": list(METRICS),
-        "datasets": names,
-        "layers": sorted({n for n, _ in cell_list}),
-        "dims": sorted({d for _, d in cell_list}),
-        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": model_record(embedder),
-        "settings": {
-            "split": split,
-            "search": "exact inner product on L2-normalised vectors (cosine), numpy",
-            "document_text": 'title + " " + text, truncated to the model max_length tokens',
-            "datasets": described,
-        },
-        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
-        "provenance": started,
+    settings = {
+        "split": split,
+        "search": "exact inner product on L2-normalised vectors (cosine), numpy",
+        "document_text": 'title + " " + text, truncated to the model max_length tokens',
+        "datasets": described,
     }
-    return finish(result)
+    seconds = {"total": time.perf_counter() - start, "encode": encode_seconds}
+    return grid_result(
+        "retrieval", METRICS, names, scores, embedder.cells(), model_record(embedder), settings, seconds, started
+    )

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct, unit_rows
-from matryoshka2d.evaluate.results import finish, model_record, provenance
+from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct
+from matryoshka2d.evaluate.results import GridResult, grid_result, model_record, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
+from matryoshka2d.views import unit_rows
 
 STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 VARIANTS = ("raw", "senteval_tok")
@@ -65,16 +66,18 @@ def spearman_x100(gold: np.ndarray, predicted: np.ndarray) -> float:
     return float(spearmanr(gold, predicted).statistic * 100)
 
 
+def pair_spearman(pairs: PairSet, vectors: np.ndarray, rows: dict[str, int]) -> float:
+    """Spearman x 100 of the cosine of each pair against gold; `vectors` has a row per distinct sentence and
+    `rows` says which (as embed_distinct returns them)."""
+    unit = unit_rows(vectors)
+    a = unit[np.fromiter((rows[s] for s in pairs.sentences1), dtype=np.int64, count=len(pairs.sentences1))]
+    b = unit[np.fromiter((rows[s] for s in pairs.sentences2), dtype=np.int64, count=len(pairs.sentences2))]
+    return spearman_x100(pairs.gold, np.einsum("ij,ij->i", a, b))
+
+
 def score_cells(cells: dict[Cell, np.ndarray], rows: dict[str, int], pairs: PairSet) -> dict[Cell, float]:
     """Spearman x 100 of the cosine of each pair against gold, for each cell."""
-    i1 = np.fromiter((rows[s] for s in pairs.sentences1), dtype=np.int64, count=len(pairs.sentences1))
-    i2 = np.fromiter((rows[s] for s in pairs.sentences2), dtype=np.int64, count=len(pairs.sentences2))
-    out = {}
-    for cell, x in cells.items():
-        unit = unit_rows(x)
-        cosine = np.einsum("ij,ij->i", unit[i1], unit[i2])
-        out[cell] = spearman_x100(pairs.gold, cosine)
-    return out
+    return {cell: pair_spearman(pairs, x, rows) for cell, x in cells.items()}
 
 
 def evaluate_sts(
@@ -83,8 +86,8 @@ def evaluate_sts(
     variant: str = "raw",
     datasets: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
-) -> dict:
-    """Evaluate every cell of `embedder` on the STS sets; return a result dict (see results.py)."""
+) -> GridResult:
+    """Evaluate every cell of `embedder` on the STS sets."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     names = list(datasets or STS_SETS)
     files = {name: sts_file(Path(data_dir), variant, name) for name in names}  # fail before any encoding
@@ -103,32 +106,26 @@ def evaluate_sts(
             f"{name}: {len(pairs.gold)} pairs, {len(rows)} distinct sentences; layer {best[0]} dim {best[1]}: "
             f"{per_cell[best]:.2f}"
         )
-    cells_list = embedder.cells()
-    result = {
-        "task": "sts",
-        "metric": "spearman",
-        "metrics": ["spearman"],
-        "datasets": names,
-        "layers": sorted({n for n, _ in cells_list}),
-        "dims": sorted({d for _, d in cells_list}),
-        "scores": sorted(scores, key=lambda r: (names.index(r["dataset"]), r["layer"], r["dim"])),
-        "model": model_record(embedder),
-        "settings": {
-            "data_dir": str(Path(data_dir).resolve()),
-            "variant": variant,
-            "similarity": "cosine",
-            "correlation": "Spearman x 100 over the whole file (SentEval 'all')",
-            "files": {name: str(path) for name, path in files.items()},
-        },
-        "seconds": {"total": time.perf_counter() - start, "encode": encode_seconds},
-        "provenance": started,
+    settings = {
+        "data_dir": str(Path(data_dir).resolve()),
+        "variant": variant,
+        "similarity": "cosine",
+        "correlation": "Spearman x 100 over the whole file (SentEval 'all')",
+        "files": {name: str(path) for name, path in files.items()},
     }
-    return finish(result)
+    seconds = {"total": time.perf_counter() - start, "encode": encode_seconds}
+    return grid_result(
+        "sts", ["spearman"], names, scores, embedder.cells(), model_record(embedder), settings, seconds, started
+    )
 
 
 def sts_dev_score(encoder, path: str | Path, layer: int, dim: int) -> float:
     """Spearman x 100 of cosine vs gold on one STS file (sentence1, sentence2, score), at one cell."""
     pairs = load_pairs(path)
-    n = len(pairs.sentences1)
-    vectors = encoder.encode(pairs.sentences1 + pairs.sentences2, layer=layer, dim=dim, normalize=True)
-    return spearman_x100(pairs.gold, (vectors[:n] * vectors[n:]).sum(1))
+    rows = distinct_rows(pairs)
+    return pair_spearman(pairs, encoder.encode(list(rows), layer=layer, dim=dim), rows)
+
+
+def distinct_rows(pairs: PairSet) -> dict[str, int]:
+    """Each distinct sentence of the pairs and its row, in order of first appearance."""
+    return {text: i for i, text in enumerate(dict.fromkeys(pairs.sentences1 + pairs.sentences2))}

@@ -137,4 +137,6 @@ class AnglELoss(nn.Module):
             "nli": f"in-batch negatives {w['ibn_weight']:g} (entailed pairs)",
             "scored": f"in-batch negatives {w['ibn_weight']:g}",
         }[kind]
-        return f"{terms}, CoSENT {w['cosine_weight']:g}, angle {w['angle_weight']:g} (angle-emb 0.6.1 terms for {kind})"
+        source = "weights given over angle-emb 0.6.1's defaults" if self.given else "angle-emb 0.6.1 terms"
+        scales = f"scales {self.cosine_scale:g}/{self.ibn_scale:g}/{self.angle_scale:g}"
+        return f"{terms}, CoSENT {w['cosine_weight']:g}, angle {w['angle_weight']:g}, {scales} ({source} for {kind})"

@@ -71,16 +71,16 @@ class Asymmetric(Method):
         deep, shallow = states[N], states[n]
         mixed = EmbeddedBatch([shallow.columns[0], *deep.columns[1:]], deep.kind, deep.labels)
         asym = task_loss(mixed)
-        parts[f"task(q{n},d{N})"] = float(asym.detach())
+        parts[f"task(q{n},d{N})"] = asym.detach()
         total = total + self.asymmetric_weight * asym
         if d is not None:
             small = task_loss(mixed.sliced(d))
-            parts[f"task(q{n},d{N},{d})"] = float(small.detach())
+            parts[f"task(q{n},d{N},{d})"] = small.detach()
             total = total + self.asymmetric_weight * small
         if self.align_weight:
             cos = torch.nn.functional.cosine_similarity(shallow.columns[0], deep.columns[0].detach(), dim=-1)
             align = (1 - cos).mean()
-            parts["align"] = float(align.detach())
+            parts["align"] = align.detach()
             total = total + self.align_weight * align
         return total, parts
 

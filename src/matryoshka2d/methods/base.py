@@ -21,6 +21,15 @@ States = dict[int, EmbeddedBatch]  # layer -> full-width pooled embeddings of ev
 TaskLoss = Callable[[EmbeddedBatch], torch.Tensor]
 
 
+def check_normalize(method: str, value) -> bool | str:
+    """`kl_normalize` of the methods with a feature KL: compare L2-normalised vectors (true), the raw pooled ones
+    (false), or do what the backbone's own pipeline does ("auto": normalised when it ends in a Normalize
+    module, as sentence-transformers' losses see `sentence_embedding`, the output after every module)."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"{method}: kl_normalize must be true, false or auto, got {value!r}")
+    return value
+
+
 @dataclass
 class Plan:
     views: list[View]  # views that get the task loss
@@ -58,6 +67,11 @@ class Method(nn.Module):
 
     def extra_loss(self, plan: Plan, states: States) -> tuple[torch.Tensor | None, dict[str, float]]:
         return None, {}
+
+    def adapt_to_backbone(self, pooling: str, normalizes: bool) -> list[str]:
+        """Called by the trainer with what the backbone's own pipeline does: its pooling, and whether it ends in
+        a Normalize module. Options set to "auto" follow it here; returns warnings for the run to print."""
+        return []
 
     def widths(self) -> set[int]:
         """Every width a view of this method can have (losses with per-width parameters create them upfront)."""

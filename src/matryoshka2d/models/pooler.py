@@ -128,32 +128,3 @@ def check_pooler_dim(dim, hidden: int) -> int:
             f"pooler dim {dim} is out of range: the head compresses the model's {hidden} hidden numbers to 1..{hidden}"
         )
     return dim
-
-
-def dense_module_dirs(model_dir: str | Path) -> list[Path]:
-    """The Dense module folders a sentence-transformers modules.json lists, in order."""
-    root = Path(model_dir)
-    modules_file = root / "modules.json"
-    if not modules_file.is_file():
-        return []
-    return [
-        root / m.get("path", "") for m in json.loads(modules_file.read_text()) if m.get("type", "").endswith("Dense")
-    ]
-
-
-def load_pooler(model_dir: str | Path | None, hidden: int) -> PoolerHead | None:
-    """The model folder's Dense head, if it has one (one head at most; its input must be the hidden size)."""
-    if model_dir is None:
-        return None
-    dirs = dense_module_dirs(model_dir)
-    if not dirs:
-        return None
-    if len(dirs) > 1:
-        names = ", ".join(p.name for p in dirs)
-        raise BackboneError(f"{model_dir}: modules.json lists {len(dirs)} Dense modules ({names}); one is supported")
-    head = PoolerHead.load(dirs[0])
-    if head.in_features != hidden:
-        raise BackboneError(
-            f"{dirs[0]}: the Dense module takes {head.in_features} numbers but the model's pooled vectors have {hidden}"
-        )
-    return head

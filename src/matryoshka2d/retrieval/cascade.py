@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.results import model_record, provenance
+from matryoshka2d.evaluate.results import model_record, provenance, provenance_lines
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
 from matryoshka2d.retrieval.index import make_index
-from matryoshka2d.retrieval.search import cascade_search, flat_search, unit
+from matryoshka2d.retrieval.search import cascade_search, flat_search
+from matryoshka2d.views import unit_rows
 
 
 def recall_at(ranking: np.ndarray, qrels: list[dict[int, int]], k: int = 10) -> float:
@@ -107,7 +108,7 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
 
     def index(cell):
         if cell not in indexes:
-            indexes[cell] = make_index(unit(docs[cell[0]][:, : cell[1]]), "flat", "float32")
+            indexes[cell] = make_index(unit_rows(docs[cell[0]][:, : cell[1]]), "flat", "float32")
         return indexes[cell]
 
     def queries(layers):
@@ -125,13 +126,13 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
 
     modes = []
     pooled, enc = queries([full[0]])
-    ranking, sec = one_by_one(flat_one(full, unit(pooled[full[0]][:, : full[1]])))
+    ranking, sec = one_by_one(flat_one(full, unit_rows(pooled[full[0]][:, : full[1]])))
     reference = ranking
     modes.append((f"flat ({full[0]},{full[1]})", ranking, enc, sec))
     if cascade:
         small = cascade[0]
         pooled, enc = queries([small[0], full[0]])
-        qs, qf = unit(pooled[small[0]][:, : small[1]]), unit(pooled[full[0]][:, : full[1]])
+        qs, qf = unit_rows(pooled[small[0]][:, : small[1]]), unit_rows(pooled[full[0]][:, : full[1]])
         ranking, sec = one_by_one(
             lambda i: cascade_search(
                 index(small), index(full), qs[i : i + 1], qf[i : i + 1], shortlist, 10, exclude[i : i + 1]
@@ -140,7 +141,7 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
         modes.append((f"cascade ({small[0]},{small[1]}) top {shortlist} -> ({full[0]},{full[1]})", ranking, enc, sec))
     if query_layer:
         pooled, enc = queries([query_layer])
-        qa = unit(pooled[query_layer][:, : full[1]])
+        qa = unit_rows(pooled[query_layer][:, : full[1]])
         ranking, sec = one_by_one(flat_one(full, qa))
         modes.append((f"queries at layer {query_layer} -> docs ({full[0]},{full[1]})", ranking, enc, sec))
         sym = (query_layer, full[1])
@@ -165,13 +166,10 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
 
 
 def cascade_markdown(result: dict) -> str:
-    prov = result["provenance"]
     lines = [
         f"# Cascade / asymmetric retrieval: {result['model']['model']}",
         "",
-        f"- date: {prov['date']}; machine: {prov['machine']}; {prov['software']}",
-        f"- load average at start / end: {prov['load_average_at_start']} / {prov['load_average_at_end']}",
-        f"- command: `{prov['command']}`",
+        *provenance_lines(result["provenance"]),
         f"- {result['settings']['search']}; {result['settings']['query_encode_ms']}",
         "",
         "| dataset | mode | nDCG@10 | recall@10 | top-10 overlap with flat | query encode ms | search ms |",

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import DataFormatError, file_sha256, read_jsonl
-from matryoshka2d.views import parse_cells
+from matryoshka2d.files import DataFormatError, file_sha256, read_beir, read_json
+from matryoshka2d.views import parse_cells, unit_rows
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
@@ -112,19 +112,8 @@ def model_identity(encoder) -> dict:
 
 def read_corpus(path: str | Path) -> Iterator[tuple[str, str]]:
     """(id, text) per document of a JSON-lines corpus (.jsonl or .jsonl.gz); a bad line names file and line."""
-    path = Path(path)
-    seen: set[str] = set()
-    for line, obj in read_jsonl(path):
-        if "_id" not in obj:
-            raise DataFormatError(f"{path} line {line}: no '_id' field")
-        if not isinstance(obj.get("text"), str):
-            raise DataFormatError(f"{path} line {line}: no 'text' string field")
-        key = str(obj["_id"])
-        if key in seen:
-            raise DataFormatError(f"{path} line {line}: _id {key!r} appears twice")
-        seen.add(key)
-        title = obj.get("title") or ""
-        yield key, (f"{title} {obj['text']}" if title else obj["text"]).strip()
+    for _, key, text in read_beir(path, titles=True):
+        yield key, text
 
 
 def input_sha256(block: Sequence[tuple[str, str]]) -> str:
@@ -146,13 +135,9 @@ def read_manifest(directory: str | Path) -> dict:
     path = directory / "manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no manifest.json (not an index built by `matryoshka2d index build`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise IndexBuildError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise IndexBuildError(f"{path}: format {found!r}, this version reads format {FORMAT}")
+    manifest = read_json(path, IndexBuildError)
+    if manifest.get("format") != FORMAT:
+        raise IndexBuildError(f"{path}: format {manifest.get('format')!r}, this version reads format {FORMAT}")
     check_manifest(manifest, path)
     return manifest
 
@@ -283,12 +268,7 @@ def build_index(
             break
         ids = [i for i, _ in block]
         pooled = encoder.pooled_states([t for _, t in block], layers, batch_size)
-        arrays = {}
-        for n, d in cells:
-            v = pooled[n][:, :d]
-            arrays[cell_name((n, d))] = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)).astype(
-                np.float32
-            )
+        arrays = {cell_name((n, d)): unit_rows(pooled[n][:, :d]) for n, d in cells}
         shard = shards_dir / f"shard-{len(manifest['shards']):05d}.npz"
         tmp = shard.with_suffix(".tmp.npz")
         np.savez(tmp, ids=np.array(ids, dtype=object).astype(str), **arrays)

@@ -24,11 +24,7 @@ import numpy as np
 
 from matryoshka2d.files import file_sha256
 from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, read_manifest
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+from matryoshka2d.views import unit_rows
 
 
 def _drop_excluded(ids: np.ndarray, scores: np.ndarray, exclude: np.ndarray | None, k: int):
@@ -84,7 +80,7 @@ def query_vectors(encoder, texts: Sequence[str], cells: Sequence[Cell], query_la
     """Unit query vectors per cell from one encoder pass (to the deepest layer needed, or to `query_layer`)."""
     layers = {query_layer or n for n, _ in cells}
     pooled = encoder.pooled_states(list(texts), sorted(layers), batch_size)
-    return {(n, d): unit(pooled[query_layer or n][:, :d]) for n, d in cells}
+    return {(n, d): unit_rows(pooled[query_layer or n][:, :d]) for n, d in cells}
 
 
 @dataclass

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from matryoshka2d.models.backbones import check_device
+from matryoshka2d.training.throughput import WEIGHT_DECAY_EXEMPTIONS
 
 # The loss a run uses when none is given, per kind of training data (matryoshka2d.training.data). AnglE's terms depend
 # on the kind too (losses/angle.py): angle-emb 0.6.1's format C for triplets, format A for labelled pairs.
@@ -51,6 +52,9 @@ class TrainConfig:
     warmup_ratio: float = 0.1
     lr_schedule: str = "linear"  # linear warm-up, then "linear" or "cosine" decay to 0
     weight_decay: float = 0.01
+    # "norm-and-bias": no decay on biases and norm weights (Hugging Face / sentence-transformers trainers);
+    # "none" decays every weight and keeps earlier checkpoints resumable (training.throughput.decay_groups)
+    weight_decay_exempt: str = "none"
     max_grad_norm: float = 1.0
     seed: int = 42
     pooling: str | None = None
@@ -78,9 +82,14 @@ class TrainConfig:
     # throughput (matryoshka2d.training.throughput)
     precision: str | None = None  # bf16 | fp16 | fp32; default bf16 on CUDA where supported, else fp32
     log_every: int = 10  # read the loss back from the device (a host sync) every N steps only
-    gradient_accumulation: int = 1  # split each batch into this many micro-batches (same data, less memory)
+    # split each batch into this many micro-batches: the same loss and gradient as the whole batch, by gradient
+    # caching (matryoshka2d.training.gradcache), at the price of a second forward pass; less memory
+    gradient_accumulation: int = 1
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the blocks inside every layer
+    # angle-emb's in-batch duplicate filter: drop a row that repeats a text (as token ids) already in its batch
+    # (training.data.without_repeated_texts); off unless a preset of angle-emb's recipes turns it on
+    filter_duplicates: bool = False
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
@@ -127,6 +136,13 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "exit_heads_sentences", int, 1)
     if config.exit_heads is not None and config.exit_heads not in ("fit", "identity", "keep"):
         raise ValueError(f"--exit-heads must be fit, identity or keep, got {config.exit_heads!r}")
+    _number(config, "log_every", int, 1)
+    _number(config, "gradient_accumulation", int, 1)
+    if config.gradient_accumulation > config.batch_size:
+        raise ValueError(
+            f"--gradient-accumulation {config.gradient_accumulation} splits a batch of {config.batch_size} into "
+            "micro-batches; it cannot exceed --batch-size"
+        )
     for name in ("method_options", "loss_options"):
         value = getattr(config, name)
         if not isinstance(value, dict):
@@ -140,6 +156,13 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"data must be a list of training files, got {config.data!r}")
     if config.eval_cell is not None:
         eval_cells(config)
+    if config.weight_decay_exempt not in WEIGHT_DECAY_EXEMPTIONS:
+        raise ValueError(
+            f"weight_decay_exempt must be one of {', '.join(WEIGHT_DECAY_EXEMPTIONS)}, "
+            f"got {config.weight_decay_exempt!r}"
+        )
+    if not isinstance(config.filter_duplicates, bool):
+        raise ValueError(f"filter_duplicates must be true or false, got {config.filter_duplicates!r}")
     if config.lr_schedule not in ("linear", "cosine"):
         raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
     check_device(config.device)

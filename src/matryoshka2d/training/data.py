@@ -12,16 +12,14 @@ Several sources can be given; they must be of one kind. A malformed row stops th
 
 from __future__ import annotations
 
-import csv
 import gzip
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import first_bad_utf8_line
+from matryoshka2d.files import DataFormatError, first_bad_utf8_line, iter_tsv, read_jsonl
 from matryoshka2d.losses.batch import NLI_LABELS
 
 KINDS = {
@@ -33,27 +31,19 @@ KINDS = {
 TEXT_COLUMNS = ("anchor", "positive", "negative", "premise", "hypothesis", "sentence1", "sentence2", "sentence", "text")
 
 
-class DataError(ValueError):
-    """A training file is missing, empty or malformed; the message names the file and line."""
+def _at(path, line: int | None = None) -> str:
+    return f"{path}:{line}" if line is not None else str(path)
+
+
+class DataError(DataFormatError):
+    """A training file is missing, empty or malformed; the message names the file and line (as `file:line`)."""
+
+    at = staticmethod(_at)
 
 
 # Scores of scored pairs: STS-B and SICK-R use 0..5 (a 0..1 scale fits too). A score outside is a typo or a
 # file on another scale, which the ranking losses would silently learn from.
 SCORE_RANGE = (0.0, 5.0)
-
-
-def utf8_error(path: Path) -> DataError:
-    """The first line of a file that is not UTF-8, as an error naming the file and the line."""
-    return DataError(first_bad_utf8_line(path))
-
-
-def csv_error(path: Path, line_no: int, exc: csv.Error) -> DataError:
-    if "field larger than field limit" in str(exc):
-        return DataError(
-            f"{path}:{line_no}: a field is longer than {csv.field_size_limit():,} characters (the csv field limit); "
-            "is a tab or newline missing? Split or shorten that text"
-        )
-    return DataError(f"{path}:{line_no}: unreadable TSV row ({exc})")
 
 
 @dataclass
@@ -69,18 +59,6 @@ class TrainingData:
     def rows(self, idx) -> tuple[list[list[str]], np.ndarray | None]:
         cols = [[col[i] for i in idx] for col in self.columns]
         return cols, (self.labels[idx] if self.labels is not None else None)
-
-
-def _rows(reader, path: Path):
-    """(line number, row) from a csv reader; an oversized field or bad row becomes an error naming the line."""
-    while True:
-        try:
-            row = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as exc:
-            raise csv_error(path, reader.line_num, exc) from None
-        yield reader.line_num, row
 
 
 def _kind_of(header: list[str], where: str) -> tuple[str, list[str], str | None]:
@@ -121,36 +99,31 @@ def _label(kind: str, value, where: str):
 
 
 def _read_tsv(path: Path) -> tuple[str, list[list[str]], list]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(_rows(reader, path), (1, None))[1]
-        if not header:
-            raise DataError(f"{path}: empty file (expected a header line)")
-        kind, text_cols, label_col = _kind_of(header, f"{path}:1")
-        names = [h.strip().lower() for h in header]
-        positions = [names.index(c) for c in text_cols]
-        label_pos = names.index(label_col) if label_col else None
-        columns: list[list[str]] = [[] for _ in text_cols]
-        labels = []
-        for line_no, row in _rows(reader, path):
-            where = f"{path}:{line_no}"
-            if len(row) != len(header):
-                raise DataError(f"{where}: {len(row)} fields, expected {len(header)} ({', '.join(header)})")
-            for col, pos in zip(columns, positions, strict=True):
-                if not row[pos].strip():
-                    raise DataError(f"{where}: empty '{header[pos]}'")
-                col.append(row[pos])
-            if label_pos is not None:
-                labels.append(_label(kind, row[label_pos], where))
+    rows = iter_tsv(path, DataError)
+    _, header = next(rows)
+    kind, text_cols, label_col = _kind_of(header, f"{path}:1")
+    names = [h.lower() for h in header]
+    positions = [names.index(c) for c in text_cols]
+    label_pos = names.index(label_col) if label_col else None
+    columns: list[list[str]] = [[] for _ in text_cols]
+    labels = []
+    for line_no, row in rows:
+        where = f"{path}:{line_no}"
+        for col, pos in zip(columns, positions, strict=True):
+            if not row[pos].strip():
+                raise DataError(f"{where}: empty '{header[pos]}'")
+            col.append(row[pos])
+        if label_pos is not None:
+            labels.append(_label(kind, row[label_pos], where))
     return kind, columns, labels
 
 
 def _read_records(records, where_prefix: str) -> tuple[str, list[list[str]], list]:
+    """Training data from (line number, record) pairs: JSON lines of a file or the rows of a hub dataset."""
     columns: list[list[str]] = []
     labels: list = []
     kind = text_cols = label_col = None
-    for n, record in enumerate(records, start=1):
+    for n, record in records:
         where = f"{where_prefix}:{n}"
         if kind is None:
             kind, text_cols, label_col = _kind_of(list(record), where)
@@ -167,25 +140,6 @@ def _read_records(records, where_prefix: str) -> tuple[str, list[list[str]], lis
     if kind is None:
         raise DataError(f"{where_prefix}: no rows")
     return kind, columns, labels
-
-
-def _read_jsonl(path: Path):
-    opener = gzip.open if path.suffix == ".gz" else open
-
-    def records():
-        with opener(path, "rt", encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{n}: expected a JSON object")
-                yield record
-
-    return _read_records(records(), str(path))
 
 
 def _read_hub(name: str):
@@ -212,7 +166,7 @@ def _read_hub(name: str):
                 row = {**row, "label": label_names[row["label"]]}
             yield row
 
-    return _read_records(records(), name)
+    return _read_records(enumerate(records(), start=1), name)
 
 
 def _is_plain_text(path: Path) -> bool:
@@ -222,10 +176,7 @@ def _is_plain_text(path: Path) -> bool:
 def read_source(source: str) -> tuple[str, list[list[str]], list]:
     path = Path(source).expanduser()
     if path.is_file():
-        try:
-            return _read_file(path)
-        except UnicodeDecodeError:
-            raise utf8_error(path) from None
+        return _read_file(path)
     if path.exists():
         raise DataError(f"{source}: is a directory; give the training files themselves")
     if "/" in source and not source.startswith((".", "/", "~")) and not path.parent.exists():
@@ -236,7 +187,7 @@ def read_source(source: str) -> tuple[str, list[list[str]], list]:
 def _read_file(path: Path) -> tuple[str, list[list[str]], list]:
     name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz", ".json")):
-        return _read_jsonl(path)
+        return _read_records(read_jsonl(path, DataError), str(path))
     if _is_plain_text(path):
         sentences = read_sentences(path)
         return "sentences", [sentences, list(sentences)], []
@@ -282,16 +233,16 @@ def read_sentences(path: str | Path) -> list[str]:
     try:
         return _read_sentences(path)
     except UnicodeDecodeError:
-        raise utf8_error(path) from None
+        raise DataError(first_bad_utf8_line(path)) from None
 
 
 def _read_sentences(path: Path) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
     if path.name.lower().endswith((".tsv", ".tsv.gz")):
-        out = list(dict.fromkeys(_tsv_texts(path, opener)))
+        out = list(dict.fromkeys(_tsv_texts(path)))
     elif path.name.lower().endswith((".jsonl", ".jsonl.gz", ".json")):
-        out = list(dict.fromkeys(_jsonl_texts(path, opener)))
+        out = list(dict.fromkeys(_jsonl_texts(path)))
     else:
+        opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8-sig") as f:
             out = [line.strip() for line in f if line.strip()]
     if not out:
@@ -299,37 +250,53 @@ def _read_sentences(path: Path) -> list[str]:
     return out
 
 
-def _jsonl_texts(path: Path, opener):
-    with opener(path, "rt", encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object")
-            for name in TEXT_COLUMNS:
-                value = record.get(name)
-                if isinstance(value, str) and value.strip():
-                    yield value.strip()
+def _jsonl_texts(path: Path):
+    for _, record in read_jsonl(path, DataError):
+        for name in TEXT_COLUMNS:
+            value = record.get(name)
+            if isinstance(value, str) and value.strip():
+                yield value.strip()
 
 
-def _tsv_texts(path: Path, opener):
-    with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(_rows(reader, path), (1, None))[1]
-        if not header:
-            raise DataError(f"{path}: empty file (expected a header line)")
-        names = [h.strip().lower() for h in header]
-        positions = [i for i, name in enumerate(names) if name in TEXT_COLUMNS]
-        if not positions:
-            raise DataError(f"{path}:1: no text column in {header}; expected one of {', '.join(TEXT_COLUMNS)}")
-        for line_no, row in _rows(reader, path):
-            if len(row) != len(header):
-                raise DataError(f"{path}:{line_no}: {len(row)} fields, expected {len(header)} ({', '.join(header)})")
-            for pos in positions:
-                text = row[pos].strip()
-                if text:
-                    yield text
+def _tsv_texts(path: Path):
+    rows = iter_tsv(path, DataError)
+    _, header = next(rows)
+    positions = [i for i, name in enumerate(header) if name.lower() in TEXT_COLUMNS]
+    if not positions:
+        raise DataError(f"{path}:1: no text column in {header}; expected one of {', '.join(TEXT_COLUMNS)}")
+    for _, row in rows:
+        for pos in positions:
+            text = row[pos].strip()
+            if text:
+                yield text
+
+
+def without_repeated_texts(data: TrainingData, rows: np.ndarray, tokenizer, max_length: int | None) -> np.ndarray:
+    """The batch's rows without those that repeat a text already in the batch: angle-emb's `filter_duplicate`
+    (0.6.1 `AngleDataCollator.__call__`, angle_emb/angle.py L124-244; on by default in `AnglE.fit` and in
+    v0.3.8-0.5.x, off in the 0.6 command line).
+
+    As there: a text's key is its token ids with special tokens, truncated to the maximum length (texts that
+    differ only in case meet under an uncased tokenizer); a row's texts are checked in column order against
+    every text seen so far in the batch, its own included, and the first repeat drops the whole row, while
+    the texts before the repeat stay seen. The batch gets smaller, as it does there.
+    """
+    if data.kind == "sentences":
+        raise ValueError(
+            "filter_duplicates: plain sentences are two copies of each sentence by design (SimCSE), so every row "
+            "would be dropped; turn filter_duplicates off for this data"
+        )
+    columns, _ = data.rows(rows)
+    texts = [text for row in zip(*columns, strict=True) for text in row]
+    ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    width, seen, keep = len(columns), set(), []
+    for i, row in enumerate(rows):
+        for key in map(tuple, ids[i * width : (i + 1) * width]):
+            if key in seen:
+                break
+            seen.add(key)
+        else:
+            keep.append(row)
+    if not keep:
+        raise ValueError("filter_duplicates dropped every row of a batch: each repeats a text of its own row")
+    return np.asarray(keep, dtype=rows.dtype)

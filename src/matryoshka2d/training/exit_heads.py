@@ -50,15 +50,25 @@ def prepare(trainer) -> None:
         p.requires_grad_(True)
 
 
-def parameter_groups(trainer, params: list) -> list[dict]:
-    """The optimizer's parameter groups: everything trained, the heads apart with exit_heads_lr when set."""
-    heads = trainer.encoder.exit_heads if trainer.config.exit_heads is not None else None
-    mine = {id(p) for p in heads.parameters()} if heads is not None else set()
-    groups = [{"params": [p for p in params if id(p) not in mine]}]
-    if mine:
-        lr = trainer.config.exit_heads_lr or trainer.config.lr
-        groups.append({"params": [p for p in params if id(p) in mine], "lr": lr})
-    return groups
+def regroup(trainer):
+    """A function splitting the optimizer's parameter groups so that the heads' parameters get exit_heads_lr (each
+    keeping its group's weight decay); None when the run trains no heads or gives them no rate of their own."""
+    heads, lr = trainer.encoder.exit_heads, trainer.config.exit_heads_lr
+    if trainer.config.exit_heads is None or heads is None or lr is None:
+        return None
+    mine = {id(p) for p in heads.parameters()}
+
+    def split(groups: list[dict]) -> list[dict]:
+        out = []
+        for group in groups:
+            params = list(group["params"])
+            rest = [p for p in params if id(p) not in mine]
+            own = [p for p in params if id(p) in mine]
+            out += [{**group, "params": rest}] if rest else []
+            out += [{**group, "params": own, "lr": lr}] if own else []
+        return out
+
+    return split
 
 
 def fit_at_start(trainer, log=print) -> None:

@@ -42,10 +42,6 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
-    def latest_checkpoint(self) -> Path | None:
-        found = checkpoints.candidates(self.checkpoints)
-        return found[0] if found else None
-
     def check(self, resume: bool, overwrite: bool) -> None:
         """A folder holding another model or run is not written into unless the user says so."""
         if not self.path.exists():

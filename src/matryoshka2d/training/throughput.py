@@ -3,10 +3,13 @@ tokenizing the next batch while the current one runs.
 
 - Precision: torch.autocast in bf16 (the default on a CUDA device that supports it) or fp16 (with a
   GradScaler), or plain fp32 (the default on a CPU). Weights and optimizer state stay fp32 either way.
-- AdamW: fused (one kernel over all parameters) on CUDA and on CPU, torch's default elsewhere.
+- AdamW: fused (one kernel over all parameters) on CUDA and on CPU, torch's default elsewhere; weight decay on
+  every weight, or (`weight_decay_exempt: norm-and-bias`) not on biases and norms, as the Hugging Face and
+  sentence-transformers trainers do.
 - Prefetch: a background thread tokenizes step s+1 while step s runs forward and backward. It uses its own
   copy of the tokenizer (a fast tokenizer must not be used by two threads at once) and touches no random
   state, so the seeded order of batches, samples and dropout masks is exactly what it was without it.
+- Lazy read-back: a step's record keeps its loss on the device until a logging step (`host_values`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from matryoshka2d.models.backbones import layer_stack
+
 PRECISIONS = ("bf16", "fp16", "fp32")
+WEIGHT_DECAY_EXEMPTIONS = ("none", "norm-and-bias")
+# The names the Hugging Face Trainer keeps out of weight decay (transformers 5.23 `Trainer.get_decay_parameter_names`,
+# trainer.py L1408-1418), matched on the lower-cased full name; parameters of nn.LayerNorm modules are kept out too.
+NO_DECAY_NAMES = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 class PrecisionError(ValueError):
@@ -51,6 +60,20 @@ def resolve_precision(precision: str | None, device: torch.device) -> str:
     return precision
 
 
+def checkpoint_and_compile(encoder, gradient_checkpointing: bool, compile: bool) -> None:
+    """Gradient checkpointing (activations recomputed in backward: less memory) and torch.compile."""
+    if gradient_checkpointing:
+        if not getattr(encoder.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"gradient_checkpointing: {encoder.name} does not support it")
+        encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        # Compile the blocks inside each layer, not the model: the exits read each layer's output and stop the
+        # pass with hooks on the layers, which a compiled whole model would turn into graph breaks.
+        for layer in layer_stack(encoder.model):
+            for block in layer.children():
+                block.compile(dynamic=True)
+
+
 def autocast(precision: str, device: torch.device):
     """The autocast context of a training forward pass (a no-op for fp32)."""
     if precision == "fp32":
@@ -64,10 +87,41 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+def decay_groups(modules: list[torch.nn.Module], weight_decay: float, exempt: str = "none") -> list[dict]:
+    """AdamW parameter groups of the trainable parameters of `modules`, in their order.
+
+    "none": one group, every parameter decayed (the checkpoints of earlier runs hold one group).
+    "norm-and-bias": biases and norm weights get no decay, as in the Hugging Face Trainer's `create_optimizer`
+    (trainer.py L1272-1285) and sentence-transformers 6.2, which applies the same rule to the loss's own
+    parameters too (base/trainer.py L1269-1285). Embedding matrices are decayed, as there.
+    """
+    named = [(f"{i}.{name}", p) for i, m in enumerate(modules) for name, p in m.named_parameters() if p.requires_grad]
+    if exempt == "none":
+        return [{"params": [p for _, p in named], "weight_decay": weight_decay}]
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    decayed = {
+        f"{i}.{name}"
+        for i, m in enumerate(modules)
+        for name in get_parameter_names(m, [torch.nn.LayerNorm], NO_DECAY_NAMES)
+    }
+    return [
+        {"params": [p for name, p in named if name in decayed], "weight_decay": weight_decay},
+        {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0},
+    ]
+
+
+def adamw(
+    modules: list[torch.nn.Module], lr: float, weight_decay: float, exempt: str, device: torch.device, regroup=None
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters of `modules` (decay_groups); `regroup(groups)` may split them further
+    (the exit heads' own learning rate)."""
     # torch has fused AdamW kernels for CUDA and for CPU; elsewhere (mps, ...) leave torch's default.
     fused = True if device.type in ("cuda", "cpu") else None
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+    groups = decay_groups(modules, weight_decay, exempt)
+    if regroup is not None:
+        groups = regroup(groups)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=fused)
 
 
 def lr_schedule(optimizer, total: int, warmup: int, kind: str) -> torch.optim.lr_scheduler.LambdaLR:
@@ -114,3 +168,8 @@ class Prefetcher:
 def private_tokenizer(tokenizer):
     """A copy of the tokenizer for the prefetch thread (fast tokenizers refuse concurrent use)."""
     return copy.deepcopy(tokenizer)
+
+
+def host_values(record: dict) -> dict:
+    """The record with every device tensor (loss, gradient norm, the method's loss parts) read back as a float."""
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}

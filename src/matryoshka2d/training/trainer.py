@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,28 +28,25 @@ from tqdm.auto import tqdm
 from matryoshka2d.evaluate.sts import sts_dev_score
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
-from matryoshka2d.methods import Method, make_method
+from matryoshka2d.methods import Method, Plan, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
-from matryoshka2d.training import checkpoints, exit_heads
+from matryoshka2d.training import checkpoints, exit_heads, gradcache, surgery
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable, eval_cells
-from matryoshka2d.training.data import TrainingData, read_training_data
+from matryoshka2d.training.data import TrainingData, read_training_data, without_repeated_texts
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.throughput import (
     Prefetcher,
     adamw,
     autocast,
+    checkpoint_and_compile,
     grad_scaler,
+    host_values,
     lr_schedule,
     private_tokenizer,
     resolve_precision,
 )
-
-
-def host_values(record: dict) -> dict:
-    """The record with every device tensor (loss, gradient norm, the method's loss parts) read back as a float."""
-    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
 class Trainer:
@@ -67,22 +65,24 @@ class Trainer:
         self.encoder = ElasticEncoder(
             config.model, pooling=config.pooling, max_length=config.max_length, device=config.device
         )
-        self._prepare_pooler()
-        self._prepare_decoder()
+        surgery.prepare_model(self.encoder, config)  # pooler head and freeze, bidirectional attention, LoRA
         for layer, dim in eval_cells(config) or []:
             self.encoder.check_layer(layer), self.encoder.check_dim(dim)
         self.method = self.build_method()
-        self.loss_name = config.loss or self.default_loss()
+        first_read = None if config.loss else read_training_data(config.data)  # its kind picks the loss
+        self.loss_name = config.loss or self.default_loss(first_read.kind)
         self.task_loss = self.build_task_loss()
-        self.data: TrainingData = self.read_data()
+        self.data: TrainingData = self.read_data(first_read)
         self.steps_per_epoch = math.ceil(len(self.data) / config.batch_size)
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * self.steps_per_epoch))
         self._prepare_loss_parameters()
         exit_heads.prepare(self)
-        params = [p for m in (self.encoder, self.method, self.task_loss) for p in m.parameters() if p.requires_grad]
-        groups = exit_heads.parameter_groups(self, params)  # the heads with their own learning rate
         self._prepare_throughput()
-        self.optimizer = adamw(groups, config.lr, config.weight_decay, self.encoder.device)
+        modules, cfg = [self.encoder, self.method, self.task_loss], config
+        heads_apart = exit_heads.regroup(self)  # the heads with their own learning rate
+        self.optimizer = adamw(
+            modules, cfg.lr, cfg.weight_decay, cfg.weight_decay_exempt, self.encoder.device, heads_apart
+        )
         warmup = int(config.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.total_steps, warmup, config.lr_schedule)
         if self.processes.active:
@@ -93,13 +93,15 @@ class Trainer:
     # ---- what is trained, on what (subclasses such as the SMAE pre-trainer replace these) ---------------
 
     def build_method(self) -> Method:
-        return make_method(
-            self.config.method, self.encoder.num_layers, self.encoder.hidden_size, **self.config.method_options
-        )
+        cfg, encoder = self.config, self.encoder
+        method = make_method(cfg.method, encoder.num_layers, encoder.hidden_size, **cfg.method_options)
+        for warning in method.adapt_to_backbone(encoder.pooling, encoder.normalize_output):
+            if self.processes.main:
+                print(f"warning: {warning}", file=sys.stderr)
+        return method
 
-    def default_loss(self) -> str:
+    def default_loss(self, kind: str) -> str:
         """The loss for the kind of data given (DEFAULT_LOSSES); the run says which it picked and why."""
-        kind = read_training_data(self.config.data).kind
         name, why = DEFAULT_LOSSES[kind]
         if self.processes.main:
             print(f"loss: {name} (default for {kind} data: {why}; --loss to choose another)")
@@ -108,10 +110,14 @@ class Trainer:
     def build_task_loss(self) -> torch.nn.Module:
         return make_task_loss(self.loss_name, **self.config.loss_options)
 
-    def read_data(self) -> TrainingData:
-        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences."""
+    def read_data(self, first_read: TrainingData | None = None) -> TrainingData:
+        """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences.
+        `first_read`, the data as read to pick the default loss, is used again when it fits the loss."""
         wants_sentences = bool(getattr(self.task_loss, "needs_sentences", False))
-        data = read_training_data(self.config.data, sentences=wants_sentences)
+        if first_read is not None and (first_read.kind == "sentences" or not wants_sentences):
+            data = first_read
+        else:
+            data = read_training_data(self.config.data, sentences=wants_sentences)
         if data.kind == "sentences" and not wants_sentences:
             raise ValueError(
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
@@ -119,58 +125,11 @@ class Trainer:
             )
         return data
 
-    def _prepare_pooler(self) -> None:
-        """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze."""
-        dim = self.config.pooler_dim
-        if dim is not None:
-            head = self.encoder.head
-            if head is None or head.out_features != dim:
-                if head is not None:
-                    print(f"replacing the model's {head.describe()} head by a fresh {dim}-dim pooler")
-                self.encoder.add_pooler(dim, seed=self.config.seed)
-        if self.config.freeze_encoder:
-            if self.encoder.head is None:
-                raise ValueError("freeze_encoder trains only the pooler head: give pooler_dim or a model with one")
-            for p in self.encoder.model.parameters():
-                p.requires_grad_(False)
-
-    def _prepare_decoder(self) -> None:
-        """ESE sec. 3.1 for decoder LLMs: bidirectional attention and LoRA (mean pooling is their default)."""
-        from matryoshka2d.models.decoders import set_bidirectional
-        from matryoshka2d.models.lora import add_lora
-
-        cfg = self.config
-        if cfg.bidirectional:
-            set_bidirectional(self.encoder.model, self.encoder.name)
-        if cfg.lora_r is not None:
-            if cfg.freeze_encoder:
-                raise ValueError("lora_r and freeze_encoder exclude each other: LoRA trains adapters in the encoder")
-            add_lora(self.encoder, cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
-
     def _prepare_throughput(self) -> None:
         cfg, device = self.config, self.encoder.device
-        for name in ("log_every", "gradient_accumulation"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-        if cfg.gradient_accumulation > cfg.batch_size:
-            raise ValueError(
-                f"gradient_accumulation {cfg.gradient_accumulation} splits a batch of {cfg.batch_size} into "
-                "micro-batches; it cannot exceed batch_size"
-            )
         self.precision = resolve_precision(cfg.precision, device)
         self.scaler = grad_scaler(self.precision, device)
-        if cfg.gradient_checkpointing:
-            if not getattr(self.encoder.model, "supports_gradient_checkpointing", False):
-                raise ValueError(f"gradient_checkpointing: {self.encoder.name} does not support it")
-            self.encoder.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:
-            # Compile the blocks inside each layer, not the model: the exits cut the layer stack and read each
-            # layer's output with a hook, which a compiled whole model would turn into recompiles and breaks.
-            from matryoshka2d.models.backbones import layer_stack
-
-            for layer in layer_stack(self.encoder.model):
-                for block in layer.children():
-                    block.compile(dynamic=True)
+        checkpoint_and_compile(self.encoder, cfg.gradient_checkpointing, cfg.compile)
         self._tokenizer = private_tokenizer(self.encoder.tokenizer)
         self._prefetch = Prefetcher(self.prepare_batch)
         self._pin = device.type == "cuda"
@@ -190,7 +149,10 @@ class Trainer:
     def batch_indices(self, step: int) -> np.ndarray:
         epoch, position = divmod(step, self.steps_per_epoch)
         order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.data))
-        return order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
+        rows = order[position * self.config.batch_size : (position + 1) * self.config.batch_size]
+        if not self.config.filter_duplicates:
+            return rows
+        return without_repeated_texts(self.data, rows, self._tokenizer, self.encoder.max_length)
 
     def prepare_batch(self, step: int) -> list[tuple[list[dict], np.ndarray | None]]:
         """Step's rows, split into `gradient_accumulation` micro-batches, each column tokenized on the CPU
@@ -217,21 +179,35 @@ class Trainer:
 
     def compute_loss(self, step: int, micro_batch=None) -> tuple[torch.Tensor, dict]:
         """The loss of one step (or of one micro-batch of it), on the device, and its parts."""
+        plan = self.start_step(step)
+        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        return self.objective(plan, self.gather(plan, self.embed(features, plan), rows), labels)
+
+    def start_step(self, step: int) -> Plan:
+        """Seed the step's dropout and draw its plan (layers, widths) from the step's own generator."""
         # Dropout draws differ per process (their rows differ); the plan (layers, widths) is the same in all.
         torch.manual_seed(self.config.seed * 1_000_003 + step + 7919 * self.processes.rank)
-        plan = self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
-        features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        return self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
+
+    def embed(self, features: list[dict], plan: Plan) -> list[dict[int, torch.Tensor]]:
+        """Per column, the pooled full-width state of every layer the plan needs (one forward pass per column)."""
         device = self.encoder.device
         with autocast(self.precision, device):
-            per_column = [
+            return [
                 self.encoder({k: v.to(device, non_blocking=True) for k, v in f.items()}, plan.layers) for f in features
             ]
-        if self.processes.active:  # the whole batch's embeddings, own rows with their graph (parallel.py)
-            local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
-            whole = self.processes.gather_rows(local, rows, dim=2)
-            per_column = [dict(zip(plan.layers, column, strict=True)) for column in whole]
-        # The method's and the task loss's arithmetic (similarities, softmaxes, ESE's PCA) runs in fp32.
-        label_tensor = None if labels is None else torch.as_tensor(labels, device=device)
+
+    def gather(self, plan: Plan, per_column: list[dict], rows: int) -> list[dict]:
+        """With several processes, the whole batch's embeddings: own rows with their graph (parallel.py)."""
+        if not self.processes.active:
+            return per_column
+        local = torch.stack([torch.stack([pooled[layer] for layer in plan.layers]) for pooled in per_column])
+        whole = self.processes.gather_rows(local, rows, dim=2)
+        return [dict(zip(plan.layers, column, strict=True)) for column in whole]
+
+    def objective(self, plan: Plan, per_column: list[dict], labels) -> tuple[torch.Tensor, dict]:
+        """The method's loss on the batch's embeddings; its arithmetic (similarities, softmaxes, PCA) runs in fp32."""
+        label_tensor = None if labels is None else torch.as_tensor(labels, device=self.encoder.device)
         states = {
             layer: EmbeddedBatch([pooled[layer].float() for pooled in per_column], self.data.kind, label_tensor)
             for layer in plan.layers
@@ -240,21 +216,22 @@ class Trainer:
         parts.update({k: v for k, v in plan.info.items()})
         return loss, parts
 
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def train_step(self) -> dict:
         """One optimizer step. Inside run() the loss and gradient norm stay on the device (no host sync; the
-        record holds tensors, read back on logging steps only); called directly, the record holds floats."""
+        record holds tensors, read back on logging steps only); called directly, the record holds floats.
+        With several micro-batches the loss is still the whole batch's, by gradient caching (gradcache.py)."""
         self.encoder.train()
         step = self.step
         micro_batches = self._prefetch.get(step, step + 1 if step + 1 < self.total_steps else None)
-        total, parts_sum = None, {}
-        for micro in micro_batches:
-            loss, parts = self.compute_loss(step, micro)
-            loss = loss / len(micro_batches)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0) + v
-        parts = parts_sum if len(micro_batches) == 1 else {k: v / len(micro_batches) for k, v in parts_sum.items()}
+        if len(micro_batches) == 1:
+            loss, parts = self.compute_loss(step, micro_batches[0])
+            self.backward(loss)
+        else:
+            loss, parts = gradcache.accumulate(self, step, micro_batches)
+        total = loss.detach()
         if self.processes.active:
             self.processes.sum_gradients([p for p in self.encoder.parameters() if p.requires_grad])
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -306,14 +283,14 @@ class Trainer:
             )
         return records
 
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir.checkpoints
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """What a checkpoint holds the weights of: the encoder, the method's and the task loss's parameters."""
+        return {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
 
     def save_checkpoint(self) -> Path:
-        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
         return self.run_dir.save_checkpoint(
             self.step,
-            modules,
+            self.modules(),
             self.optimizer,
             self.scheduler,
             self.history,
@@ -322,28 +299,24 @@ class Trainer:
             keep=self.config.keep_checkpoints,
         )
 
-    def latest_checkpoint(self) -> Path | None:
-        return self.run_dir.latest_checkpoint()
-
     def saved_config(self) -> dict:
         """The run's options as JSON values, with the loss it uses even when that was the default."""
         return json.loads(json.dumps({**dataclasses.asdict(self.config), "loss": self.loss_name}))
 
     def check_same_run(self, checkpoint: Path, saved: dict) -> None:
         if saved.get("loss") is None:  # written before the loss was recorded: the data's default loss
-            saved = {**saved, "loss": self.default_loss()}
+            saved = {**saved, "loss": DEFAULT_LOSSES[read_training_data(self.config.data).kind][0]}
         check_resumable(checkpoint, saved, self.saved_config())
 
     def resume(self, allow_pickle: bool = False) -> bool:
         found = checkpoints.load_latest(
-            self.checkpoint_dir(), self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
+            self.run_dir.checkpoints, self.encoder.device, allow_pickle=allow_pickle, check_config=self.check_same_run
         )
         if found is None:
             return False
         folder, state = found
-        modules = {"encoder": self.encoder, "method": self.method, "task_loss": self.task_loss}
         try:
-            for name, module in modules.items():
+            for name, module in self.modules().items():
                 module.load_state_dict(state["modules"].get(name, {}))
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -357,12 +330,37 @@ class Trainer:
         self.step, self.history = state["step"], state["history"]
         return True
 
-    # ---- the run ------------------------------------------------------------------------------------
+    # ---- the run: prepare the folder, the steps, the final evaluation and save ------------------------------
 
     def run(
         self, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
     ) -> Path:
-        main = self.processes.main  # with several processes, rank 0 alone writes logs, checkpoints, the model
+        """Train from step 0 (or from the last checkpoint) to total_steps, evaluate, save the model; returns
+        its folder. With several processes, rank 0 alone writes the log, the checkpoints and the model."""
+        main = self.processes.main
+        self.prepare_run(resume, overwrite, allow_pickle)
+        log = self.run_dir.log_path.open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc=self.config.method)
+        start, first_step = time.perf_counter(), self.step
+        try:
+            self.steps(log, bar)
+        finally:
+            bar.close()
+            log.close()
+            self._prefetch.close()
+        seconds = time.perf_counter() - start
+        if not main:
+            self.processes.barrier()  # until rank 0 has saved the model
+            self.processes.close()
+            return self.out
+        saved = self.save_model(seconds, self.step - first_step)
+        self.processes.barrier()
+        self.processes.close()
+        return saved
+
+    def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
+        """The output folder checked (and cleared for --overwrite), the last checkpoint loaded for --resume."""
+        main = self.processes.main
         self.run_dir.check(resume, overwrite)
         if overwrite and not resume and main:
             self.run_dir.clear_run()
@@ -373,52 +371,46 @@ class Trainer:
                 print(f"resumed from step {self.step} of {self.total_steps}")
             if main:
                 self.run_dir.trim_log(self.step)
-        exit_heads.fit_at_start(self)
-        log = (self.out / "train_log.jsonl").open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
-        start, first_step = time.perf_counter(), self.step
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not (progress and main), desc=f"{self.config.method}"
-        )
+        exit_heads.fit_at_start(self)  # --exit-heads fit: the closed-form start (not after a resume)
+
+    def steps(self, log, bar) -> None:
+        """Optimizer steps to total_steps. Their losses stay on the device until a logging or checkpoint step,
+        which reads back (one host sync) the records of every step since the last one and logs them."""
+        cfg, main, pending = self.config, self.processes.main, []
+        self._lazy_records = True
         try:
-            every, pending, self._lazy_records = self.config.log_every, [], True
             while self.step < self.total_steps:
-                logging = (self.step + 1) % every == 0 or self.step + 1 == self.total_steps
                 pending.append(self.train_step())
                 bar.update(1)
-                if logging or (self.config.save_steps and self.step % self.config.save_steps == 0):
-                    # One host sync for the steps since the last log: their losses were kept on the device.
-                    for record in pending:
-                        record.update(host_values(record))
-                        self.history.append({"step": record["step"], "loss": record["loss"]})
-                        log.write(json.dumps(record) + "\n")
-                    bar.set_postfix(loss=f"{pending[-1]['loss']:.4f}")
+                last = self.step == self.total_steps
+                checkpoint = bool(cfg.save_steps) and self.step % cfg.save_steps == 0
+                if last or checkpoint or self.step % cfg.log_every == 0:
+                    self.write_records(pending, log, bar)
                     pending = []
-                if (
-                    main
-                    and self.config.eval_steps
-                    and self.step % self.config.eval_steps == 0
-                    and self.step < self.total_steps
-                ):
+                if main and cfg.eval_steps and self.step % cfg.eval_steps == 0 and not last:
                     for result in self.evaluate():
                         log.write(json.dumps(result) + "\n")
                         bar.write(f"step {self.step}: STS {result['eval']} spearman {result['spearman']}")
-                if main and self.config.save_steps and self.step % self.config.save_steps == 0:
+                if main and checkpoint:
                     self.save_checkpoint()
                 log.flush()
         finally:
-            bar.close()
-            log.close()
-            self._prefetch.close()
             self._lazy_records = False
-        seconds = time.perf_counter() - start
-        if not main:
-            self.processes.barrier()  # until rank 0 has saved the model
-            self.processes.close()
-            return self.out
+
+    def write_records(self, records: list[dict], log, bar) -> None:
+        for record in records:
+            record.update(host_values(record))
+            self.history.append({"step": record["step"], "loss": record["loss"]})
+            log.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{records[-1]['loss']:.4f}")
+
+    def save_model(self, seconds: float, steps_run: int) -> Path:
+        """The final evaluation, then the model with what the run recorded (matryoshka2d.json), atomically."""
+        from matryoshka2d.models.lora import save_and_merge_lora
+
         final_evals = self.evaluate()
-        with (self.out / "train_log.jsonl").open("a", encoding="utf-8") as f:
+        with self.run_dir.log_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(record) + "\n" for record in final_evals)
-        steps_run = self.step - first_step
         metadata = {
             "method": self.method.config(),
             "loss": self.loss_name,
@@ -434,18 +426,13 @@ class Trainer:
             "final_evals": final_evals,  # every --eval-cell
         }
         self.encoder.eval()
-        from matryoshka2d.models.lora import save_and_merge_lora
-
         keep = getattr(self.method, "keep_layers", None)
 
         def save(folder: Path) -> Path:
             save_and_merge_lora(self.encoder, folder)  # the adapter beside the model; the model saved merged
             return self.encoder.save(folder, keep_layers=keep, metadata=metadata)
 
-        saved = checkpoints.save_model_atomically(save, self.out)
-        self.processes.barrier()
-        self.processes.close()
-        return saved
+        return checkpoints.save_model_atomically(save, self.out)
 
 
 def train(
@@ -455,4 +442,5 @@ def train(
     overwrite: bool = False,
     allow_pickle: bool = False,
 ) -> Path:
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
     return Trainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
