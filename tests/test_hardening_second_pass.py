@@ -11,8 +11,8 @@ import pytest
 import test_hardening as first_pass
 from matryoshka2d.cli import main
 
-# The first pass's fixtures (training and dev files, one torch thread) and its one-line-error check.
-files, one_thread, one_line_error = first_pass.files, first_pass.one_thread, first_pass.one_line_error
+pytestmark = pytest.mark.usefixtures("one_thread")
+one_line_error = first_pass.one_line_error  # the first pass's check: one "error:" line, no traceback
 
 
 def train_args(model, files, out, *extra):
