@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import WORDS
 from matryoshka2d.training import gradcache
 from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer
-from test_train import WORDS
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
