@@ -11,10 +11,8 @@ import pytest
 import test_hardening as first_pass
 from matryoshka2d.cli import main
 
-# The first pass's one-line-error check (its fixtures, the training and dev files and one torch thread, are
-# conftest's).
 pytestmark = pytest.mark.usefixtures("one_thread")
-one_line_error = first_pass.one_line_error
+one_line_error = first_pass.one_line_error  # the first pass's check: one "error:" line, no traceback
 
 
 def train_args(model, files, out, *extra):
@@ -310,3 +308,36 @@ def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "--model", missing, "--host", "127.0.0.1", "--port", str(port)]) == 2
         one_line_error(capsys, f"--port {port}: cannot listen there")
+
+
+def test_exit_heads_on_one_side_and_off_on_the_other(tiny_dir, built, tokenizer, tmp_path, monkeypatch, capsys):
+    """A folder with exit heads gives other weights with --no-heads (the checksum covers the heads): search says
+    which flag matches the index; pick times the model the way its results were evaluated."""
+    from test_eval_sts import sts_tree
+
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:400]
+    rng = np.random.default_rng(1)
+    sentences = list(dict.fromkeys(" ".join(rng.choice(words, rng.integers(3, 9))) for _ in range(220)))[:200]
+    (tmp_path / "sentences.txt").write_text("\n".join(sentences) + "\n")
+    heads = tmp_path / "with-heads"
+    fit = ["heads", "fit", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(tmp_path / "sentences.txt")]
+    assert main([*fit, "--output", str(heads), "--quiet"]) == 0
+    corpus = built / "corpus.jsonl"
+    index = tmp_path / "idx"
+    build = ["index", "build", "--model", str(heads), "--corpus", str(corpus), "--cells", "2:16,4:32"]
+    assert main([*build, "--output", str(index), "--no-heads"]) == 0
+    capsys.readouterr()
+    assert main(["search", "--index", str(index), "--query", "cats"]) == 2
+    one_line_error(capsys, "has other weights", "exit heads left off: pass --no-heads")
+    assert main(["search", "--index", str(index), "--query", "cats", "--no-heads"]) == 0
+
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    sts_tree(tmp_path / "data")
+    evaluate = ["eval", "sts", "--model", str(heads), "--data-dir", str(tmp_path / "data"), "--quiet"]
+    assert main([*evaluate, "--layers", "2,4", "--dims", "16,32", "--no-heads", "--output", str(tmp_path / "r")]) == 0
+    capsys.readouterr()
+    assert main(["pick", "--results", str(tmp_path / "r")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    timing = json.loads((tmp_path / "r" / "pick.json").read_text())["timing"]
+    recorded = json.loads((tmp_path / "r" / "results.json").read_text())["model"]["weights_sha256"]
+    assert timing["weights_sha256"] == recorded

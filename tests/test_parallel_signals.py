@@ -11,12 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -84,19 +82,6 @@ def cleanup(pids):
     for pid in pids:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def files(tmp_path):
-    rng = np.random.default_rng(0)
-    rows = ["anchor\tpositive\tnegative"]
-    for _ in range(32):
-        a = rng.choice(WORDS, 4)
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    (tmp_path / "triplets.tsv").write_text("\n".join(rows) + "\n")
-    dev = ["sentence1\tsentence2\tscore", "red cat\tred cat\t5", "red cat\tblue dog\t1", "big bird\tbig bird runs\t4"]
-    (tmp_path / "dev.tsv").write_text("\n".join(dev) + "\n")
-    return tmp_path
 
 
 def test_sigterm_to_train_processes_2_leaves_no_process_alive(tiny_dir, files, tmp_path):

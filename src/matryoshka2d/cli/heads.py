@@ -55,9 +55,9 @@ def _gain_table(encoder, cells) -> list[str]:
     """STS-B dev Spearman x 100 at a few cells, without and with the heads (the only STS data a fit may see)."""
     import torch
 
-    from matryoshka2d.evaluate.grid import unit_rows
     from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
     from matryoshka2d.paths import sts_dev_file
+    from matryoshka2d.views import unit_rows
 
     try:
         pairs = load_pairs(sts_dev_file())

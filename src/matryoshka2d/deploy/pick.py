@@ -141,24 +141,31 @@ def cost_key(info: dict) -> str:
     return f"{'/'.join(map(str, parts))} | {cpu} x{os.cpu_count()} | torch threads {torch.get_num_threads()}"
 
 
-def layer_latency(
-    model: str,
-    pooling: str | None,
-    remeasure: bool,
-    log: Callable[[str], None],
-    check: Callable[[str], None] | None = None,
-) -> tuple[dict, dict]:
-    """ms per query at every layer of `model`, from the cache or measured now; and the timing record, with the
-    weights checksum of the model loaded (the cache is per architecture; the checksum is of this model).
-    `check(checksum)` runs before anything is measured."""
-    from matryoshka2d.models.backbones import cache_dir
+def load_timed(model: str, pooling: str | None, recorded: str | None):
+    """The encoder pick times, and its weights checksum. Results evaluated with a folder's exit heads left off
+    (`--no-heads`) recorded the checksum without them: when that is the one that matches, the heads stay off for
+    the timing too."""
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.identity import weights_sha256
 
     encoder = ElasticEncoder(model, pooling=pooling, device="cpu")
     checksum = weights_sha256(encoder)
-    if check is not None:
-        check(checksum)
+    if recorded and checksum != recorded and encoder.exit_heads is not None:
+        heads = encoder.exit_heads
+        encoder.set_exit_heads(None)
+        if weights_sha256(encoder) == recorded:
+            return encoder, recorded
+        encoder.set_exit_heads(heads)
+    return encoder, checksum
+
+
+def layer_latency(model, pooling: str | None, remeasure: bool, log: Callable[[str], None]) -> tuple[dict, dict]:
+    """ms per query at every layer of `model` (a name, or an ElasticEncoder already loaded), from the cache or
+    measured now; and the timing record."""
+    from matryoshka2d.models.backbones import cache_dir
+    from matryoshka2d.models.encoder import ElasticEncoder
+
+    encoder = ElasticEncoder(model, pooling=pooling, device="cpu") if isinstance(model, str) else model
     key = cost_key(encoder.info())
     cache = cache_dir() / "layer_latency.json"
     table = {}
@@ -182,8 +189,7 @@ def layer_latency(
         table[key] = record
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    timed = {**record, "key": key, "weights_sha256": checksum}
-    return {int(k): v for k, v in record["ms_per_query"].items()}, timed
+    return {int(k): v for k, v in record["ms_per_query"].items()}, {**record, "key": key}
 
 
 def mark_frontier(points: list[Point]) -> None:
@@ -296,13 +302,10 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         name = args.model or model.get("location") or model.get("model")
         if not name:
             raise ValueError(f"{args.results[0]}: the result names no model; pass --model")
-        latency, timing = layer_latency(
-            name,
-            model.get("pooling"),
-            args.remeasure,
-            log,
-            check=lambda checksum: check_timed_model(args.results, model, checksum, name, log),
-        )
+        encoder, checksum = load_timed(name, model.get("pooling"), model.get("weights_sha256"))
+        check_timed_model(args.results, model, checksum, name, log)  # before anything is measured or written
+        latency, timing = layer_latency(encoder, None, args.remeasure, log)
+        timing["weights_sha256"] = checksum
     missing = sorted({n for n, _ in quality} - set(latency))
     if missing:
         raise ValueError(f"the results have layers {missing} that the timed model does not (it has {len(latency)})")

@@ -61,9 +61,12 @@ def model_record(embedder) -> dict:
     from matryoshka2d.models.identity import weights_sha256
 
     info = dict(embedder.info())
-    encoder = getattr(embedder, "encoder", embedder)  # a cell embedder wraps an encoder; or the encoder itself
-    if isinstance(encoder, torch.nn.Module):
-        info["weights_sha256"] = weights_sha256(encoder)
+    encoder = embedder  # the encoder itself, or a cell embedder wrapping one (or wrapping another embedder)
+    for _ in range(3):
+        if isinstance(encoder, torch.nn.Module):
+            info["weights_sha256"] = weights_sha256(encoder)
+            break
+        encoder = getattr(encoder, "encoder", None) or getattr(encoder, "source", None)
     return info
 
 

@@ -113,6 +113,24 @@ class Hits:
     description: str
 
 
+def _heads_hint(encoder, want: dict) -> str:
+    """Why the same folder can give other weights: its exit heads (models/heads.py) on one side and off on the
+    other. The checksum covers them, so a query model with the heads on is compared again without them."""
+    from matryoshka2d.models.identity import weights_sha256
+
+    heads = getattr(encoder, "exit_heads", None)
+    if heads is not None:
+        encoder.set_exit_heads(None)
+        try:
+            if weights_sha256(encoder) == want["weights_sha256"]:
+                return "; the index was built with this model's exit heads left off: pass --no-heads"
+        finally:
+            encoder.set_exit_heads(heads)
+    elif getattr(encoder, "folder_has_heads", False):
+        return "; this model's exit heads are left off (--no-heads): the index may have been built with them"
+    return ""
+
+
 REBUILD = "rebuild the index with `matryoshka2d index build ... --overwrite`"
 
 
@@ -231,7 +249,7 @@ class CellIndex:
                 raise IndexBuildError(
                     f"{self.directory}: built with {built}, weights sha256 {short(want['weights_sha256'])}, but the "
                     f"query model {encoder.name} has other weights (sha256 {short(mine)}); search with the index's "
-                    "model (leave out --model) or build an index with this one"
+                    f"model (leave out --model) or build an index with this one{_heads_hint(encoder, want)}"
                 )
         if want.get("pooling") and encoder.pooling != want["pooling"]:
             raise IndexBuildError(

@@ -54,7 +54,7 @@ class RunDir:
                 f"--output {self.path} already holds a model or a run ({', '.join(held)}); pass --resume to continue "
                 "it, --overwrite to replace it, or choose another --output"
             )
-        if resume and not overwrite and self.latest_checkpoint() is None:
+        if resume and not overwrite and not checkpoints.candidates(self.checkpoints):
             model = self.saved_model()
             if model is not None:
                 raise ValueError(
