@@ -27,15 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.retrieval.index import (
-    Cell,
-    IndexBuildError,
-    _write_json,
-    cell_name,
-    load_shards,
-    model_identity,
-    read_shard_texts,
-)
+from matryoshka2d.retrieval.index import model_identity
+from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, load_shards, read_shard_texts, write_json
 
 QUANTIZATIONS = ("none", "scalar", "binary")
 METADATA_KEY = "matryoshka2d"
@@ -235,13 +228,13 @@ class QdrantStore:
                         wait=True,
                     )
                 uploaded.append(name)
-                _write_json(out / "manifest.json", manifest)
+                write_json(out / "manifest.json", manifest)
                 log(f"  {name}: {n} points -> {self.collection} ({time.perf_counter() - start:.1f} s)")
             position += n
         recorded["complete"] = True
         self.client.update_collection(self.collection, metadata={METADATA_KEY: recorded})
         manifest["complete"] = True
-        _write_json(out / "manifest.json", manifest)
+        write_json(out / "manifest.json", manifest)
         log(f"  collection '{self.collection}' at {self.target.where}: {position} points, cells {cells}")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import file_sha256
-from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, read_manifest
+from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, read_manifest
 from matryoshka2d.views import unit_rows
 
 
