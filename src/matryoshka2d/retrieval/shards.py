@@ -105,8 +105,10 @@ def check_manifest(manifest: dict, path: Path) -> None:
     if not isinstance(shards, list) or not all(isinstance(s, str) and SHARD_NAME.fullmatch(s) for s in shards):
         raise bad("shards", shards, "a list of shard-NNNNN.npz names")
     inputs = manifest.get("shard_inputs")
-    if inputs is not None and (not isinstance(inputs, list) or not all(isinstance(h, str) for h in inputs)):
-        raise bad("shard_inputs", inputs, "a list of sha256 hex digests")
+    # By shard name; a list in builds from before that (a resume refuses those, a complete one is read).
+    digests = list(inputs.values()) if isinstance(inputs, dict) else inputs
+    if inputs is not None and (not isinstance(digests, list) or not all(isinstance(h, str) for h in digests)):
+        raise bad("shard_inputs", inputs, "a mapping of shard name to the sha256 of its documents")
     files = manifest.get("files", {})
     if not isinstance(files, dict) or not all(
         isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
