@@ -334,14 +334,6 @@ def create_app(
         named_layer, named_dim = resolve(body["model"])
         texts = check_texts(body, limits.max_inputs)
         layer = check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
-        if layer is not None and layer not in served:
-            raise ApiError(
-                400,
-                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, served))} "
-                "only (started with --layers)",
-                "layer",
-                "invalid_value",
-            )
         dim = check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
         for field_name, named, given in (("layer", named_layer, layer), ("dimensions", named_dim, dim)):
             if named is not None and given is not None and named != given:
@@ -352,6 +344,15 @@ def create_app(
                     field_name,
                     "invalid_value",
                 )
+        # A model name that contradicts a field is named first: it is the request's own mistake on any server.
+        if layer is not None and layer not in served:
+            raise ApiError(
+                400,
+                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, served))} "
+                "only (started with --layers)",
+                "layer",
+                "invalid_value",
+            )
         layer = layer or named_layer or default_layer
         dim = dim or named_dim or default_dimensions
         encoding, embedding_type = check_formats(body)
