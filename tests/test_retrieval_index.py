@@ -171,7 +171,7 @@ def test_errors_name_what_was_wrong(tiny_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"_id": "a", "text": "fine"}\n{"_id": "b"}\n')
     with pytest.raises(DataFormatError, match="bad.jsonl line 2: no 'text'"):
-        list(__import__("matryoshka2d.retrieval.index", fromlist=["read_corpus"]).read_corpus(bad))
+        list(__import__("matryoshka2d.retrieval.shards", fromlist=["read_corpus"]).read_corpus(bad))
     assert main([*build, "--cells", "1:8,2:16"]) == 0
     capsys.readouterr()
     search = ["search", "--index", str(tmp_path / "idx"), *common, "--query", "cats"]

@@ -51,7 +51,7 @@ def search(root, common, queries, index, *extra):
     "extra",
     [
         ["--cascade", "1:8,4:32", "--shortlist", "10", "--top-k", "5"],
-        ["--cascade", "1:8,4:32", "--shortlist", "10", "--top-k", "5", "--query-layer", "2"],
+        ["--cascade", "1:8,4:32", "--shortlist", "10", "--top-k", "5", "--query-layer", "1"],
         ["--top-k", "5"],
         ["--cell", "1:8", "--top-k", "5"],
     ],

@@ -10,13 +10,12 @@ from safetensors import safe_open
 
 from conftest import WORDS, tiny_run, tiny_transformer
 from matryoshka2d.cli import main
+from matryoshka2d.compress.masking import IGNORE, mask_batch
 from matryoshka2d.compress.smae import (
     DECODER_MASK_RATIO,
     ENCODER_MASK_RATIO,
-    IGNORE,
     SMAEError,
     SMAEObjective,
-    mask_batch,
     pretrain_trainer,
 )
 from matryoshka2d.methods.starbucks import default_sizes

@@ -70,6 +70,16 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
     check_listen(args.host, args.port)
     encoder = load_encoder(args, device="cpu" if args.backend == "onnx" else args.device)
+    # Checked on the encoder, before any ONNX graph is built (a backend has no check_layer / check_dim).
+    for flag, value, check in (
+        ("--default-layer", args.default_layer, encoder.check_layer),
+        ("--default-dimensions", args.default_dimensions, encoder.check_dim),
+    ):
+        if value is not None:
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ValueError(f"{flag} {value}: {exc}") from None
     model = encoder
     if args.backend == "onnx":
         from matryoshka2d.deploy.backends import OnnxBackend
@@ -90,15 +100,6 @@ def cmd_serve(args) -> int:
         gc.collect()
         trim_heap()
         model.load()
-    for flag, value, check in (
-        ("--default-layer", args.default_layer, model.check_layer),
-        ("--default-dimensions", args.default_dimensions, model.check_dim),
-    ):
-        if value is not None:
-            try:
-                check(value)
-            except ValueError as exc:
-                raise ValueError(f"{flag} {value}: {exc}") from None
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,

@@ -30,7 +30,7 @@ def read_texts(sources: list[str]) -> Iterator[str]:
     """Distinct texts of every source in order: training data of any kind (TSV or JSONL of triplets, NLI or
     scored pairs), plain text files (one sentence per line), or a BEIR corpus (a folder holding corpus.jsonl, or
     the file): its documents' title and text."""
-    from matryoshka2d.retrieval.index import read_corpus
+    from matryoshka2d.retrieval.shards import read_corpus
     from matryoshka2d.training.data import read_sentences
 
     seen: set[str] = set()

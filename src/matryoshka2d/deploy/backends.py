@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from matryoshka2d.deploy.export import CHECK_SENTENCES, ONNX_ATOL, ExportError, export_exit, quantize_int8
+from matryoshka2d.files import file_sha256
 from matryoshka2d.models.batching import pad_rows
 from matryoshka2d.models.encoder import ElasticEncoder
 
@@ -69,14 +70,6 @@ class TorchBackend:
 
     def describe(self) -> dict:
         return {"backend": "torch", "precision": str(next(self.encoder.parameters()).dtype).replace("torch.", "")}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # Configuration entries that do not change an exit graph (export itself turns the key/value cache off).
@@ -134,7 +127,7 @@ class GraphCache:
         entry, path = self.graphs.get(name), self.folder / name
         if entry is None or entry.get("recipe") != RECIPES[quantize] or not path.is_file():
             return None
-        if _sha256(path) != entry.get("sha256"):
+        if file_sha256(path) != entry.get("sha256"):
             return None
         return path
 
@@ -147,7 +140,7 @@ class GraphCache:
             "layer": layer,
             "quantize": quantize,
             "recipe": RECIPES[quantize],
-            "sha256": _sha256(path),
+            "sha256": file_sha256(path),
             **details,
         }
         manifest = {"source_sha256": self.source, "graphs": dict(sorted(self.graphs.items()))}

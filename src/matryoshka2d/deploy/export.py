@@ -192,6 +192,14 @@ def require_onnx() -> None:
         raise ExportError(f"--format onnx needs {', '.join(missing)}, not installed: pip install 'matryoshka2d[onnx]'")
 
 
+def graph_inputs(input_ids, attention_mask, token_type_ids=None) -> dict:
+    """A graph's inputs as the model's features: token_type_ids only for the models that take them."""
+    features = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if token_type_ids is not None:
+        features["token_type_ids"] = token_type_ids
+    return features
+
+
 class CellGraph(nn.Module):
     """The whole cell of a cut encoder as one module: transformer (all its layers), pool, head, normalize."""
 
@@ -200,10 +208,7 @@ class CellGraph(nn.Module):
         self.encoder, self.normalize = encoder, normalize
 
     def forward(self, input_ids, attention_mask, token_type_ids=None):
-        features = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            features["token_type_ids"] = token_type_ids
-        hidden = self.encoder.model(**features).last_hidden_state
+        hidden = self.encoder.model(**graph_inputs(input_ids, attention_mask, token_type_ids)).last_hidden_state
         vectors = pool(hidden, attention_mask, self.encoder.pooling)
         if self.encoder.head is not None:
             vectors = self.encoder.head(vectors)
@@ -222,10 +227,7 @@ class ExitGraph(nn.Module):
         self.encoder, self.layer = encoder, layer
 
     def forward(self, input_ids, attention_mask, token_type_ids=None):
-        features = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            features["token_type_ids"] = token_type_ids
-        return self.encoder.forward(features, [self.layer])[self.layer]
+        return self.encoder.forward(graph_inputs(input_ids, attention_mask, token_type_ids), [self.layer])[self.layer]
 
 
 def export_exit(encoder: ElasticEncoder, layer: int, path: Path) -> Path:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matryoshka2d.evaluate.results import cpu_name, grid_of, load_result
-from matryoshka2d.retrieval.index import STORAGES
+from matryoshka2d.retrieval.shards import STORAGES
 
 QUERY_TEXTS = [
     "how do vaccines train the immune system",

@@ -17,9 +17,9 @@ those unit vectors afterwards (sentence-transformers' quantize_embeddings): int8
 its batch), binary / ubinary as sign bits packed eight to a byte (ceil(dimensions / 8) numbers).
 
 What runs the model is a backend (deploy/backends.py): the torch encoder, or onnxruntime with one graph per
-exit layer (`serve --backend onnx [--quantize int8] [--layers 1,3,6]`); the API, validation, micro-batching
-and errors here are the same for both. A server started with `--layers` serves those layers only (a request
-without `layer` gets the deepest of them).
+exit layer (`serve --backend onnx [--quantize int8] [--layers 1,3,6]`); the API, validation (deploy/api.py),
+micro-batching and errors here are the same for both. A server started with `--layers` serves those layers
+only (a request without `layer` gets the deepest of them).
 
 Requests are micro-batched: one worker thread runs the model; texts that arrive while it is busy, or within
 `max_wait` of the first, go into the next batch (up to `max_batch` texts; a larger request is one batch on its
@@ -31,7 +31,6 @@ and runs them `batch_size` at a time, as offline `encode` does. Errors have Open
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
 import json
 import re
@@ -44,14 +43,17 @@ import numpy as np
 from fastapi import Request
 
 from matryoshka2d.allocator import trim_heap
+from matryoshka2d.deploy.api import (
+    EMBEDDING_TYPES,
+    ApiError,
+    check_formats,
+    check_int,
+    check_texts,
+    encode_rows,
+)
 from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.views import nested_dims, unit_rows
-
-ENCODING_FORMATS = ("float", "base64")
-# float32 as JSON numbers or little-endian bytes; the rest as Cohere / sentence-transformers name them.
-EMBEDDING_TYPES = {"float": "<f4", "int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
-KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user", "embedding_type"}
+from matryoshka2d.views import nested_dims
 
 
 @dataclass
@@ -62,24 +64,6 @@ class ServerLimits:
     max_batch: int = 256  # texts collected for one model call (sorted by length there, then run in batches)
     batch_size: int = 64  # texts per forward pass within a model call
     max_wait: float = 0.005  # seconds the first request of a batch waits for company
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -168,27 +152,6 @@ def _error_response(error: ApiError):
     from fastapi.responses import JSONResponse
 
     return JSONResponse(error.body(), status_code=error.status)
-
-
-def _check_int(body: dict, name: str, low: int, high: int, what: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)[:40]}", name, "invalid_type")
-    if not low <= value <= high:
-        raise ApiError(400, f"'{name}' is {value}, out of range: {what} allows {low}..{high}", name, "invalid_value")
-    return value
-
-
-def quantize(vectors: np.ndarray, embedding_type: str) -> np.ndarray:
-    """Unit float vectors in the requested type: int8 / uint8 codes over [-1, 1], or packed sign bits."""
-    if embedding_type == "float":
-        return vectors.astype("<f4", copy=False)
-    from sentence_transformers.util.quantization import quantize_embeddings
-
-    bounds = np.stack([np.full(vectors.shape[1], -1.0), np.full(vectors.shape[1], 1.0)]).astype(np.float32)
-    return quantize_embeddings(vectors, precision=embedding_type, ranges=bounds)
 
 
 def cell_names(model_id: str, num_layers: int, hidden_size: int) -> list[tuple[str, int, int]]:
@@ -351,13 +314,7 @@ def create_app(
             )
         used = [min(n, max_length) for n in lengths]
         vectors = (await batcher.encode(texts, layer))[:, :dim]
-        vectors = quantize(unit_rows(vectors).astype(np.float32), embedding_type).astype(
-            EMBEDDING_TYPES[embedding_type]
-        )
-        data = []
-        for i, row in enumerate(vectors):
-            value = base64.b64encode(row.tobytes()).decode("ascii") if encoding == "base64" else row.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": value})
+        data = encode_rows(vectors, encoding, embedding_type)
         return {
             "object": "list",
             "data": data,
@@ -375,52 +332,9 @@ def create_app(
         if not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", "model", "invalid_type")
         named_layer, named_dim = resolve(body["model"])
-        if "input" not in body:
-            raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
-        texts = body["input"]
-        if isinstance(texts, str):
-            texts = [texts]
-        if not isinstance(texts, list):
-            raise ApiError(
-                400,
-                f"'input' must be a string or a list of strings, got {type(texts).__name__}",
-                "input",
-                "invalid_type",
-            )
-        if not texts:
-            raise ApiError(400, "'input' is an empty list; send at least one string", "input", "empty_input")
-        if len(texts) > limits.max_inputs:
-            raise ApiError(
-                413,
-                f"'input' has {len(texts)} items; at most {limits.max_inputs} per request",
-                "input",
-                "too_many_inputs",
-            )
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                hint = ""
-                if isinstance(text, (int, list)):
-                    # LangChain's OpenAIEmbeddings sends tiktoken ids unless told not to; say how.
-                    hint = (
-                        " (token ids are not supported: this server tokenizes text itself, and OpenAI's tiktoken ids "
-                        "mean nothing to its model; send text. LangChain: "
-                        "OpenAIEmbeddings(..., check_embedding_ctx_length=False))"
-                    )
-                raise ApiError(
-                    400, f"input[{i}] must be a string, got {type(text).__name__}{hint}", "input", "invalid_type"
-                )
-            if text == "":
-                raise ApiError(400, f"input[{i}] is empty; every input must contain text", "input", "empty_input")
-        layer = _check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
-        if layer is not None and layer not in served:
-            raise ApiError(
-                400,
-                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, served))} "
-                "only (started with --layers)",
-                "layer",
-                "invalid_value",
-            )
-        dim = _check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
+        texts = check_texts(body, limits.max_inputs)
+        layer = check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
+        dim = check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
         for field_name, named, given in (("layer", named_layer, layer), ("dimensions", named_dim, dim)):
             if named is not None and given is not None and named != given:
                 raise ApiError(
@@ -430,36 +344,18 @@ def create_app(
                     field_name,
                     "invalid_value",
                 )
+        # A model name that contradicts a field is named first: it is the request's own mistake on any server.
+        if layer is not None and layer not in served:
+            raise ApiError(
+                400,
+                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, served))} "
+                "only (started with --layers)",
+                "layer",
+                "invalid_value",
+            )
         layer = layer or named_layer or default_layer
         dim = dim or named_dim or default_dimensions
-        embedding_type = body.get("embedding_type", "float")
-        if embedding_type is None:
-            embedding_type = "float"
-        if not isinstance(embedding_type, str) or embedding_type not in EMBEDDING_TYPES:
-            raise ApiError(
-                400,
-                f"'embedding_type' must be one of {', '.join(EMBEDDING_TYPES)}, got {json.dumps(embedding_type)[:40]}",
-                "embedding_type",
-                "invalid_value",
-            )
-        encoding = body.get("encoding_format", "float")
-        if encoding is None:
-            encoding = "float"
-        if encoding not in ENCODING_FORMATS:
-            raise ApiError(
-                400,
-                f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, got {json.dumps(encoding)[:40]}",
-                "encoding_format",
-                "invalid_value",
-            )
-        unknown = sorted(set(body) - KNOWN_FIELDS)
-        if unknown:
-            raise ApiError(
-                400,
-                f"Unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_FIELDS))}",
-                unknown[0],
-                "unknown_parameter",
-            )
+        encoding, embedding_type = check_formats(body)
         if layer not in served:
             raise ApiError(
                 400,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.losses.batch import EmbeddedBatch
@@ -28,6 +29,13 @@ def check_normalize(method: str, value) -> bool | str:
     if not (isinstance(value, bool) or value == "auto"):
         raise ValueError(f"{method}: kl_normalize must be true, false or auto, got {value!r}")
     return value
+
+
+def kl_features(batch: EmbeddedBatch, width: int, normalize: bool | str) -> torch.Tensor:
+    """The features KL's input: every text's vector (rows: all columns), unit length if `normalize` is True,
+    cut to `width`."""
+    x = torch.cat(batch.columns)
+    return (F.normalize(x, dim=-1) if normalize is True else x)[:, :width]
 
 
 @dataclass

@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-import torch.nn.functional as F
-
 from matryoshka2d.losses.align import FACTORS, feature_kl, similarity_kl
-from matryoshka2d.methods.base import Method, Plan, States, check_normalize
+from matryoshka2d.methods.base import Method, Plan, States, check_normalize, kl_features
 from matryoshka2d.views import View
 
 PAPER_SIZES = [(2, 32), (4, 64), (6, 128), (8, 256), (10, 512), (12, 768)]
@@ -122,7 +119,10 @@ class Starbucks(Method):
             if self.kl_kind == "similarity":
                 value = similarity_kl(states[n].sliced(d), teacher, self.kl_temperature, self.kl_factor, self.kl_detach)
             else:
-                student, target = self.features(states[n], d), self.features(teacher, d)
+                student, target = (
+                    kl_features(states[n], d, self.kl_normalize),
+                    kl_features(teacher, d, self.kl_normalize),
+                )
                 value = feature_kl(
                     student, target, self.kl_temperature, self.kl_factor, self.kl_detach, self.kl_scale_logits
                 )
@@ -130,11 +130,6 @@ class Starbucks(Method):
         if kl is None:
             return None, {}
         return self.kl_weight * kl, {"kl": kl.detach()}
-
-    def features(self, batch, width: int) -> torch.Tensor:
-        """Every text's vector (rows: all columns), unit length if kl_normalize, cut to `width`."""
-        x = torch.cat(batch.columns)
-        return (F.normalize(x, dim=-1) if self.kl_normalize is True else x)[:, :width]
 
     def config(self) -> dict:
         return {

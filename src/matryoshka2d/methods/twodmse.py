@@ -25,11 +25,9 @@ Options that give the reference code's choices (presets st-matryoshka2d and 2dms
 from __future__ import annotations
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from matryoshka2d.losses.align import FACTORS, feature_kl, similarity_kl
-from matryoshka2d.methods.base import Method, Plan, States, check_normalize
+from matryoshka2d.methods.base import Method, Plan, States, check_normalize, kl_features
 from matryoshka2d.views import View, nested_dims
 
 
@@ -121,19 +119,14 @@ class TwoDMSE(Method):
                 value = similarity_kl(student, teacher, self.kl_temperature, self.kl_factor, self.kl_detach)
             else:
                 value = feature_kl(
-                    self.features(states[n], width),
-                    self.features(states[N], width),
+                    kl_features(states[n], width, self.kl_normalize),
+                    kl_features(states[N], width, self.kl_normalize),
                     self.kl_temperature,
                     self.kl_factor,
                     self.kl_detach,
                 )
             kl = value if kl is None else kl + value
         return self.kl_weight * kl, {"kl": kl.detach()}
-
-    def features(self, batch, width: int) -> torch.Tensor:
-        """Every text's vector (rows: all columns), unit length if kl_normalize, cut to `width`."""
-        x = torch.cat(batch.columns)
-        return (F.normalize(x, dim=-1) if self.kl_normalize is True else x)[:, :width]
 
     def config(self) -> dict:
         return {

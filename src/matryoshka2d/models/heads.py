@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from matryoshka2d.files import file_sha256
 from matryoshka2d.models.backbones import BackboneError
 
 HEADS_FILE = "exit_heads.safetensors"
@@ -137,14 +138,6 @@ def backbone_sha256(encoder) -> str:
     return digest.hexdigest()
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ---- on disk -----------------------------------------------------------------------------------------------
 
 
@@ -161,7 +154,7 @@ def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
     save_file(tensors, str(folder / HEADS_FILE))
     return {
         "file": HEADS_FILE,
-        "sha256": _file_sha256(folder / HEADS_FILE),
+        "sha256": file_sha256(folder / HEADS_FILE),
         "kind": heads.kind,
         "layers": heads.layers,
         "dim_in": heads.dim_in,
@@ -200,7 +193,7 @@ def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
         raise HeadsError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
     if not path.is_file():
         raise HeadsError(f"{where} names {path.name}, which is missing from {folder}")
-    if _file_sha256(path) != expected_sha:
+    if file_sha256(path) != expected_sha:
         raise HeadsError(f"{path}: the file is damaged or was changed (its sha256 is not the one recorded in {where})")
     if dim_in != encoder.transformer_size or dim_out != encoder.hidden_size:
         raise HeadsError(

@@ -1,6 +1,6 @@
 """Build indexes of several (layer, dim) cells of one corpus in a single encoder pass, resumably.
 
-A build directory holds:
+A build directory holds (its files are read and written by matryoshka2d.retrieval.shards):
 
 - `manifest.json`: the model's identity, the cells, the backend, index kind and storage, the corpus, the sha256
   of each shard's input documents, and while a build is running, the shards that are done; `complete` turns
@@ -28,35 +28,35 @@ a corpus edited in place (even at the same size) is refused instead of mixing ol
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
-import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import DataFormatError, file_sha256, read_beir, read_json
+from matryoshka2d.files import DataFormatError, file_sha256
+from matryoshka2d.retrieval.shards import (
+    FORMAT,
+    INDEX_KINDS,
+    STORAGES,
+    Cell,
+    IndexBuildError,
+    cell_name,
+    corpus_blocks,
+    input_sha256,
+    load_shards,
+    read_manifest,
+    shard_file_name,
+    write_json,
+    write_shard,
+)
 from matryoshka2d.views import parse_cells
 
-FORMAT = 1
-INDEX_KINDS = ("flat", "hnsw", "ivf")
-STORAGES = {"float32": 4, "float16": 2, "int8": 1, "binary": 1 / 8}  # bytes per number
 BACKENDS = ("faiss", "qdrant")
 ENGINES = ("local", "ray")
-Cell = tuple[int, int]
-
-
-class IndexBuildError(ValueError):
-    """A build directory or its options are wrong; the message names the directory or the option."""
-
-
-def cell_name(cell: Cell) -> str:
-    return f"cell-{cell[0]}x{cell[1]}"
 
 
 def parse_cell_list(text: str, what: str = "--cells") -> list[Cell]:
@@ -132,87 +132,6 @@ def model_identity(encoder) -> dict:
         "max_length": info["max_length"],
         "weights_sha256": weights_sha256(encoder),
     }
-
-
-def read_corpus(path: str | Path) -> Iterator[tuple[str, str]]:
-    """(id, text) per document of a JSON-lines corpus (.jsonl or .jsonl.gz); a bad line names file and line."""
-    for _, key, text in read_beir(path, titles=True):
-        yield key, text
-
-
-def input_sha256(block: Sequence[tuple[str, str]]) -> str:
-    """sha256 of a shard's input: each document's id and text, in order (what its vectors were made from)."""
-    digest = hashlib.sha256()
-    for key, text in block:
-        digest.update(json.dumps([key, text], ensure_ascii=False).encode("utf-8") + b"\n")
-    return digest.hexdigest()
-
-
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a killed build never leaves half a manifest
-
-
-def read_manifest(directory: str | Path) -> dict:
-    directory = Path(directory)
-    path = directory / "manifest.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no manifest.json (not an index built by `matryoshka2d index build`)")
-    manifest = read_json(path, IndexBuildError)
-    if manifest.get("format") != FORMAT:
-        raise IndexBuildError(f"{path}: format {manifest.get('format')!r}, this version reads format {FORMAT}")
-    check_manifest(manifest, path)
-    return manifest
-
-
-SHARD_NAME = re.compile(r"shard-\d{5}\.npz")
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def check_manifest(manifest: dict, path: Path) -> None:
-    """Every field a reader turns into a file name or a loop is what `index build` writes: cells are pairs of
-    positive integers (so `cell-<layer>x<dim>.faiss` names a file in the directory, never a path), shards are
-    plain `shard-NNNNN.npz` names, counts are integers. Anything else is refused, naming the field."""
-
-    def bad(field: str, value, want: str) -> IndexBuildError:
-        return IndexBuildError(
-            f"{path}: '{field}' must be {want}, got {json.dumps(value)[:80]}; the manifest was changed "
-            "by hand or damaged: rebuild the index with `matryoshka2d index build ... --overwrite`"
-        )
-
-    cells = manifest.get("cells")
-    if (
-        not isinstance(cells, list)
-        or not cells
-        or not all(isinstance(c, list) and len(c) == 2 and all(_positive_int(v) for v in c) for c in cells)
-    ):
-        raise bad("cells", cells, "a list of [layer, dim] pairs of positive integers")
-    if manifest.get("index") not in INDEX_KINDS:
-        raise bad("index", manifest.get("index"), f"one of {', '.join(INDEX_KINDS)}")
-    if manifest.get("storage") not in STORAGES:
-        raise bad("storage", manifest.get("storage"), f"one of {', '.join(STORAGES)}")
-    model = manifest.get("model")
-    if not isinstance(model, dict) or not all(_positive_int(model.get(k)) for k in ("layers", "hidden_size")):
-        raise bad("model", model, "the model's description with positive integer 'layers' and 'hidden_size'")
-    documents = manifest.get("documents")
-    if not isinstance(documents, int) or isinstance(documents, bool) or documents < 0:
-        raise bad("documents", documents, "a count of documents")
-    shards = manifest.get("shards")
-    if not isinstance(shards, list) or not all(isinstance(s, str) and SHARD_NAME.fullmatch(s) for s in shards):
-        raise bad("shards", shards, "a list of shard-NNNNN.npz names")
-    inputs = manifest.get("shard_inputs")
-    if inputs is not None and (not isinstance(inputs, list) or not all(isinstance(h, str) for h in inputs)):
-        raise bad("shard_inputs", inputs, "a list of sha256 hex digests")
-    files = manifest.get("files", {})
-    if not isinstance(files, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
-        for v in files.values()
-    ):
-        raise bad("files", files, "a mapping of file name to its bytes and sha256")
 
 
 def build_index(
@@ -316,7 +235,7 @@ def build_index(
     shards_dir.mkdir(parents=True, exist_ok=True)
     for leftover in shards_dir.glob("*.tmp.npz"):
         leftover.unlink()  # half a shard from a killed build: redone below, never read
-    _write_json(out / "manifest.json", manifest)
+    write_json(out / "manifest.json", manifest)
 
     done = set(manifest["shards"])
     pending = (
@@ -333,7 +252,7 @@ def build_index(
         manifest["shards"].append(shard_file_name(number))
         manifest["shard_inputs"][shard_file_name(number)] = input_sha256(list(zip(ids, texts, strict=True)))
         manifest["documents"] += len(ids)
-        _write_json(out / "manifest.json", manifest)
+        write_json(out / "manifest.json", manifest)
         new_docs += len(ids)
         rate = new_docs / max(time.perf_counter() - start, 1e-9)
         log(f"  shard {number + 1}: {manifest['documents']} documents encoded ({rate:.1f} docs/s)")
@@ -361,7 +280,7 @@ def build_index(
         for name in manifest["shards"]:
             (shards_dir / name).unlink(missing_ok=True)
         manifest["shards"] = []
-        _write_json(out / "manifest.json", manifest)
+        write_json(out / "manifest.json", manifest)
     return manifest
 
 
@@ -392,19 +311,6 @@ def _check_inputs(manifest: dict, corpus: Path, out: Path, log) -> None:
             )
 
 
-def corpus_blocks(corpus: Path, shard_size: int, limit: int | None) -> Iterator[list[tuple[str, str]]]:
-    """The corpus in blocks of `shard_size` (id, text) pairs: block i is shard i, in every build of it."""
-    docs = read_corpus(corpus)
-    if limit is not None:
-        docs = itertools.islice(docs, limit)
-    while block := list(itertools.islice(docs, shard_size)):
-        yield block
-
-
-def shard_file_name(number: int) -> str:
-    return f"shard-{number:05d}.npz"
-
-
 def encode_cells(encoder, texts: list[str], cells: Sequence[Cell], batch_size: int) -> dict[str, np.ndarray]:
     """Unit float32 vectors of every cell for `texts`, from one encoder pass to the deepest cell's layer."""
     pooled = encoder.pooled_states(texts, sorted({n for n, _ in cells}), batch_size)
@@ -413,42 +319,6 @@ def encode_cells(encoder, texts: list[str], cells: Sequence[Cell], batch_size: i
         v = pooled[n][:, :d]
         arrays[cell_name((n, d))] = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)).astype(np.float32)
     return arrays
-
-
-def write_shard(path: Path, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
-    """One shard file, atomically: written under a temporary name, renamed when complete."""
-    encoded = [t.encode("utf-8") for t in texts]  # texts as one byte string and end offsets (no pickled objects)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        ids=np.array(ids, dtype=object).astype(str),
-        texts_utf8=np.frombuffer(b"".join(encoded), dtype=np.uint8),
-        text_ends=np.cumsum([len(t) for t in encoded], dtype=np.int64),
-        **arrays,
-    )
-    os.replace(tmp, path)
-
-
-def read_shard_texts(shard) -> list[str]:
-    """The document texts a shard file holds."""
-    data, ends = shard["texts_utf8"].tobytes(), shard["text_ends"]
-    starts = np.concatenate([[0], ends[:-1]])
-    return [data[a:b].decode("utf-8") for a, b in zip(starts, ends, strict=True)]
-
-
-def load_shards(out: Path, manifest: dict) -> list:
-    """The manifest's shard files, in order; a missing or unreadable one is named, with what to do."""
-    shards = []
-    for name in manifest["shards"]:
-        path = out / "shards" / name
-        try:
-            shards.append(np.load(path, allow_pickle=False))
-        except (OSError, ValueError) as exc:
-            raise IndexBuildError(
-                f"{path}: the manifest lists this shard but it cannot be read ({exc}); remove its name from "
-                f"{out / 'manifest.json'} (and {manifest['documents']} documents less) or rebuild with --overwrite"
-            ) from None
-    return shards
 
 
 def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
@@ -481,4 +351,4 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
             f"-> {path.name} ({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)"
         )
     manifest["complete"] = True
-    _write_json(out / "manifest.json", manifest)
+    write_json(out / "manifest.json", manifest)

@@ -27,15 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.retrieval.index import (
-    Cell,
-    IndexBuildError,
-    _write_json,
-    cell_name,
-    load_shards,
-    model_identity,
-    read_shard_texts,
-)
+from matryoshka2d.retrieval.index import model_identity
+from matryoshka2d.retrieval.search import SearchIndex
+from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, load_shards, read_shard_texts, write_json
 
 QUANTIZATIONS = ("none", "scalar", "binary")
 METADATA_KEY = "matryoshka2d"
@@ -235,13 +229,13 @@ class QdrantStore:
                         wait=True,
                     )
                 uploaded.append(name)
-                _write_json(out / "manifest.json", manifest)
+                write_json(out / "manifest.json", manifest)
                 log(f"  {name}: {n} points -> {self.collection} ({time.perf_counter() - start:.1f} s)")
             position += n
         recorded["complete"] = True
         self.client.update_collection(self.collection, metadata={METADATA_KEY: recorded})
         manifest["complete"] = True
-        _write_json(out / "manifest.json", manifest)
+        write_json(out / "manifest.json", manifest)
         log(f"  collection '{self.collection}' at {self.target.where}: {position} points, cells {cells}")
 
 
@@ -256,7 +250,7 @@ def check_same_model(recorded: dict, identity: dict, where: str) -> None:
         )
 
 
-class QdrantIndex:
+class QdrantIndex(SearchIndex):
     """A complete collection, searched like a CellIndex: flat, cascade (one query with a prefetch), query layer."""
 
     def __init__(self, target: QdrantTarget, ef_search: int | None = None):
@@ -273,10 +267,6 @@ class QdrantIndex:
         self.cells: list[Cell] = [tuple(c) for c in recorded["cells"]]
         self.ef_search = ef_search if target.url else None  # local mode is exact and warns about search params
         self.directory = f"{target.where} collection '{target.collection}'"
-
-    @property
-    def full_cell(self) -> Cell:
-        return max(self.cells)
 
     def close(self) -> None:
         self.store.close()
@@ -322,31 +312,15 @@ class QdrantIndex:
                 )
         return out
 
-    def search(
-        self,
-        encoder,
-        texts: Sequence[str],
-        cell: Cell | None = None,
-        cascade: tuple[Cell, Cell] | None = None,
-        shortlist: int = 100,
-        top_k: int = 10,
-        query_layer: int | None = None,
-    ):
-        from matryoshka2d.retrieval.search import Hits, query_vectors
-
-        self.check_encoder(encoder)
-        if top_k < 1 or shortlist < 1:
-            raise ValueError(f"--top-k and --shortlist must be at least 1 (got {top_k}, {shortlist})")
+    def check_search(self, encoder, cells: list[Cell], cascade, shortlist: int, top_k: int, query_layer) -> None:
         if cascade and shortlist < top_k:
             raise ValueError(f"--shortlist {shortlist} is smaller than --top-k {top_k}; the rerank can only reorder it")
         if query_layer is not None:
             encoder.check_layer(query_layer)
-        cells = list(cascade) if cascade else [cell or self.full_cell]
         for c in cells:
             self.check_cell(c)
-        t0 = time.perf_counter()
-        vectors = query_vectors(encoder, texts, cells, query_layer)
-        t1 = time.perf_counter()
+
+    def run_search(self, vectors: dict[Cell, np.ndarray], cells: list[Cell], cascade, shortlist: int, top_k: int):
         requests = self.requests(vectors, cells[0], cascade, shortlist, top_k)
         ids, scores = [], []
         for a in range(0, len(requests), QUERY_BATCH):
@@ -355,7 +329,6 @@ class QdrantIndex:
             ):
                 ids.append([p.payload["doc_id"] for p in response.points])
                 scores.append([float(p.score) for p in response.points])
-        t2 = time.perf_counter()
         if cascade:
             small, full = cascade
             what = (
@@ -363,6 +336,4 @@ class QdrantIndex:
             )
         else:
             what = f"qdrant ({cells[0][0]},{cells[0][1]})"
-        if query_layer is not None:
-            what += f", queries at layer {query_layer}"
-        return Hits(ids=ids, scores=scores, encode_seconds=t1 - t0, search_seconds=t2 - t1, description=what)
+        return ids, scores, what

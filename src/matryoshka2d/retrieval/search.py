@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import file_sha256
-from matryoshka2d.retrieval.index import Cell, IndexBuildError, cell_name, read_manifest
+from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, read_manifest
 from matryoshka2d.views import unit_rows
 
 
@@ -134,7 +134,60 @@ def _heads_hint(encoder, want: dict) -> str:
 REBUILD = "rebuild the index with `matryoshka2d index build ... --overwrite`"
 
 
-class CellIndex:
+class SearchIndex:
+    """What a search does on any backend: the checks every search runs, the queries encoded once up to the
+    deepest cell (timed apart from the search) and the answer as Hits. CellIndex (faiss files) and
+    qdrant_store.QdrantIndex (a collection) say which cells they hold, what else they check, and how they search.
+    """
+
+    cells: list[Cell]
+
+    @property
+    def full_cell(self) -> Cell:
+        return max(self.cells)
+
+    def check_encoder(self, encoder) -> None:
+        raise NotImplementedError
+
+    def check_search(self, encoder, cells: list[Cell], cascade, shortlist: int, top_k: int, query_layer) -> None:
+        """The backend's own checks of a search's cells and settings, before any query is encoded."""
+        raise NotImplementedError
+
+    def run_search(self, vectors: dict[Cell, np.ndarray], cells: list[Cell], cascade, shortlist: int, top_k: int):
+        """(ids, scores, description) of the search proper: the timed part."""
+        raise NotImplementedError
+
+    def named(self, ids, scores) -> tuple[list[list[str]], list[list[float]]]:
+        """The search's ids and scores as document ids and floats (after the timed part)."""
+        return ids, scores
+
+    def search(
+        self,
+        encoder,
+        texts: Sequence[str],
+        cell: Cell | None = None,
+        cascade: tuple[Cell, Cell] | None = None,
+        shortlist: int = 100,
+        top_k: int = 10,
+        query_layer: int | None = None,
+    ) -> Hits:
+        self.check_encoder(encoder)
+        if top_k < 1 or shortlist < 1:
+            raise ValueError(f"--top-k and --shortlist must be at least 1 (got {top_k}, {shortlist})")
+        cells = list(cascade) if cascade else [cell or self.full_cell]
+        self.check_search(encoder, cells, cascade, shortlist, top_k, query_layer)
+        t0 = time.perf_counter()
+        vectors = query_vectors(encoder, texts, cells, query_layer)
+        t1 = time.perf_counter()
+        ids, scores, what = self.run_search(vectors, cells, cascade, shortlist, top_k)
+        t2 = time.perf_counter()
+        if query_layer is not None:
+            what += f", queries at layer {query_layer}"
+        ids, scores = self.named(ids, scores)
+        return Hits(ids=ids, scores=scores, encode_seconds=t1 - t0, search_seconds=t2 - t1, description=what)
+
+
+class CellIndex(SearchIndex):
     """The indexes of one build directory, loaded on first use; searched with an encoder of the same model."""
 
     def __init__(self, directory: str | Path, nprobe: int = 16, ef_search: int = 64):
@@ -226,10 +279,6 @@ class CellIndex:
             return self.index(cell)
         return np.load(self.directory / f"{cell_name(cell)}.f16.npy", mmap_mode="r")
 
-    @property
-    def full_cell(self) -> Cell:
-        return max(self.cells)
-
     def check_encoder(self, encoder) -> None:
         """The query model must be the index's model: same depth and width, same weights (the manifest's
         weights_sha256 against the query model's) and the same pooling. A model of the same shape with other
@@ -269,27 +318,13 @@ class CellIndex:
                 f"--query-layer {shallowest[0]} or less, or search a deeper cell"
             )
 
-    def search(
-        self,
-        encoder,
-        texts: Sequence[str],
-        cell: Cell | None = None,
-        cascade: tuple[Cell, Cell] | None = None,
-        shortlist: int = 100,
-        top_k: int = 10,
-        query_layer: int | None = None,
-    ) -> Hits:
-        self.check_encoder(encoder)
-        if top_k < 1 or shortlist < 1:
-            raise ValueError(f"--top-k and --shortlist must be at least 1 (got {top_k}, {shortlist})")
-        cells = list(cascade) if cascade else [cell or self.full_cell]
+    def check_search(self, encoder, cells: list[Cell], cascade, shortlist: int, top_k: int, query_layer) -> None:
         if query_layer is not None:
             self.check_query_layer(encoder.check_layer(query_layer), cells)
         for c in cells:
             self.index(c)  # load (and check) before timing
-        t0 = time.perf_counter()
-        vectors = query_vectors(encoder, texts, cells, query_layer)
-        t1 = time.perf_counter()
+
+    def run_search(self, vectors: dict[Cell, np.ndarray], cells: list[Cell], cascade, shortlist: int, top_k: int):
         if cascade:
             small, full = cascade
             ids, scores = cascade_search(
@@ -305,16 +340,14 @@ class CellIndex:
         else:
             ids, scores = flat_search(self.index(cells[0]), vectors[cells[0]], top_k)
             what = f"flat ({cells[0][0]},{cells[0][1]})"
-        t2 = time.perf_counter()
-        if query_layer is not None:
-            what += f", queries at layer {query_layer}"
-        return Hits(
-            ids=[[self.ids[i] for i in row if i >= 0] for row in ids],
-            scores=[
+        return ids, scores, what
+
+    def named(self, ids, scores) -> tuple[list[list[str]], list[list[float]]]:
+        """faiss's row numbers as document ids, without the -1 padding of a short answer."""
+        return (
+            [[self.ids[i] for i in row if i >= 0] for row in ids],
+            [
                 [float(s) for s, i in zip(srow, row, strict=True) if i >= 0]
                 for srow, row in zip(scores, ids, strict=True)
             ],
-            encode_seconds=t1 - t0,
-            search_seconds=t2 - t1,
-            description=what,
         )
