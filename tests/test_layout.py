@@ -11,7 +11,8 @@ import pytest
 from conftest import SENTENCES, tiny_transformer
 from matryoshka2d.models.encoder import ElasticEncoder
 
-SNAPSHOT = Path(__file__).parent / "snapshots" / "help-before-layout.txt"
+SNAPSHOT = Path(__file__).parent / "snapshots" / "help-before-layout.txt"  # taken at the move's first commit
+CURRENT = Path(__file__).parent / "snapshots" / "help.txt"
 # Module paths that moved (the only text --help may change): before -> after.
 MOVED_PATHS = {"src/matryoshka2d/presets/": "src/matryoshka2d/training/presets/"}
 
@@ -25,19 +26,42 @@ def help_texts(parser: argparse.ArgumentParser, path: list[str]):
                 yield from help_texts(sub, [*path, name])
 
 
-def test_every_help_text_equals_the_snapshot_taken_before_the_move(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "100")  # the width the snapshot was taken at
+def sections(text: str) -> dict[str, str]:
+    return dict(re.findall(r"===== (.*)\n((?:(?!=====).*\n)*)", text))
+
+
+def current_help(monkeypatch) -> dict[str, str]:
+    monkeypatch.setenv("COLUMNS", "100")  # the width the snapshots were taken at
     from matryoshka2d.cli import build_parser
 
-    now = "".join(f"===== {path}\n{text}" for path, text in help_texts(build_parser(), ["matryoshka2d"]))
+    return sections("".join(f"===== {path}\n{text}" for path, text in help_texts(build_parser(), ["matryoshka2d"])))
+
+
+def test_every_command_and_option_from_before_the_move_is_still_there_with_its_help(monkeypatch):
+    """The move changed no command and no flag: every section of the snapshot taken before it still exists, and
+    each of its option lines (flag and help, module paths mapped) is in today's help of that command. Later issues
+    only add commands and options."""
+    now = current_help(monkeypatch)
     before = SNAPSHOT.read_text(encoding="utf-8")
     for old, new in MOVED_PATHS.items():
         before = before.replace(old, new)
-    sections_now = dict(re.findall(r"===== (.*)\n((?:(?!=====).*\n)*)", now))
-    sections_before = dict(re.findall(r"===== (.*)\n((?:(?!=====).*\n)*)", before))
-    assert sorted(sections_now) == sorted(sections_before), "commands were added or removed"
-    for command, text in sections_before.items():
-        assert sections_now[command] == text, f"`{command} --help` changed"
+    for command, text in sections(before).items():
+        assert command in now, f"`{command}` is gone"
+        flags = re.findall(r"^  (-[-\w]+)", text, flags=re.M)
+        for flag in flags:
+            assert re.search(rf"^  (\S+, )?{re.escape(flag)}\b", now[command], flags=re.M), (
+                f"`{command} {flag}` is gone"
+            )
+
+
+def test_every_help_text_equals_the_current_snapshot(monkeypatch):
+    """Any change to a --help text is deliberate: tests/snapshots/help.txt is rewritten with it (python
+    tests/test_layout.py --write) and the diff is reviewed."""
+    now = current_help(monkeypatch)
+    snapshot = sections(CURRENT.read_text(encoding="utf-8"))
+    assert sorted(now) == sorted(snapshot), "commands were added or removed: rewrite the snapshot"
+    for command, text in snapshot.items():
+        assert now[command] == text, f"`{command} --help` changed: rewrite the snapshot"
 
 
 def test_python_dash_m_runs_the_command():
@@ -102,3 +126,15 @@ def test_an_exit_runs_only_its_layers(tiny_bert):
         for handle in handles:
             handle.remove()
     assert ran == [1, 2]
+
+
+if __name__ == "__main__":  # python tests/test_layout.py --write: the current --help texts become the snapshot
+    import os
+    import sys
+
+    if sys.argv[1:] == ["--write"]:
+        os.environ["COLUMNS"] = "100"
+        from matryoshka2d.cli import build_parser
+
+        texts = "".join(f"===== {path}\n{text}" for path, text in help_texts(build_parser(), ["matryoshka2d"]))
+        CURRENT.write_text(texts, encoding="utf-8")

@@ -272,6 +272,10 @@ class SMAEObjective(nn.Module):
             total = total / (2 * len(self.sizes))
         return total, parts
 
+    def widths(self) -> set[int]:
+        """The widths its losses train (the trainer records them as the folder's matryoshka dimensions)."""
+        return {d for _, d in self.sizes}
+
     def config(self) -> dict:
         return {
             "method": self.name,
