@@ -112,6 +112,11 @@ class Trainer:
         """The training rows; losses that learn from plain sentences (simcse) get every file read as sentences."""
         wants_sentences = bool(getattr(self.task_loss, "needs_sentences", False))
         data = read_training_data(self.config.data, sentences=wants_sentences)
+        if data.kind == "pairs" and not getattr(self.task_loss, "learns_from_pairs", False):
+            raise ValueError(
+                f"{data.sources[0]} holds anchor/positive pairs (no negatives); they train only with a loss that "
+                f"takes its negatives from the batch (--loss infonce), not '{self.loss_name}'"
+            )
         if data.kind == "sentences" and not wants_sentences:
             raise ValueError(
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
@@ -120,7 +125,8 @@ class Trainer:
         return data
 
     def _prepare_pooler(self) -> None:
-        """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze."""
+        """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze: the
+        transformer's weights stay as they are, and only a pooler head or exit heads (--exit-heads) learn."""
         dim = self.config.pooler_dim
         if dim is not None:
             head = self.encoder.head
@@ -129,8 +135,11 @@ class Trainer:
                     print(f"replacing the model's {head.describe()} head by a fresh {dim}-dim pooler")
                 self.encoder.add_pooler(dim, seed=self.config.seed)
         if self.config.freeze_encoder:
-            if self.encoder.head is None:
-                raise ValueError("freeze_encoder trains only the pooler head: give pooler_dim or a model with one")
+            if self.encoder.head is None and self.config.exit_heads is None:
+                raise ValueError(
+                    "freeze_encoder trains only the pooler head or the exit heads: give pooler_dim, a model with a "
+                    "pooler head, or --exit-heads"
+                )
             for p in self.encoder.model.parameters():
                 p.requires_grad_(False)
 
