@@ -24,6 +24,15 @@ def test_triplets_nli_and_scored(tmp_path):
     assert s.kind == "scored" and s.labels.tolist() == [4.5]
 
 
+def test_anchor_positive_pairs_are_a_kind_of_their_own(tmp_path):
+    t = read_training_data([write(tmp_path, "p.tsv", "anchor\tpositive\nq1\td1\nq2\td2\n")])
+    assert t.kind == "pairs" and t.columns == [["q1", "q2"], ["d1", "d2"]] and t.labels is None
+    j = read_training_data([write(tmp_path, "p.jsonl", json.dumps({"anchor": "q", "positive": "d"}) + "\n")])
+    assert j.kind == "pairs" and j.columns == [["q"], ["d"]]
+    with pytest.raises(DataError, match="p.tsv:3: empty 'positive'"):
+        read_training_data([write(tmp_path, "p.tsv", "anchor\tpositive\nq1\td1\nq2\t \n")])
+
+
 def test_several_files_are_concatenated(tmp_path):
     a = write(tmp_path, "a.tsv", "anchor\tpositive\tnegative\na\tb\tc\n")
     b = write(tmp_path, "b.jsonl", json.dumps({"anchor": "d", "positive": "e", "negative": "f"}) + "\n")

@@ -38,3 +38,30 @@ def test_cascade_errors(tiny_dir, tmp_path, capsys):
     assert "layer 9 is out of range" in capsys.readouterr().err
     assert main([*args, "--cascade", "1:8,4:32", "--shortlist", "5", "--output", str(tmp_path / "o")]) == 2
     assert "--shortlist 5 is below the 10" in capsys.readouterr().err
+
+
+def test_several_query_layers_give_their_rows_from_one_document_pass(tiny_dir, tmp_path):
+    queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
+    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
+    assert main([*args, "--query-layer", "3,1", "--output", str(tmp_path / "both")]) == 0
+    both = json.loads((tmp_path / "both" / "cascade.json").read_text())
+    assert both["query_layers"] == [1, 3]
+    assert [r["mode"] for r in both["rows"]] == [
+        "flat (4,32)",
+        "queries at layer 1 -> docs (4,32)",
+        "flat (1,32) (queries and docs at layer 1)",
+        "queries at layer 3 -> docs (4,32)",
+        "flat (3,32) (queries and docs at layer 3)",
+    ]
+    assert main([*args, "--query-layer", "3", "--output", str(tmp_path / "one")]) == 0
+    one = json.loads((tmp_path / "one" / "cascade.json").read_text())
+    assert [r["ndcg@10"] for r in one["rows"]] == [both["rows"][i]["ndcg@10"] for i in (0, 3, 4)]
+
+
+def test_query_layer_out_of_range_is_refused(tiny_dir, tmp_path, capsys):
+    root = beir(tmp_path / "toy", CORPUS, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
+    args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
+    assert main([*args, "--query-layer", "1,7", "--output", str(tmp_path / "o")]) == 2
+    assert "layer 7 is out of range" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -237,3 +237,68 @@ def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
         )
     assert not np.allclose(with_heads[(1, 32)], without[(1, 32)])
     np.testing.assert_array_equal(with_heads[(4, 32)], without[(4, 32)])  # the last layer has no head
+def test_a_frozen_backbone_trains_only_the_query_head_on_query_document_pairs(tiny_dir, text_file, tmp_path, capsys):
+    """train --freeze-encoder --exit-heads keep, asymmetric at query layer 2, on anchor/positive pairs: the
+    layer-2 head learns, the other heads and the backbone stay as they were, so the heads still load."""
+    fitted = tmp_path / "fitted"
+    fit = ["heads", "fit", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(text_file)]
+    assert main([*fit, "--output", str(fitted), "--quiet"]) == 0
+    lines = text_file.read_text().split("\n")
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text(
+        "anchor\tpositive\n" + "".join(f"{q}\t{q} {d}\n" for q, d in zip(lines[:40], lines[40:80], strict=True))
+    )
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("sentence1\tsentence2\tscore\nred cat\tred cat\t5\nred cat\tblue dog\t1\nold dog\thappy cat\t0\n")
+    args = ["train", "--model", str(fitted), "--pooling", "mean", "--data", str(pairs), "--eval-file", str(dev)]
+    args += ["--method", "asymmetric", "--method-option", "query_layers=[2]", "--method-option", "full_weight=0"]
+    args += ["--batch-size", "8", "--steps", "3", "--lr", "1e-2", "--save-steps", "0"]
+    assert main([*args, "--exit-heads", "keep", "--freeze-encoder", "--output", str(tmp_path / "q")]) == 0
+    assert "loss: infonce (default for pairs data" in capsys.readouterr().out
+    before = ElasticEncoder(str(fitted), device="cpu")
+    after = ElasticEncoder(str(tmp_path / "q"), device="cpu")  # loads: the backbone checksum still matches
+    for name, tensor in before.model.state_dict().items():
+        assert torch.equal(tensor, after.model.state_dict()[name]), name
+    old, new = before.exit_heads.state_dict(), after.exit_heads.state_dict()
+    assert not torch.equal(old["heads.2.linear.weight"], new["heads.2.linear.weight"])
+    assert all(torch.equal(old[k], new[k]) for k in old if not k.startswith("heads.2."))
+    # without heads to train (or a pooler) nothing could learn; angle cannot train pairs: both said upfront
+    assert main([*args, "--freeze-encoder", "--output", str(tmp_path / "r")]) == 2
+    assert "freeze_encoder trains only the pooler head or the exit heads" in capsys.readouterr().err
+    assert main([*args, "--exit-heads", "keep", "--loss", "angle", "--output", str(tmp_path / "s")]) == 2
+    assert "holds anchor/positive pairs (no negatives); they train only with" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+
+
+def test_a_document_cache_serves_every_model_of_one_backbone(tiny_dir, text_file, tmp_path, monkeypatch):
+    """eval retrieval --doc-cache: the corpus is encoded once for the backbone; a model with heads reuses the
+    pooled states and scores exactly as without the cache."""
+    from test_eval_retrieval import beir
+
+    corpus = [{"_id": f"d{i}", "title": "", "text": t} for i, t in enumerate(text_file.read_text().split("\n")[:40])]
+    queries = [{"_id": f"q{i}", "text": d["text"].split()[0]} for i, d in enumerate(corpus[:12])]
+    root = beir(tmp_path / "toy", corpus, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    fitted = tmp_path / "fitted"
+    fit = ["heads", "fit", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(text_file)]
+    assert main([*fit, "--output", str(fitted), "--quiet"]) == 0
+    calls = []
+    real = ElasticEncoder.pooled_states
+    monkeypatch.setattr(
+        ElasticEncoder,
+        "pooled_states",
+        lambda self, texts, *a, **k: calls.append(len(texts)) or real(self, texts, *a, **k),
+    )
+
+    def rows(model, out, *extra):
+        args = ["eval", "retrieval", "--model", str(model), "--pooling", "mean", "--dataset-dir", str(root), "--quiet"]
+        assert (
+            main([*args, "--cascade", "1:8,4:32", "--query-layer", "2", "--output", str(tmp_path / out), *extra]) == 0
+        )
+        return [(r["mode"], r["ndcg@10"]) for r in json.loads((tmp_path / out / "cascade.json").read_text())["rows"]]
+
+    plain = rows(fitted, "plain")
+    cache = tmp_path / "cache"
+    rows(tiny_dir, "raw", "--doc-cache", str(cache))
+    calls.clear()
+    assert rows(fitted, "cached", "--doc-cache", str(cache)) == plain
+    assert len(list(cache.iterdir())) == 1 and len(corpus) not in calls  # only the queries were encoded

@@ -50,6 +50,16 @@ def test_infonce_hand_computed():
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_infonce_on_pairs_takes_the_other_positives_as_negatives():
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    p = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    # anchor 0: logits 20 * [1, 1] -> log 2; anchor 1: 20 * [0, 0] -> log 2
+    loss = InfoNCELoss()(EmbeddedBatch([a, p], "pairs"))
+    assert loss.item() == pytest.approx(math.log(2), rel=1e-6)
+    with pytest.raises(ValueError, match="pairs have no scores or negatives to rank; train them with --loss infonce"):
+        CoSENTLoss()(EmbeddedBatch([a, p], "pairs"))
+
+
 def test_infonce_rejects_scored_pairs():
     with pytest.raises(ValueError, match="needs positive pairs"):
         InfoNCELoss()(scored(E1, E2, [1.0]))

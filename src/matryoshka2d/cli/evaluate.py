@@ -151,10 +151,11 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
         split,
         parse_cascade(args.cascade),
         args.shortlist,
-        args.query_layer,
+        parse_ints(args.query_layer, "query-layer"),
         args.batch_size,
         _log,
         not args.quiet,
+        args.doc_cache,
     )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +252,16 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--shortlist", type=int, default=100, help="cascade candidates from the small cell (100)")
     p.add_argument(
-        "--query-layer", type=int, help="also encode queries with only this many layers against full-depth documents"
+        "--query-layer",
+        nargs="+",
+        help="also encode queries with only this many layers against full-depth documents; several (1,3,5) give "
+        "a row each from one document pass",
+    )
+    p.add_argument(
+        "--doc-cache",
+        help="with --cascade / --query-layer: keep the documents' pooled layer states in this folder, keyed by the "
+        "backbone's checksum, pooling, max length and the corpus, so that models sharing a backbone (with and "
+        "without heads, other heads) encode the corpus once",
     )
 
     p = command(sub, "report", cmd_report, help="put results side by side: markdown table and difference heatmaps")

@@ -150,6 +150,12 @@ def register(sub, model_args) -> None:
         "the closed-form fit on the training sentences (fit, the default), the identity, or the model's own (keep)",
     )
     heads.add_argument("--exit-heads-lr", type=float, help="learning rate of the heads (default: --lr)")
+    heads.add_argument(
+        "--freeze-encoder",
+        action="store_true",
+        help="keep the transformer's weights as they are and train only the heads (or a pooler head): e.g. a "
+        "query head for asymmetric search against documents already indexed at the last layer",
+    )
     decoder = p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)")
     decoder.add_argument(
         "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"

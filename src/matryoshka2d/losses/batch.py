@@ -1,7 +1,8 @@
 """What a task loss sees: the embeddings of one view of one batch, and the batch's labels.
 
-Three shapes of training data reach a loss (see matryoshka2d.training.data):
+Four shapes of training data reach a loss (see matryoshka2d.training.data):
 - triplets: columns [anchor, positive, negative], no labels;
+- pairs: columns [anchor, positive], no labels (the batch's other positives are the negatives);
 - scored pairs: columns [sentence1, sentence2], labels = float similarity scores;
 - NLI pairs: columns [premise, hypothesis], labels = class ids (0 entailment, 1 neutral, 2 contradiction).
 """
@@ -19,7 +20,7 @@ NLI_LABELS = {"entailment": ENTAILMENT, "neutral": NEUTRAL, "contradiction": CON
 @dataclass
 class EmbeddedBatch:
     columns: list[torch.Tensor]  # each (B, d)
-    kind: str  # "triplets" | "scored" | "nli"
+    kind: str  # "triplets" | "pairs" | "scored" | "nli"
     labels: torch.Tensor | None = None
 
     def scored_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,6 +33,10 @@ class EmbeddedBatch:
             a, p, n = self.columns
             ones, zeros = torch.ones(len(a), device=a.device), torch.zeros(len(a), device=a.device)
             return torch.cat([a, a]), torch.cat([p, n]), torch.cat([ones, zeros])
+        if self.kind == "pairs":
+            raise ValueError(
+                "anchor/positive pairs have no scores or negatives to rank; train them with --loss infonce"
+            )
         u, v = self.columns
         if self.kind == "nli":
             return u, v, (CONTRADICTION - self.labels).float()
@@ -40,12 +45,16 @@ class EmbeddedBatch:
     def positives_and_candidates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(anchors, candidates, index of each anchor's positive among candidates) for in-batch negatives.
 
-        Triplets: candidates are all positives then all hard negatives. NLI pairs: premises whose hypothesis
-        is entailed, against every hypothesis of the batch. Scored pairs have no defined positives: None.
+        Triplets: candidates are all positives then all hard negatives. Pairs: all positives. NLI pairs:
+        premises whose hypothesis is entailed, against every hypothesis of the batch. Scored pairs have no defined
+        positives: None.
         """
         if self.kind == "triplets":
             a, p, n = self.columns
             return a, torch.cat([p, n]), torch.arange(len(a), device=a.device)
+        if self.kind == "pairs":
+            a, p = self.columns
+            return a, p, torch.arange(len(a), device=a.device)
         if self.kind == "nli":
             u, v = self.columns
             keep = (self.labels == ENTAILMENT).nonzero(as_tuple=True)[0]

@@ -19,6 +19,8 @@ def in_batch_cross_entropy(anchors, candidates, target, scale: float) -> torch.T
 
 
 class InfoNCELoss(nn.Module):
+    learns_from_pairs = True  # anchor/positive pairs without negatives: the batch supplies them
+
     def __init__(self, scale: float = 20.0):
         super().__init__()
         self.scale = scale
@@ -28,5 +30,5 @@ class InfoNCELoss(nn.Module):
         if triple is None:
             if batch.kind == "nli":
                 return batch.columns[0].sum() * 0.0  # a batch with no entailed pair has nothing to rank
-            raise ValueError("the infonce loss needs positive pairs: triplets or NLI pairs, not scored pairs")
+            raise ValueError("the infonce loss needs positive pairs: triplets, pairs or NLI pairs, not scored pairs")
         return in_batch_cross_entropy(*triple, scale=self.scale)

@@ -58,16 +58,16 @@ class Asymmetric(Method):
     def plan(self, rng: np.random.Generator) -> Plan:
         n = int(self.query_layers[rng.integers(len(self.query_layers))])
         d = int(self.dims[rng.integers(len(self.dims))]) if self.dims else None
-        return Plan(
-            [View(self.num_layers, self.hidden_size, self.full_weight)], extra_layers={n}, info={"n": n, "d": d}
-        )
+        # info holds numbers only: the trainer sums it over micro-batches and logs it (no width sampled: no "d")
+        info = {"n": n, **({"d": d} if d is not None else {})}
+        return Plan([View(self.num_layers, self.hidden_size, self.full_weight)], extra_layers={n}, info=info)
 
     def widths(self) -> set[int]:
         return {*self.dims, self.hidden_size}
 
     def loss(self, plan: Plan, states: States, task_loss: TaskLoss) -> tuple[torch.Tensor, dict[str, float]]:
         total, parts = super().loss(plan, states, task_loss)  # the symmetric (N, D) view
-        n, d, N = plan.info["n"], plan.info["d"], self.num_layers
+        n, d, N = plan.info["n"], plan.info.get("d"), self.num_layers
         deep, shallow = states[N], states[n]
         mixed = EmbeddedBatch([shallow.columns[0], *deep.columns[1:]], deep.kind, deep.labels)
         asym = task_loss(mixed)

@@ -1,8 +1,16 @@
 """The cascade and the shallow query exit, evaluated against flat search (`eval retrieval --cascade` /
-`--query-layer`): nDCG@10 and the share of flat's top 10 each keeps, on a BEIR-format set."""
+`--query-layer`): nDCG@10 and the share of flat's top 10 each keeps, on a BEIR-format set.
+
+Encoding the corpus is nearly all of the cost. With a document cache folder (`--doc-cache`), the documents'
+pooled layer states before any exit head are kept there, keyed by what makes them: the backbone's checksum (not
+the exit heads'), pooling, maximum length, device type and the documents' texts. Models that share a backbone
+(with heads, without, with other heads) then encode the corpus once; each applies its own heads to the states.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
@@ -45,26 +53,32 @@ def evaluate_cascade(
     split: str,
     cascade: tuple[tuple[int, int], tuple[int, int]] | None,
     shortlist: int = 100,
-    query_layer: int | None = None,
+    query_layers: Sequence[int] | int | None = None,
     batch_size: int = 64,
     log: Callable[[str], None] | None = None,
     show_progress: bool = True,
+    doc_cache: str | Path | None = None,
 ) -> dict:
     """Flat search at the full cell next to a cascade (small cell shortlist, full cell rerank) and/or queries
-    encoded at a shallow layer against full-depth documents, on faiss flat indexes.
+    encoded at shallow layers (`query_layers`: one or several, each its own rows) against full-depth documents,
+    on faiss flat indexes. The documents are encoded once for every mode and layer.
 
     Each row reports nDCG@10, recall@10, how much of flat full-cell search's top 10 it finds, and per-query
     latency split into query encoding (one query at a time is not what a server does, so the whole query set
-    is encoded in batches and divided) and search (one query at a time, as a server would).
+    is encoded in batches and divided) and search (one query at a time, as a server would). `doc_cache`: a
+    folder for the documents' pooled states (see the module docstring).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     full = cascade[1] if cascade else (encoder.num_layers, encoder.hidden_size)
     for n, d in [*(cascade or ()), full]:
         encoder.check_layer(n), encoder.check_dim(d)
-    if query_layer is not None and encoder.check_layer(query_layer) > full[0]:
+    if isinstance(query_layers, int):
+        query_layers = [query_layers]
+    query_layers = sorted({encoder.check_layer(n) for n in query_layers or ()})
+    if query_layers and query_layers[-1] > full[0]:
         raise ValueError(
-            f"--query-layer {query_layer} is deeper than the documents of the full cell {full[0]}:{full[1]}: queries "
-            f"exit at most at the documents' layer; use --query-layer {full[0]} or less"
+            f"--query-layer {query_layers[-1]} is deeper than the documents of the full cell {full[0]}:{full[1]}: "
+            f"queries exit at most at the documents' layer; use --query-layer {full[0]} or less"
         )
     if cascade and shortlist < 10:
         raise ValueError(f"--shortlist {shortlist} is below the 10 results nDCG@10 needs")
@@ -72,13 +86,15 @@ def evaluate_cascade(
     started, start = provenance(), time.perf_counter()
     rows = []
     for ds in sets:
-        rows += _cascade_rows(encoder, ds, cascade, full, shortlist, query_layer, batch_size, log, show_progress)
+        rows += _cascade_rows(
+            encoder, ds, cascade, full, shortlist, query_layers, batch_size, log, show_progress, doc_cache
+        )
     result = {
         "task": "retrieval-cascade",
         "datasets": [s.name for s in sets],
         "cascade": [list(c) for c in cascade] if cascade else None,
         "shortlist": shortlist if cascade else None,
-        "query_layer": query_layer,
+        "query_layers": query_layers,
         "rows": rows,
         "model": model_record(encoder),
         "settings": {
@@ -86,6 +102,7 @@ def evaluate_cascade(
             "search": "faiss IndexFlatIP on L2-normalised vectors; one query per search call",
             "query_encode_ms": "whole query set encoded in batches of the batch size, time divided by queries",
             "documents": {s.name: len(s.doc_ids) for s in sets},
+            "doc_cache": str(doc_cache) if doc_cache else None,
             "queries": {s.name: len(s.query_ids) for s in sets},
         },
         "seconds": {"total": time.perf_counter() - start},
@@ -95,12 +112,56 @@ def evaluate_cascade(
     return result
 
 
-def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, batch_size, log, progress) -> list[dict]:
+def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_size: int, progress: bool, cache):
+    """Full-width document vectors per layer, as the encoder makes them (through its exit heads when on), and
+    the cache file used; the pooled states under them come from `cache` when it holds them for this backbone
+    and these texts."""
+    import torch
+
+    from matryoshka2d.models.heads import backbone_sha256
+
+    layers = sorted(set(layers))
+    pooled, path = None, None
+    if cache is not None:
+        key = {
+            "backbone_sha256": backbone_sha256(encoder),
+            "pooling": encoder.pooling,
+            "max_length": encoder.max_length,
+            "device": encoder.device.type,
+            "texts_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+        }
+        path = Path(cache) / f"docs-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.npz"
+        if path.is_file():
+            with np.load(path) as stored:
+                if all(f"layer{n}" in stored for n in layers):
+                    pooled = {n: stored[f"layer{n}"] for n in layers}
+    if pooled is None:
+        # every layer up to the deepest: the pass runs them all anyway, and a later run may ask for others
+        wanted = range(1, max(layers) + 1) if path is not None else layers
+        pooled = encoder.pooled_states(texts, wanted, batch_size, show_progress=progress, pooled=True)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.stem + ".tmp.npz")
+            np.savez(tmp, **{f"layer{n}": v for n, v in pooled.items()})
+            os.replace(tmp, path)  # atomic: a killed run never leaves half a cache file
+    out = {}
+    with torch.inference_mode():
+        for n in layers:
+            vectors = encoder.cell_vector(n, torch.from_numpy(pooled[n]).to(encoder.device), encoder.use_heads)
+            out[n] = vectors.float().cpu().numpy()
+    return out, path
+
+
+def _cascade_rows(
+    encoder, ds: BeirSet, cascade, full, shortlist, query_layers, batch_size, log, progress, doc_cache
+) -> list[dict]:
     """The rows of one dataset: documents encoded once at every layer any mode needs."""
-    doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *([query_layer] if query_layer else [])})
+    doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *query_layers})
     t0 = time.perf_counter()
-    docs = encoder.pooled_states(ds.doc_texts, doc_layers, batch_size, show_progress=progress)
-    log(f"{ds.name}: {len(ds.doc_texts)} documents at layers {doc_layers} in {time.perf_counter() - t0:.1f} s")
+    docs, cached = document_states(encoder, ds.doc_texts, doc_layers, batch_size, progress, doc_cache)
+    seconds = time.perf_counter() - t0
+    where = f" (pooled states: {cached})" if cached else ""
+    log(f"{ds.name}: {len(ds.doc_texts)} documents at layers {doc_layers} in {seconds:.1f} s{where}")
     position = {d: i for i, d in enumerate(ds.doc_ids)}
     exclude = np.array([position.get(q, -1) for q in ds.query_ids])
     indexes = {}
@@ -139,7 +200,7 @@ def _cascade_rows(encoder, ds: BeirSet, cascade, full, shortlist, query_layer, b
             )[0]
         )
         modes.append((f"cascade ({small[0]},{small[1]}) top {shortlist} -> ({full[0]},{full[1]})", ranking, enc, sec))
-    if query_layer:
+    for query_layer in query_layers:
         pooled, enc = queries([query_layer])
         qa = unit_rows(pooled[query_layer][:, : full[1]])
         ranking, sec = one_by_one(flat_one(full, qa))

@@ -19,6 +19,7 @@ DEFAULT_LOSSES = {
     "triplets": ("angle", "AnglE as angle-emb trains triplets: in-batch negatives with and without hard negatives"),
     "nli": ("angle", "AnglE as angle-emb trains labelled pairs: in-batch negatives over entailed pairs"),
     "scored": ("angle", "AnglE for similarity scores: CoSENT on the scores plus the angle term"),
+    "pairs": ("infonce", "in-batch negatives: each anchor's positive against the batch's other positives"),
     "sentences": ("simcse", "unsupervised SimCSE: plain sentences, dropout as the only noise"),
 }
 
@@ -69,7 +70,8 @@ class TrainConfig:
     loss_options: dict = field(default_factory=dict)
     device: str | None = None
     pooler_dim: int | None = None  # put a D -> d tanh pooler head on the encoder (dimensionality paper, sec. 3)
-    freeze_encoder: bool = False  # train only the pooler head (and the loss's own parameters): two-step, step 2
+    # train only the pooler head or the exit heads (and the loss's own parameters): two-step, step 2; a query head
+    freeze_encoder: bool = False
     # exit heads trained with the backbone (matryoshka2d.training.exit_heads): start "fit" | "identity" | "keep"
     exit_heads: str | None = None
     exit_heads_lr: float | None = None  # default: lr

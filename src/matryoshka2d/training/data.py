@@ -2,6 +2,8 @@
 
 The kind is read from the header (TSV) or the keys (JSONL, HF datasets):
 - triplets: anchor, positive, negative
+- pairs: anchor, positive   (a text and one relevant text, e.g. a query and a document it should find; the
+  other positives of the batch are the negatives, so only in-batch-negative losses train on them: infonce)
 - NLI pairs: premise, hypothesis, label   (or sentence1, sentence2, label with entailment/neutral/contradiction)
 - scored pairs: sentence1, sentence2, score   (STS-B / SICK train)
 - sentences: plain text, one sentence per line (.txt), for unsupervised objectives (SimCSE, SMAE). Such data
@@ -24,6 +26,7 @@ from matryoshka2d.losses.batch import NLI_LABELS
 
 KINDS = {
     "triplets": (("anchor", "positive", "negative"), None),
+    "pairs": (("anchor", "positive"), None),
     "nli": (("premise", "hypothesis"), "label"),
     "scored": (("sentence1", "sentence2"), "score"),
 }
@@ -65,6 +68,8 @@ def _kind_of(header: list[str], where: str) -> tuple[str, list[str], str | None]
     names = [h.strip().lower() for h in header]
     if all(c in names for c in KINDS["triplets"][0]):
         return "triplets", list(KINDS["triplets"][0]), None
+    if all(c in names for c in KINDS["pairs"][0]):
+        return "pairs", list(KINDS["pairs"][0]), None
     if "label" in names and {"premise", "hypothesis"} <= set(names):
         return "nli", ["premise", "hypothesis"], "label"
     if "label" in names and {"sentence1", "sentence2"} <= set(names):
@@ -73,7 +78,7 @@ def _kind_of(header: list[str], where: str) -> tuple[str, list[str], str | None]
         return "scored", ["sentence1", "sentence2"], "score"
     raise DataError(
         f"{where}: cannot tell the kind of data from the columns {header}; expected anchor/positive/negative, "
-        "premise/hypothesis/label, or sentence1/sentence2/score"
+        "anchor/positive, premise/hypothesis/label, or sentence1/sentence2/score"
     )
 
 

@@ -11,7 +11,8 @@ def prepare_model(encoder, config) -> None:
 
 
 def add_pooler(encoder, config) -> None:
-    """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze."""
+    """A pooler head of size pooler_dim (kept if the model already has one that size), and the freeze: the
+    transformer's weights stay as they are, and only a pooler head or exit heads (--exit-heads) learn."""
     dim = config.pooler_dim
     if dim is not None:
         head = encoder.head
@@ -20,8 +21,11 @@ def add_pooler(encoder, config) -> None:
                 print(f"replacing the model's {head.describe()} head by a fresh {dim}-dim pooler")
             encoder.add_pooler(dim, seed=config.seed)
     if config.freeze_encoder:
-        if encoder.head is None:
-            raise ValueError("freeze_encoder trains only the pooler head: give pooler_dim or a model with one")
+        if encoder.head is None and config.exit_heads is None:
+            raise ValueError(
+                "freeze_encoder trains only the pooler head or the exit heads: give pooler_dim, a model with a "
+                "pooler head, or --exit-heads"
+            )
         for p in encoder.model.parameters():
             p.requires_grad_(False)
 

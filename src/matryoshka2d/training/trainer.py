@@ -119,6 +119,11 @@ class Trainer:
             data = first_read
         else:
             data = read_training_data(self.config.data, sentences=wants_sentences)
+        if data.kind == "pairs" and not getattr(self.task_loss, "learns_from_pairs", False):
+            raise ValueError(
+                f"{data.sources[0]} holds anchor/positive pairs (no negatives); they train only with a loss that "
+                f"takes its negatives from the batch (--loss infonce), not '{self.loss_name}'"
+            )
         if data.kind == "sentences" and not wants_sentences:
             raise ValueError(
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
