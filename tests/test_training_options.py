@@ -47,7 +47,7 @@ def test_duplicate_filter_in_the_trainer_and_its_errors(triplets, tiny_dir, tmp_
     assert rows.tolist() == without_repeated_texts(trainer.data, order, trainer.encoder.tokenizer, 4).tolist()
     assert 0 < len(rows) < len(ROWS)
     (micro,) = trainer.prepare_batch(0)
-    assert micro[2] == len(rows) and len(micro[0][0]["input_ids"]) == len(rows)
+    assert micro[2] == len(rows) and micro[0].rows == [len(rows)] * 3 and len(micro[0].column_ids(0)) == len(rows)
     assert np.isfinite(trainer.train_step()["loss"])
     trainer._prefetch.close()
     sentences = tmp_path / "s.txt"
