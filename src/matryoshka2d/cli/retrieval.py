@@ -115,15 +115,18 @@ def open_index(args):
             raise IndexBuildError("give --index DIR, or a Qdrant collection as --url URL (or --path DIR) --collection")
         from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget
 
-        return QdrantIndex(QdrantTarget(url=args.url, path=args.path, collection=args.collection), args.ef_search)
+        target = QdrantTarget(url=args.url, path=args.path, collection=args.collection)
+        return QdrantIndex(target, args.ef_search, args.oversampling)
     manifest = read_manifest(args.index)
     if manifest.get("backend") == "qdrant":
         from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget
 
         target = QdrantTarget.from_manifest(manifest["qdrant"], url=args.url, path=args.path)
-        return QdrantIndex(target, args.ef_search)
-    if args.url or args.path or args.collection:
-        raise IndexBuildError(f"{args.index}: a faiss index; --url, --path and --collection are for Qdrant")
+        return QdrantIndex(target, args.ef_search, args.oversampling)
+    if args.url or args.path or args.collection or args.oversampling:
+        raise IndexBuildError(
+            f"{args.index}: a faiss index; --url, --path, --collection and --oversampling are for Qdrant"
+        )
     return CellIndex(args.index, nprobe=args.nprobe, ef_search=args.ef_search)
 
 
@@ -246,6 +249,12 @@ def register(sub, model_args) -> None:
     p.add_argument("--query-layer", type=int, help="encode queries with only this many layers (asymmetric search)")
     p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
     p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes; qdrant's hnsw_ef)")
+    p.add_argument(
+        "--oversampling",
+        type=float,
+        help="qdrant, quantised small cells: shortlist this many times --shortlist by quantised scores, then rescore "
+        "them with the original vectors",
+    )
     p.add_argument("--output", help="write one JSON line per query (query, ids, scores) instead of printing")
     p.set_defaults(func=cmd_search)
 
