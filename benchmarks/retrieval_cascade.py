@@ -19,7 +19,8 @@ need at full width (shards kept: a killed run resumes), and every index is built
 process of its own, which reports its resident memory over its own baseline: anonymous (the index, which must
 stay in RAM) and file-backed (the pages of the float16 file the reranks touched: page cache, which the kernel
 can drop and read again). For each: build time, the share of flat's top 10 and queries/s (one query per call,
-one thread) at each search setting.
+one thread) at each search setting. Then HNSW and each HNSW cascade, at their first setting that keeps >= 99% of
+flat's top 10, are searched in turns in one process (`--rounds`), for a queries/s ratio that sees one load.
 
     OMP_NUM_THREADS=1 python benchmarks/retrieval_cascade.py --memory --model minilm-l6 --max-length 128 \
         --tiers 6:128/float32 6:128/int8 6:384/binary 6:384/binary/flat --work runs/cascade-208k
@@ -90,6 +91,9 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", default=["6:128/float32", "6:128/int8", "6:384/binary"])
     parser.add_argument("--ef", nargs="+", type=int, default=[16, 32, 64, 128, 256, 512], help="full-cell HNSW")
     parser.add_argument("--shortlists", nargs="+", type=int, default=[100, 200, 400, 800], help="cascade tiers")
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="HNSW and each cascade at their first >= 99%% setting, searched in turns"
+    )
     args = parser.parse_args()
     print(header())
     full = parse_cell_list(args.full, "--full")[0]
@@ -240,6 +244,37 @@ def child_search(job: dict) -> dict:
     }
 
 
+def child_race(job: dict) -> dict:
+    """HNSW on the full cell and a cascade searched in turns in one process (their order swapped every round),
+    so that both see the same machine load: the fair queries/s ratio on a busy machine."""
+    import faiss
+
+    full_index = faiss.read_index(job["full_index"])
+    faiss.downcast_index(full_index).hnsw.efSearch = job["ef"]
+    small_index = faiss.read_index_binary(job["small_index"]) if job["binary"] else faiss.read_index(job["small_index"])
+    (small_index.hnsw if job["binary"] else faiss.downcast_index(small_index).hnsw).efSearch = job["shortlist"]
+    rerank = np.load(job["rerank"], mmap_mode="r")
+    qs, qf = np.load(job["queries_small"]), np.load(job["queries_full"])
+    n = len(qf)
+
+    def hnsw():
+        for i in range(n):
+            flat_search(full_index, qf[i : i + 1], 10)
+
+    def cascade():
+        for i in range(n):
+            cascade_search(small_index, rerank, qs[i : i + 1], qf[i : i + 1], job["shortlist"], 10)
+
+    times = {"hnsw": [], "cascade": []}
+    for round_ in range(job["rounds"]):
+        order = [("hnsw", hnsw), ("cascade", cascade)]
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            run()
+            times[name].append(1000 * (time.perf_counter() - start) / n)
+    return times
+
+
 def run_child(kind: str, job: dict) -> dict:
     """One measurement in a fresh process (so that its memory is its own), answered as JSON on stdout."""
     out = subprocess.run(
@@ -304,7 +339,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
     summary = []
 
     def measure(label, vectors, storage, kind, settings, rerank, small_queries, reference=True):
-        index_file = path(f"{label.replace(' ', '_').replace('/', '-')}.index")
+        index_file = path("".join(c if c.isalnum() else "_" for c in label) + ".index")
         built = run_child("build", {"vectors": vectors, "storage": storage, "kind": kind, "out": index_file})
         job = {
             "index": index_file,
@@ -321,7 +356,8 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         else:
             job["save_ranking"] = path("flat-top10.npy")
         result = run_child("search", job)
-        result.update(built, label=label)
+        result.update(built, label=label, index=index_file, binary=storage == "binary", hnsw=kind == "hnsw")
+        result["queries_small"] = small_queries
         summary.append(result)
         print(
             f"\n{label}: built in {built['build_seconds']:.1f} s ({built['file_mb']:.0f} MB file); index in RAM "
@@ -333,7 +369,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
             print("|---:|---:|---:|---:|---:|")
             for row in result["rows"]:
                 print(
-                    f"| {row['ef']} | {row['shortlist'] or '-'} | {row['overlap']:.1f}% | {row['ms']:.3f} | "
+                    f"| {row['ef']} | {row['shortlist'] or '-'} | {row['overlap']:.2f}% | {row['ms']:.3f} | "
                     f"{1000 / row['ms']:.0f} |"
                 )
         return result
@@ -370,6 +406,32 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
             f"{1e6 * result['anon_after_mb'] / len(ids):.0f} | {result['build_seconds']:.0f} | {where} | {qps} | "
             f"{ram_ratio} | {qps_ratio} |"
         )
+    if target is not None and args.rounds:
+        for result in summary[2:]:
+            hit = first_at(result, 99.0)
+            if hit is None or not result["hnsw"]:
+                continue
+            race = run_child(
+                "race",
+                {
+                    "full_index": hnsw["index"],
+                    "ef": target["ef"],
+                    "small_index": result["index"],
+                    "binary": result["binary"],
+                    "shortlist": hit["shortlist"],
+                    "rerank": path("rerank.f16.npy"),
+                    "queries_small": result["queries_small"],
+                    "queries_full": qfull,
+                    "rounds": args.rounds,
+                },
+            )
+            h, c = np.median(race["hnsw"]), np.median(race["cascade"])
+            print(
+                f"\nin turns, {args.rounds} rounds in one process: HNSW ef {target['ef']} median {h:.3f} ms/query "
+                f"({1000 / h:.0f} queries/s), {result['label']} shortlist {hit['shortlist']} median {c:.3f} ms/query "
+                f"({1000 / c:.0f} queries/s): the cascade at {h / c:.2f}x HNSW's queries/s; per round "
+                f"{', '.join(f'{a / b:.2f}x' for a, b in zip(race['hnsw'], race['cascade'], strict=True))}"
+            )
     for result in summary[2:]:
         hit95 = first_at(result, 95.0)
         if hit95:
@@ -382,6 +444,6 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         job = json.loads(sys.argv[3])
-        print(json.dumps(child_build(job) if sys.argv[2] == "build" else child_search(job)))
+        print(json.dumps({"build": child_build, "search": child_search, "race": child_race}[sys.argv[2]](job)))
     else:
         main()
