@@ -42,7 +42,7 @@ def same(a: list[list[str]], b: list[list[str]]) -> tuple[float, float, float]:
 
 
 def edge_answers(
-    work: Path, manifest: dict, vectors, small, full, shortlist: int, quantization: str
+    work: Path, manifest: dict, vectors, small, full, shortlist: int, quantization: str, oversampling: float | None
 ) -> list[list[str]]:
     """The same prefetch + rescore requests on qdrant-edge-py, segments built by optimize()."""
     import qdrant_edge as edge
@@ -86,13 +86,19 @@ def edge_answers(
             position += len(s["ids"])
         shard.flush()
         shard.optimize()
+        params = (
+            edge.SearchParams(quantization=edge.QuantizationSearchParams(rescore=True, oversampling=oversampling))
+            if oversampling
+            else None
+        )
         out = []
         for qs, qf in zip(vectors[small], vectors[full], strict=True):
+            prefetch = edge.Prefetch(
+                query=edge.Query.Nearest(qs.tolist(), using=cell_name(small)), limit=shortlist, params=params
+            )
             hits = shard.query(
                 edge.QueryRequest(
-                    prefetches=[
-                        edge.Prefetch(query=edge.Query.Nearest(qs.tolist(), using=cell_name(small)), limit=shortlist)
-                    ],
+                    prefetches=[prefetch],
                     query=edge.Query.Nearest(qf.tolist(), using=cell_name(full)),
                     limit=10,
                     with_payload=True,

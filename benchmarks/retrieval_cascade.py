@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", default=["6:128/float32", "6:128/int8", "6:384/binary"])
     parser.add_argument("--ef", nargs="+", type=int, default=[16, 32, 64, 128, 256, 512], help="full-cell HNSW")
     parser.add_argument("--shortlists", nargs="+", type=int, default=[100, 200, 400, 800], help="cascade tiers")
+    parser.add_argument("--exact-only", action="store_true", help="--memory: only the exact shortlists table")
     parser.add_argument(
         "--rounds", type=int, default=7, help="HNSW and each cascade at their first >= 99%% setting, searched in turns"
     )
@@ -165,7 +166,7 @@ HNSW_M = 32
 
 
 def memory_status() -> dict[str, float]:
-    """This process's resident memory in MB: all of it, anonymous, and file-backed (mapped files)."""
+    """This process's resident memory in MiB: all of it, anonymous, and file-backed (mapped files)."""
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -275,6 +276,36 @@ def child_race(job: dict) -> dict:
     return times
 
 
+def exact_shortlists(cells, full, path, shortlists: list[int], n_docs: int) -> None:
+    """How much of flat's top 10 an exact scan of each smaller cell (float32, and its sign bits) puts in its
+    shortlist: the most any index on that cell can keep."""
+    import faiss
+
+    queries_full = np.load(path(f"q-{cell_name(full)}.npy"))
+    reference_index = faiss.IndexFlatIP(full[1])
+    reference_index.add(np.load(path(f"{cell_name(full)}.f32.npy")))
+    _, reference = reference_index.search(queries_full, 10)
+    del reference_index
+    print(f"\nexact shortlists of {n_docs} documents: share of flat ({full[0]},{full[1]})'s top 10 in them")
+    print(f"| cell | {' | '.join(f'top {s}' for s in shortlists)} |\n|---|{'---:|' * len(shortlists)}")
+    for cell in cells:
+        docs, queries = np.load(path(f"{cell_name(cell)}.f32.npy")), np.load(path(f"q-{cell_name(cell)}.npy"))
+        for kind in ("float32", "binary"):
+            if kind == "float32":
+                index = faiss.IndexFlatIP(cell[1])
+                index.add(docs)
+                _, found = index.search(queries, max(shortlists))
+            else:
+                index = faiss.IndexBinaryFlat(8 * ((cell[1] + 7) // 8))
+                index.add(np.packbits(docs > 0, axis=1))
+                _, found = index.search(np.packbits(queries > 0, axis=1), max(shortlists))
+            shares = [
+                100 * np.mean([len(set(r) & set(f[:s])) / 10 for r, f in zip(reference, found, strict=True)])
+                for s in shortlists
+            ]
+            print(f"| ({cell[0]},{cell[1]}) {kind} | {' | '.join(f'{x:.1f}%' for x in shares)} |")
+
+
 def run_child(kind: str, job: dict) -> dict:
     """One measurement in a fresh process (so that its memory is its own), answered as JSON on stdout."""
     out = subprocess.run(
@@ -333,9 +364,12 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
     print(
         f"\n{len(ids)} documents ({len(scifact.doc_ids)} SciFact + {len(extra)} distractors), {n} queries, model "
         f"{encoder.name}, documents truncated to {args.max_length} tokens; one query per call, one thread, best of "
-        f"{args.repeats}; memory: resident MB over each search process's own baseline"
+        f"{args.repeats}; memory: resident MiB over each search process's own baseline"
     )
     qfull = path(f"q-{cell_name(full)}.npy")
+    exact_shortlists(cells, full, path, args.shortlists, len(ids))
+    if args.exact_only:
+        return
     summary = []
 
     def measure(label, vectors, storage, kind, settings, rerank, small_queries, reference=True):
@@ -391,7 +425,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
 
     target = first_at(hnsw, 99.0)
     print(
-        "\n| index | RAM MB, anonymous | + file-backed MB | bytes/vector in RAM | build s | first setting >= 99% "
+        "\n| index | RAM MiB, anonymous | + file-backed MiB | bytes/vector in RAM | build s | first setting >= 99% "
         "| queries/s there | RAM vs HNSW | queries/s vs HNSW |"
     )
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
@@ -403,7 +437,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         qps_ratio = f"{target['ms'] / hit['ms']:.2f}x" if hit and target else "-"
         print(
             f"| {result['label']} | {result['anon_after_mb']:.0f} | {result['file_after_mb']:.0f} | "
-            f"{1e6 * result['anon_after_mb'] / len(ids):.0f} | {result['build_seconds']:.0f} | {where} | {qps} | "
+            f"{2**20 * result['anon_after_mb'] / len(ids):.0f} | {result['build_seconds']:.0f} | {where} | {qps} | "
             f"{ram_ratio} | {qps_ratio} |"
         )
     if target is not None and args.rounds:
