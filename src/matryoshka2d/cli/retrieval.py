@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def _log(message: str) -> None:
@@ -22,8 +23,6 @@ def parse_cascade(text: str | None):
 
 
 def qdrant_target(args, collection: str | None):
-    from pathlib import Path
-
     from matryoshka2d.retrieval.qdrant_store import QdrantTarget
 
     return QdrantTarget(
@@ -141,7 +140,10 @@ def cmd_search(args) -> int:
         raise ValueError(f"--queries {args.queries}: no queries in the file")
     index = open_index(args)
     try:
-        model = args.model or index.manifest["model"]["location"] or index.manifest["model"]["model"]
+        recorded = index.manifest["model"]
+        # The folder the build loaded, if this machine has it (a collection may have been built elsewhere).
+        here = recorded["location"] and Path(recorded["location"]).exists()
+        model = args.model or (recorded["location"] if here else recorded["model"])
         encoder = ElasticEncoder(model, pooling=args.pooling, device=args.device)
         cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
         hits = index.search(
