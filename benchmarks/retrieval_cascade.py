@@ -19,7 +19,8 @@ need at full width (shards kept: a killed run resumes), and every index is built
 process of its own, which reports its resident memory over its own baseline: anonymous (the index, which must
 stay in RAM) and file-backed (the pages of the float16 file the reranks touched: page cache, which the kernel
 can drop and read again). For each: build time, the share of flat's top 10 and queries/s (one query per call,
-one thread) at each search setting.
+one thread) at each search setting. Then HNSW and each HNSW cascade, at their first setting that keeps >= 99% of
+flat's top 10, are searched in turns in one process (`--rounds`), for a queries/s ratio that sees one load.
 
     OMP_NUM_THREADS=1 python benchmarks/retrieval_cascade.py --memory --model minilm-l6 --max-length 128 \
         --tiers 6:128/float32 6:128/int8 6:384/binary 6:384/binary/flat --work runs/cascade-208k
@@ -90,6 +91,10 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", default=["6:128/float32", "6:128/int8", "6:384/binary"])
     parser.add_argument("--ef", nargs="+", type=int, default=[16, 32, 64, 128, 256, 512], help="full-cell HNSW")
     parser.add_argument("--shortlists", nargs="+", type=int, default=[100, 200, 400, 800], help="cascade tiers")
+    parser.add_argument("--exact-only", action="store_true", help="--memory: only the exact shortlists table")
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="HNSW and each cascade at their first >= 99%% setting, searched in turns"
+    )
     args = parser.parse_args()
     print(header())
     full = parse_cell_list(args.full, "--full")[0]
@@ -161,7 +166,7 @@ HNSW_M = 32
 
 
 def memory_status() -> dict[str, float]:
-    """This process's resident memory in MB: all of it, anonymous, and file-backed (mapped files)."""
+    """This process's resident memory in MiB: all of it, anonymous, and file-backed (mapped files)."""
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -240,6 +245,67 @@ def child_search(job: dict) -> dict:
     }
 
 
+def child_race(job: dict) -> dict:
+    """HNSW on the full cell and a cascade searched in turns in one process (their order swapped every round),
+    so that both see the same machine load: the fair queries/s ratio on a busy machine."""
+    import faiss
+
+    full_index = faiss.read_index(job["full_index"])
+    faiss.downcast_index(full_index).hnsw.efSearch = job["ef"]
+    small_index = faiss.read_index_binary(job["small_index"]) if job["binary"] else faiss.read_index(job["small_index"])
+    (small_index.hnsw if job["binary"] else faiss.downcast_index(small_index).hnsw).efSearch = job["shortlist"]
+    rerank = np.load(job["rerank"], mmap_mode="r")
+    qs, qf = np.load(job["queries_small"]), np.load(job["queries_full"])
+    n = len(qf)
+
+    def hnsw():
+        for i in range(n):
+            flat_search(full_index, qf[i : i + 1], 10)
+
+    def cascade():
+        for i in range(n):
+            cascade_search(small_index, rerank, qs[i : i + 1], qf[i : i + 1], job["shortlist"], 10)
+
+    times = {"hnsw": [], "cascade": []}
+    for round_ in range(job["rounds"]):
+        order = [("hnsw", hnsw), ("cascade", cascade)]
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            run()
+            times[name].append(1000 * (time.perf_counter() - start) / n)
+    return times
+
+
+def exact_shortlists(cells, full, path, shortlists: list[int], n_docs: int) -> None:
+    """How much of flat's top 10 an exact scan of each smaller cell (float32, and its sign bits) puts in its
+    shortlist: the most any index on that cell can keep."""
+    import faiss
+
+    queries_full = np.load(path(f"q-{cell_name(full)}.npy"))
+    reference_index = faiss.IndexFlatIP(full[1])
+    reference_index.add(np.load(path(f"{cell_name(full)}.f32.npy")))
+    _, reference = reference_index.search(queries_full, 10)
+    del reference_index
+    print(f"\nexact shortlists of {n_docs} documents: share of flat ({full[0]},{full[1]})'s top 10 in them")
+    print(f"| cell | {' | '.join(f'top {s}' for s in shortlists)} |\n|---|{'---:|' * len(shortlists)}")
+    for cell in cells:
+        docs, queries = np.load(path(f"{cell_name(cell)}.f32.npy")), np.load(path(f"q-{cell_name(cell)}.npy"))
+        for kind in ("float32", "binary"):
+            if kind == "float32":
+                index = faiss.IndexFlatIP(cell[1])
+                index.add(docs)
+                _, found = index.search(queries, max(shortlists))
+            else:
+                index = faiss.IndexBinaryFlat(8 * ((cell[1] + 7) // 8))
+                index.add(np.packbits(docs > 0, axis=1))
+                _, found = index.search(np.packbits(queries > 0, axis=1), max(shortlists))
+            shares = [
+                100 * np.mean([len(set(r) & set(f[:s])) / 10 for r, f in zip(reference, found, strict=True)])
+                for s in shortlists
+            ]
+            print(f"| ({cell[0]},{cell[1]}) {kind} | {' | '.join(f'{x:.1f}%' for x in shares)} |")
+
+
 def run_child(kind: str, job: dict) -> dict:
     """One measurement in a fresh process (so that its memory is its own), answered as JSON on stdout."""
     out = subprocess.run(
@@ -263,11 +329,17 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         tiers.append((cell, storage, kind))
     width = encoder.hidden_size
     layers = sorted({full[0], *(c[0] for c, _, _ in tiers)})
-    t0 = time.perf_counter()
-    manifest = build_index(
-        encoder, corpus, [(n, width) for n in layers], args.work / "index", shard_size=4096, keep_shards=True, log=print
-    )
-    print(f"encoded in {time.perf_counter() - t0:.0f} s (0 if it was already done)")
+    wanted = [[n, width] for n in layers]
+    built = args.work / "index" / "manifest.json"
+    manifest = read_manifest(args.work / "index") if built.is_file() else {}
+    if not (manifest.get("complete") and all(c in manifest["cells"] for c in wanted)):
+        # Every layer a cell needs, at full width: the cells are leading slices of these, renormalised.
+        t0 = time.perf_counter()
+        manifest = build_index(
+            encoder, corpus, [tuple(c) for c in wanted], args.work / "index", shard_size=4096, keep_shards=True,
+            log=print,
+        )  # fmt: skip
+        print(f"encoded in {time.perf_counter() - t0:.0f} s")
     if not manifest.get("shards"):
         raise SystemExit(f"{args.work / 'index'}: built without --keep-shards; the per-layer vectors are gone")
     mem = args.work / "memory"
@@ -292,13 +364,16 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
     print(
         f"\n{len(ids)} documents ({len(scifact.doc_ids)} SciFact + {len(extra)} distractors), {n} queries, model "
         f"{encoder.name}, documents truncated to {args.max_length} tokens; one query per call, one thread, best of "
-        f"{args.repeats}; memory: resident MB over each search process's own baseline"
+        f"{args.repeats}; memory: resident MiB over each search process's own baseline"
     )
     qfull = path(f"q-{cell_name(full)}.npy")
+    exact_shortlists(cells, full, path, args.shortlists, len(ids))
+    if args.exact_only:
+        return
     summary = []
 
     def measure(label, vectors, storage, kind, settings, rerank, small_queries, reference=True):
-        index_file = path(f"{label.replace(' ', '_').replace('/', '-')}.index")
+        index_file = path("".join(c if c.isalnum() else "_" for c in label) + ".index")
         built = run_child("build", {"vectors": vectors, "storage": storage, "kind": kind, "out": index_file})
         job = {
             "index": index_file,
@@ -315,7 +390,8 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         else:
             job["save_ranking"] = path("flat-top10.npy")
         result = run_child("search", job)
-        result.update(built, label=label)
+        result.update(built, label=label, index=index_file, binary=storage == "binary", hnsw=kind == "hnsw")
+        result["queries_small"] = small_queries
         summary.append(result)
         print(
             f"\n{label}: built in {built['build_seconds']:.1f} s ({built['file_mb']:.0f} MB file); index in RAM "
@@ -327,14 +403,15 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
             print("|---:|---:|---:|---:|---:|")
             for row in result["rows"]:
                 print(
-                    f"| {row['ef']} | {row['shortlist'] or '-'} | {row['overlap']:.1f}% | {row['ms']:.3f} | "
+                    f"| {row['ef']} | {row['shortlist'] or '-'} | {row['overlap']:.2f}% | {row['ms']:.3f} | "
                     f"{1000 / row['ms']:.0f} |"
                 )
         return result
 
     flat = measure(f"flat ({full[0]},{full[1]}) float32", path(f"{cell_name(full)}.f32.npy"), "float32", "flat",
                    [[0, 0]], None, qfull, reference=False)  # fmt: skip
-    print(f"| flat | - | 100.0% | {flat['rows'][0]['ms']:.3f} | {1000 / flat['rows'][0]['ms']:.0f} |")
+    print("| search | top-10 overlap with flat | ms/query | queries/s |\n|---|---:|---:|---:|")
+    print(f"| flat | 100.0% | {flat['rows'][0]['ms']:.3f} | {1000 / flat['rows'][0]['ms']:.0f} |")
     hnsw = measure(f"HNSW{HNSW_M} ({full[0]},{full[1]}) float32", path(f"{cell_name(full)}.f32.npy"), "float32",
                    "hnsw", [[ef, 0] for ef in args.ef], None, qfull)  # fmt: skip
     for cell, storage, kind in tiers:
@@ -348,7 +425,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
 
     target = first_at(hnsw, 99.0)
     print(
-        "\n| index | RAM MB, anonymous | + file-backed MB | bytes/vector in RAM | build s | first setting >= 99% "
+        "\n| index | RAM MiB, anonymous | + file-backed MiB | bytes/vector in RAM | build s | first setting >= 99% "
         "| queries/s there | RAM vs HNSW | queries/s vs HNSW |"
     )
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
@@ -360,9 +437,35 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         qps_ratio = f"{target['ms'] / hit['ms']:.2f}x" if hit and target else "-"
         print(
             f"| {result['label']} | {result['anon_after_mb']:.0f} | {result['file_after_mb']:.0f} | "
-            f"{1e6 * result['anon_after_mb'] / len(ids):.0f} | {result['build_seconds']:.0f} | {where} | {qps} | "
+            f"{2**20 * result['anon_after_mb'] / len(ids):.0f} | {result['build_seconds']:.0f} | {where} | {qps} | "
             f"{ram_ratio} | {qps_ratio} |"
         )
+    if target is not None and args.rounds:
+        for result in summary[2:]:
+            hit = first_at(result, 99.0)
+            if hit is None or not result["hnsw"]:
+                continue
+            race = run_child(
+                "race",
+                {
+                    "full_index": hnsw["index"],
+                    "ef": target["ef"],
+                    "small_index": result["index"],
+                    "binary": result["binary"],
+                    "shortlist": hit["shortlist"],
+                    "rerank": path("rerank.f16.npy"),
+                    "queries_small": result["queries_small"],
+                    "queries_full": qfull,
+                    "rounds": args.rounds,
+                },
+            )
+            h, c = np.median(race["hnsw"]), np.median(race["cascade"])
+            print(
+                f"\nin turns, {args.rounds} rounds in one process: HNSW ef {target['ef']} median {h:.3f} ms/query "
+                f"({1000 / h:.0f} queries/s), {result['label']} shortlist {hit['shortlist']} median {c:.3f} ms/query "
+                f"({1000 / c:.0f} queries/s): the cascade at {h / c:.2f}x HNSW's queries/s; per round "
+                f"{', '.join(f'{a / b:.2f}x' for a, b in zip(race['hnsw'], race['cascade'], strict=True))}"
+            )
     for result in summary[2:]:
         hit95 = first_at(result, 95.0)
         if hit95:
@@ -375,6 +478,6 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         job = json.loads(sys.argv[3])
-        print(json.dumps(child_build(job) if sys.argv[2] == "build" else child_search(job)))
+        print(json.dumps({"build": child_build, "search": child_search, "race": child_race}[sys.argv[2]](job)))
     else:
         main()

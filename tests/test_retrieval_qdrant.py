@@ -247,3 +247,18 @@ def test_bad_targets_get_clear_errors_and_change_nothing(built, tiny_dir, tmp_pa
     # The same collection through --path and --collection alone.
     assert main([*search, "--path", str(root / "local"), "--collection", "q", "--cascade", "1:8,4:32"]) == 0
     assert "qdrant cascade (1,8) prefetch 100 -> (4,32)" in capsys.readouterr().err
+
+
+def test_server_search_parameters(built, capsys):
+    from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget, search_params
+
+    assert search_params(None, None) is None
+    params = search_params(128, 4.0)
+    assert params.hnsw_ef == 128 and params.quantization.oversampling == 4.0 and params.quantization.rescore
+    assert search_params(None, 2.0).hnsw_ef is None
+    root, common, _ = built
+    with pytest.raises(IndexBuildError, match="--oversampling must be at least 1, got 0.5"):
+        QdrantIndex(QdrantTarget(path=str(root / "local"), collection="q"), oversampling=0.5)
+    search = ["search", "--index", str(root / "faiss"), *common, "--query", "rain", "--oversampling", "2"]
+    assert main(search) == 2
+    assert "--oversampling are for Qdrant" in capsys.readouterr().err

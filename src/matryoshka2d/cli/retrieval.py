@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from matryoshka2d.cli.args import command, command_group, load_encoder
 
@@ -24,8 +25,6 @@ def parse_cascade(text: str | None):
 
 
 def qdrant_target(args, collection: str | None):
-    from pathlib import Path
-
     from matryoshka2d.retrieval.qdrant_store import QdrantTarget
 
     return QdrantTarget(
@@ -117,15 +116,18 @@ def open_index(args):
             raise IndexBuildError("give --index DIR, or a Qdrant collection as --url URL (or --path DIR) --collection")
         from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget
 
-        return QdrantIndex(QdrantTarget(url=args.url, path=args.path, collection=args.collection), args.ef_search)
+        target = QdrantTarget(url=args.url, path=args.path, collection=args.collection)
+        return QdrantIndex(target, args.ef_search, args.oversampling)
     manifest = read_manifest(args.index)
     if manifest.get("backend") == "qdrant":
         from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget
 
         target = QdrantTarget.from_manifest(manifest["qdrant"], url=args.url, path=args.path)
-        return QdrantIndex(target, args.ef_search)
-    if args.url or args.path or args.collection:
-        raise IndexBuildError(f"{args.index}: a faiss index; --url, --path and --collection are for Qdrant")
+        return QdrantIndex(target, args.ef_search, args.oversampling)
+    if args.url or args.path or args.collection or args.oversampling:
+        raise IndexBuildError(
+            f"{args.index}: a faiss index; --url, --path, --collection and --oversampling are for Qdrant"
+        )
     return CellIndex(args.index, nprobe=args.nprobe, ef_search=args.ef_search)
 
 
@@ -139,10 +141,12 @@ def cmd_search(args) -> int:
         raise ValueError(f"--queries {args.queries}: no queries in the file")
     index = open_index(args)
     try:
-        built = index.manifest["model"]
-        model = args.model or built.get("location") or built.get("model")
+        recorded = index.manifest["model"]
+        # The folder the build loaded, if this machine has it (a collection may have been built elsewhere).
+        here = recorded["location"] and Path(recorded["location"]).exists()
+        model = args.model or (recorded["location"] if here else recorded["model"])
         # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
-        encoder = load_encoder(args, model=model, pooling=args.pooling or built.get("pooling"))
+        encoder = load_encoder(args, model=model, pooling=args.pooling or recorded.get("pooling"))
         cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
         hits = index.search(
             encoder,
@@ -251,6 +255,12 @@ def register(sub, model_args) -> None:
     p.add_argument("--query-layer", type=int, help="encode queries with only this many layers (asymmetric search)")
     p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
     p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes; qdrant's hnsw_ef)")
+    p.add_argument(
+        "--oversampling",
+        type=float,
+        help="qdrant, quantised small cells: shortlist this many times --shortlist by quantised scores, then rescore "
+        "them with the original vectors",
+    )
     p.add_argument("--output", help="write one JSON line per query (query, ids, scores) instead of printing")
 
     p = command(

@@ -239,6 +239,17 @@ class QdrantStore:
         log(f"  collection '{self.collection}' at {self.target.where}: {position} points, cells {cells}")
 
 
+def search_params(ef_search: int | None, oversampling: float | None):
+    """The HNSW breadth, and for a quantised cell, how many times the shortlist to take by quantised scores
+    before rescoring them with the original vectors (Qdrant's oversampling)."""
+    from qdrant_client import models
+
+    if not ef_search and not oversampling:
+        return None
+    quantization = models.QuantizationSearchParams(rescore=True, oversampling=oversampling) if oversampling else None
+    return models.SearchParams(hnsw_ef=ef_search or None, quantization=quantization)
+
+
 def check_same_model(recorded: dict, identity: dict, where: str) -> None:
     """The vectors of `where` must come from the model whose identity is given (the same weights checksum)."""
     want, have = recorded.get("weights_sha256"), identity.get("weights_sha256")
@@ -253,7 +264,9 @@ def check_same_model(recorded: dict, identity: dict, where: str) -> None:
 class QdrantIndex(SearchIndex):
     """A complete collection, searched like a CellIndex: flat, cascade (one query with a prefetch), query layer."""
 
-    def __init__(self, target: QdrantTarget, ef_search: int | None = None):
+    def __init__(self, target: QdrantTarget, ef_search: int | None = None, oversampling: float | None = None):
+        if oversampling is not None and oversampling < 1:
+            raise IndexBuildError(f"--oversampling must be at least 1, got {oversampling}")
         self.store = QdrantStore(target)
         recorded = self.store.recorded()
         if recorded is None:
@@ -265,7 +278,9 @@ class QdrantIndex(SearchIndex):
             )
         self.manifest = recorded
         self.cells: list[Cell] = [tuple(c) for c in recorded["cells"]]
-        self.ef_search = ef_search if target.url else None  # local mode is exact and warns about search params
+        # Local mode searches exactly and warns about search parameters: they are sent to servers only.
+        self.ef_search = ef_search if target.url else None
+        self.oversampling = oversampling if target.url else None
         self.directory = f"{target.where} collection '{target.collection}'"
 
     def close(self) -> None:
@@ -288,7 +303,7 @@ class QdrantIndex(SearchIndex):
     def requests(self, vectors: dict[Cell, np.ndarray], cell: Cell | None, cascade, shortlist: int, top_k: int):
         from qdrant_client import models
 
-        params = models.SearchParams(hnsw_ef=self.ef_search) if self.ef_search else None
+        params = search_params(self.ef_search, self.oversampling)
         out = []
         if cascade:
             small, full = cascade
