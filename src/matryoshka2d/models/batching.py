@@ -76,6 +76,8 @@ def inference_batches(lengths: Sequence[int], batch_size: int, overhead: float |
     longest-first order. After one long text, a fixed run of 64 pads 63 texts to its length: on 256 random
     STS sentences (what the server collects from 32 clients) fixed runs compute 1.42 positions per token, length
     groups at an overhead of 48 about 1.07 (docs/benchmarks.md, issue 19)."""
+    if len(lengths) == 1:  # one text, one pass (a query: keep its fixed cost small)
+        return [np.zeros(1, dtype=np.int64)]
     if overhead is not None:
         return length_groups(lengths, overhead, max_size=batch_size)
     order = np.argsort([-n for n in lengths], kind="stable")

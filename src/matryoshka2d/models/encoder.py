@@ -367,7 +367,8 @@ class ElasticEncoder(nn.Module):
         if unique:
             encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
             lengths = [len(x) for x in encoded["input_ids"]]
-            overhead = CALL_OVERHEAD_TOKENS.get(self.device.type)
+            device = self.device  # a walk over the modules to the first parameter: once per call, not per batch
+            overhead = CALL_OVERHEAD_TOKENS.get(device.type)
             batches = inference_batches(lengths, batch_size, overhead)  # texts of like length share a pass
             # Module.train() walks every submodule (about 1 ms for a 6-layer model, most of a one-query call):
             # switch to eval and back only when the model is training.
@@ -380,7 +381,7 @@ class ElasticEncoder(nn.Module):
                 with torch.inference_mode():
                     for idx in batches:
                         features = pad_rows(self.tokenizer, encoded, idx, self._input_names)
-                        features = {k: v.to(self.device) for k, v in features.items()}
+                        features = {k: v.to(device) for k, v in features.items()}
                         for n, vec in self.forward(features, layers).items():
                             out[n][idx] = vec.float().cpu().numpy()
             finally:
@@ -404,6 +405,8 @@ def pad_rows(tokenizer, encoded, idx, input_names) -> dict[str, torch.Tensor]:
     if any(k not in values for k in names) or values["input_ids"] is None:
         rows = [{k: encoded[k][i] for k in names} for i in idx]
         return dict(tokenizer.pad(rows, return_tensors="pt"))
+    if len(idx) == 1:  # one text (a query): nothing to pad
+        return {k: torch.tensor([encoded[k][idx[0]]], dtype=torch.int64) for k in names}
     rows = {k: [encoded[k][i] for i in idx] for k in names}
     longest = max(len(r) for r in rows["input_ids"])
     left = tokenizer.padding_side == "left"
