@@ -310,12 +310,16 @@ def measure(server: Server, cells, batches, references, check_texts) -> list[dic
         rows.append({"server": server.kind, "cell": (layer, dim), **result, "max_diff": diff, "min_cos": cosine})
         rows[-1].update(load=load, rss_start=rss_start, rss_warm=rss_warm, startup=server.startup_seconds)
         print(
-            f"  {server.kind} ({layer},{dim}): {result['requests_per_s']:.1f} requests/s, {result['errors']} errors "
-            f"(load average before: {load})",
+            f"  {server.kind} ({layer},{dim}): {result['requests_per_s']:.1f} requests/s, "
+            f"{result['requests'] / result['cpu_s']:.1f} per server CPU second, {result['errors']} errors "
+            f"(load average before: {load})" + (f"; first error: {result['first_error']}" if result["errors"] else ""),
             flush=True,
         )
     for row in rows:
         row["rss_after"] = server.rss()
+    if ARGS.results:  # one JSON line per measured run, so that a benchmark cut short keeps what it measured
+        with open(ARGS.results, "a") as f:
+            f.writelines(json.dumps({**row, "cell": list(row["cell"])}) + "\n" for row in rows)
     return rows
 
 
@@ -334,6 +338,7 @@ def main() -> None:
     parser.add_argument("--infinity-venv", dest="venv", type=Path, default=Path("/work/venvs/infinity"))
     parser.add_argument("--start-timeout", type=float, default=1200, help="seconds a server may take to start")
     parser.add_argument("--logs", default="/tmp/m2d-serve-load", help="folder for the servers' logs")
+    parser.add_argument("--results", help="append each measured run to this file as a JSON line")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     global ARGS
     ARGS = args = parser.parse_args()
