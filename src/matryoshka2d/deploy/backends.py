@@ -35,7 +35,7 @@ from matryoshka2d.models.encoder import ElasticEncoder, pad_rows
 BACKENDS = ("torch", "onnx")
 # The fixed cost of one onnxruntime call in token positions (minilm-l6, one thread, CPU time, 1-8 texts of 10
 # tokens): fp32 about 2 ms at layer 3 against 0.1 ms per position; int8 0.4-1.1 ms at layers 3-6 against
-# 0.05-0.1 ms (models/batching.inference_batches).
+# 0.05-0.1 ms (benchmarks/call_overhead.py; used by models/batching.inference_batches).
 CALL_OVERHEAD_TOKENS = {None: 20.0, "int8": 10.0}
 # How each kind of graph is made; a cached graph made another way (an older recipe) is rebuilt.
 RECIPES = {

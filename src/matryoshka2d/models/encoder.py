@@ -40,7 +40,8 @@ from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config
 
 # The fixed cost of one inference forward pass in token positions, fp32 on a CPU with one thread: about 5 ms
 # at layer 3 and 9.5 ms at layer 6 for a call, against 0.11 and 0.2 ms per token position (minilm-l6, CPU
-# time, shapes of 1-16 texts of 10-20 tokens). Other devices were not measured: fixed batches there.
+# time, 1-8 texts of 10-20 tokens: benchmarks/call_overhead.py). Other devices were not measured: fixed
+# batches there.
 CALL_OVERHEAD_TOKENS = {"cpu": 48.0}
 
 
