@@ -53,8 +53,9 @@ def run(command: list[str]) -> tuple[float, float]:
     seconds = time.perf_counter() - start
     err = child.stderr.read().decode()
     child.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{err}")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:  # a negative code is the signal that ended it (e.g. -9: killed from outside)
+        raise SystemExit(f"{' '.join(command)} failed with exit code {code}:\n{err[-2000:]}")
     return seconds, usage.ru_maxrss / 1024  # Linux reports KB
 
 

@@ -237,6 +237,8 @@ def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
         )
     assert not np.allclose(with_heads[(1, 32)], without[(1, 32)])
     np.testing.assert_array_equal(with_heads[(4, 32)], without[(4, 32)])  # the last layer has no head
+
+
 def test_a_frozen_backbone_trains_only_the_query_head_on_query_document_pairs(tiny_dir, text_file, tmp_path, capsys):
     """train --freeze-encoder --exit-heads keep, asymmetric at query layer 2, on anchor/positive pairs: the
     layer-2 head learns, the other heads and the backbone stay as they were, so the heads still load."""

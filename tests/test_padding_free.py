@@ -157,3 +157,17 @@ def test_pad_rows_pads_as_the_tokenizer_does(tokenizer, side):
         got = pad_rows(tok, encoded, idx, names)
         assert got.keys() == set(names)
         assert all(torch.equal(got[k], expected[k]) for k in names)
+
+
+def test_inference_batches_cap_their_size_and_pad_less_than_fixed_runs():
+    from matryoshka2d.models.batching import inference_batches
+
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([rng.integers(8, 20, 250), [90, 120, 60, 75, 110, 100]]).tolist()
+    fixed = inference_batches(lengths, 64, None)
+    assert [len(b) for b in fixed] == [64, 64, 64, 64]
+    assert lengths[fixed[0][0]] == 120  # longest first, as before
+    grouped = inference_batches(lengths, 64, 48.0)
+    assert max(len(b) for b in grouped) <= 64
+    assert sorted(np.concatenate(grouped).tolist()) == list(range(len(lengths)))
+    assert padded_positions(lengths, grouped) < 0.8 * padded_positions(lengths, fixed)

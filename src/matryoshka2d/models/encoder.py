@@ -33,11 +33,17 @@ from matryoshka2d.models.backbones import (
     load_transformer,
     resolve,
 )
-from matryoshka2d.models.batching import check_texts, length_batches, pad_rows
+from matryoshka2d.models.batching import check_texts, inference_batches, pad_rows
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.pooler import PoolerHead
 from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config, save_folder
 from matryoshka2d.views import unit_rows
+
+# The fixed cost of one inference forward pass in token positions, fp32 on a CPU with one thread: about 5 ms
+# at layer 3 and 9.5 ms at layer 6 for a call, against 0.11 and 0.2 ms per token position (minilm-l6, CPU
+# time, 1-8 texts of 10-20 tokens: benchmarks/call_overhead.py). Other devices were not measured: fixed
+# batches there.
+CALL_OVERHEAD_TOKENS = {"cpu": 48.0}
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -388,7 +394,10 @@ class ElasticEncoder(nn.Module):
         out = {n: np.zeros((len(unique), width), dtype=np.float32) for n in layers}
         if unique:
             encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
-            batches = list(length_batches([len(x) for x in encoded["input_ids"]], batch_size))
+            lengths = [len(x) for x in encoded["input_ids"]]
+            device = self.device  # a walk over the modules to the first parameter: once per call, not per batch
+            overhead = CALL_OVERHEAD_TOKENS.get(device.type)
+            batches = inference_batches(lengths, batch_size, overhead)  # texts of like length share a pass
             # Module.train() walks every submodule (about 1 ms for a 6-layer model, most of a one-query call):
             # switch to eval and back only when the model is training.
             was_training = self.model.training
@@ -400,7 +409,7 @@ class ElasticEncoder(nn.Module):
                 with torch.inference_mode():
                     for idx in batches:
                         features = pad_rows(self.tokenizer, encoded, idx, self._input_names)
-                        features = {k: v.to(self.device) for k, v in features.items()}
+                        features = {k: v.to(device) for k, v in features.items()}
                         for n, vec in self.forward(features, layers, heads=heads, pooled=pooled).items():
                             out[n][idx] = vec.float().cpu().numpy()
             finally:

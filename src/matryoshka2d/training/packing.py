@@ -11,8 +11,8 @@ rounding (tests/test_padding_free.py).
 
 How many groups: each forward pass has a fixed cost that does not depend on its tokens (most of it in the
 backward pass: a full-size gradient added to each weight and a dense gradient of the token-embedding table per
-call). `CALL_OVERHEAD_TOKENS` states it in token positions, measured on the CPU (benchmarks/train_speed.py
---overheads); on other devices it was not measured, so they keep the per-column padding unless the run asks
+call). `CALL_OVERHEAD_TOKENS` states it in token positions, measured on the CPU (benchmarks/call_overhead.py);
+on other devices it was not measured, so they keep the per-column padding unless the run asks
 for padding-free steps.
 """
 
@@ -27,7 +27,8 @@ import torch
 from matryoshka2d.models.batching import length_groups
 
 # The fixed cost of one forward and backward pass, in token positions of minilm-l6, fp32 on a CPU: 55 ms per
-# call against 0.64 ms per token position (3 exits, one thread, CPU time; docs/benchmarks.md).
+# call against 0.64 ms per token position (3 exits, one thread, CPU time); whole steps were cheapest, and
+# equally so, for any value from 40 to 150 (benchmarks/call_overhead.py, docs/benchmarks.md).
 CALL_OVERHEAD_TOKENS = {"cpu": 86.0}
 
 
