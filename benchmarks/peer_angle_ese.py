@@ -28,8 +28,10 @@ padding 'longest', epochs 1 (max_steps overrides), logging_steps 10, HF defaults
 What differs from our trainer (`matryoshka2d train --method ese --loss angle`, same data, steps, batch size, lr):
 - batch order: HF Trainer's RandomSampler seeded with 42, not our seeded permutation; the batches differ;
 - the collator drops a triplet whose anchor, positive or negative tokenizes to ids already seen in the batch
-  (filter_duplicate), so some batches have fewer than 32 triplets; ours keeps every row;
-- weight decay 0.0 (HF default) against our 0.01; the rest of the optimizer and schedule are alike;
+  (filter_duplicate), so some batches have fewer than 32 triplets; our `ese` default keeps every row (the
+  `ese-angle-emb` preset filters the same way: `filter_duplicates: true`);
+- weight decay 0.0 (HF default) against our default 0.01 (0.0 in the `ese-angle-emb` preset); the rest of the
+  optimizer and schedule are alike;
 - max length 512 (angle-emb default) against our 256; no NLI sentence here is longer than 141 tokens;
 - the shallow layers are angle-emb's: hidden_states[0 .. N-2], i.e. the embedding output and layers 1..N-2
   (layer N-1 not trained on its own), weights 1/(1+ln(1+i)), their sum divided by N-1 (our `ese-angle-emb`

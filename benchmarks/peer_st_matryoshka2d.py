@@ -3,8 +3,8 @@
     python benchmarks/peer_st_matryoshka2d.py --data ../shared/data/nli/train_triplets.tsv --output runs/st-2dmse
         [--steps N] [--batch-size 32] [--device cpu|cuda]
 
-Same backbone (minilm-l6), same batches in the same order (our trainer's seeded permutation), same AdamW,
-linear warm-up/decay and clipping; only the loss differs: Matryoshka2dLoss(MultipleNegativesRankingLoss)
+Same backbone (minilm-l6), same batches in the same order (our trainer's seeded permutation), AdamW with the
+library trainer's weight decay (0.0), linear warm-up/decay and clipping; only the loss differs: Matryoshka2dLoss(MultipleNegativesRankingLoss)
 with its defaults (one random prior layer and one random dim per step, KL temperature 0.3) over the nested
 dims 384 ... 8. The model is saved with model.save(), so it can be scored with `matryoshka2d eval sts`.
 Prints samples/second next to the number of steps so that it can be compared with our `2dmse` + `infonce`.
@@ -53,7 +53,9 @@ def main() -> None:
     loss_fn = Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), sorted(nested_dims(hidden), reverse=True))
     steps_per_epoch = math.ceil(len(data) / args.batch_size)
     total = args.steps or steps_per_epoch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # Weight decay 0: SentenceTransformerTrainer takes HF TrainingArguments, whose weight_decay defaults to 0.0
+    # (transformers training_args.py); the `st-matryoshka2d` preset uses the same.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = int(0.1 * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
