@@ -1,5 +1,6 @@
 """Each method asks for exactly the views its paper describes, and computes only the layers they need."""
 
+import json
 import math
 
 import numpy as np
@@ -205,3 +206,21 @@ def test_a_methods_loss_parts_stay_on_the_device(name, options):
     states = {n: EmbeddedBatch([torch.randn(6, 16) for _ in range(3)], "triplets", None) for n in plan.layers}
     _, parts = method.loss(plan, states, make_task_loss("infonce"))
     assert parts and all(isinstance(v, torch.Tensor) for v in parts.values()), parts
+
+
+@pytest.mark.parametrize("name", ["plain", "mrl", "2dmse", "ese", "starbucks", "separate", "asymmetric"])
+def test_every_method_records_its_settings_as_json_under_their_keys(name):
+    """config() is what matryoshka2d.json and the model card show: every named setting, JSON as written."""
+    method = make_method(name, 6, 384)
+    record = method.config()
+    assert record["method"] == name
+    assert json.loads(json.dumps(record)) == record  # tuples are already lists: reading it back changes nothing
+    named = {entry.partition("=")[0] for entry in method.settings.split()}
+    assert named <= set(record) and len(record) >= len(named) + 1
+
+
+def test_a_setting_recorded_under_another_key_reads_its_attribute():
+    record = make_method("2dmse", 6, 384, kl="features", shallow_weight=0.5).config()
+    assert record["kl"] == "features" and record["weights_full_shallow_lastsmall_shallowsmall"] == [1.0, 0.5, 1.0, 1.0]
+    sizes = make_method("starbucks", 6, 384).config()["sizes"]
+    assert all(isinstance(s, list) and len(s) == 2 for s in sizes)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.compress.masking import IGNORE, MaskedBatch, mask_batch
+from matryoshka2d.methods.base import recorded_settings
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack
 from matryoshka2d.models.encoder import ElasticEncoder, pool
@@ -152,6 +153,7 @@ class SMAEObjective(nn.Module):
     parameters (the encoder is passed to each call), so the optimizer and checkpoints see each weight once."""
 
     name = "smae"
+    settings = "sizes encoder_mask_ratio decoder_mask_ratio bottleneck reduction mlm_head=head_source"
 
     def __init__(
         self,
@@ -277,16 +279,7 @@ class SMAEObjective(nn.Module):
         return {d for _, d in self.sizes}
 
     def config(self) -> dict:
-        return {
-            "method": self.name,
-            "sizes": [list(s) for s in self.sizes],
-            "encoder_mask_ratio": self.encoder_mask_ratio,
-            "decoder_mask_ratio": self.decoder_mask_ratio,
-            "bottleneck": self.bottleneck,
-            "reduction": self.reduction,
-            "decoder_layers": len(self.decoder),
-            "mlm_head": self.head_source,
-        }
+        return {**recorded_settings(self, self.settings), "decoder_layers": len(self.decoder)}
 
 
 # ---- the run: the Trainer's loop, checkpoints and resume, with SMAE's objective ---------------------------

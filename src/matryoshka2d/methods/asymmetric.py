@@ -30,6 +30,7 @@ from matryoshka2d.views import View
 class Asymmetric(Method):
     name = "asymmetric"
     summary = "task loss on (query at a shallow layer n, documents at the last layer) pairs, plus (N, D)"
+    settings = "query_layers dims full_weight asymmetric_weight align_weight"
 
     def __init__(
         self,
@@ -83,13 +84,3 @@ class Asymmetric(Method):
             parts["align"] = align.detach()
             total = total + self.align_weight * align
         return total, parts
-
-    def config(self) -> dict:
-        return {
-            "method": self.name,
-            "query_layers": self.query_layers,
-            "dims": self.dims,
-            "full_weight": self.full_weight,
-            "asymmetric_weight": self.asymmetric_weight,
-            "align_weight": self.align_weight,
-        }

@@ -22,6 +22,21 @@ States = dict[int, EmbeddedBatch]  # layer -> full-width pooled embeddings of ev
 TaskLoss = Callable[[EmbeddedBatch], torch.Tensor]
 
 
+def recorded_settings(owner, settings: str) -> dict:
+    """`{"method": owner.name}` and each setting named in `settings` (space-separated attribute names;
+    `key=attribute` records an attribute under another key), as the trained model's record holds them (JSON:
+    tuples become lists)."""
+    record = {"method": owner.name}
+    for entry in settings.split():
+        key, _, attribute = entry.partition("=")
+        record[key] = _as_json(getattr(owner, attribute or key))
+    return record
+
+
+def _as_json(value):
+    return [_as_json(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def check_normalize(method: str, value) -> bool | str:
     """`kl_normalize` of the methods with a feature KL: compare L2-normalised vectors (true), the raw pooled ones
     (false), or do what the backbone's own pipeline does ("auto": normalised when it ends in a Normalize
@@ -54,6 +69,7 @@ class Method(nn.Module):
 
     name = "base"
     summary = ""
+    settings = ""  # the attributes config() records: see recorded_settings
 
     def __init__(self, num_layers: int, hidden_size: int):
         super().__init__()
@@ -87,4 +103,4 @@ class Method(nn.Module):
 
     def config(self) -> dict:
         """The method's settings, recorded with the trained model."""
-        return {"method": self.name}
+        return recorded_settings(self, self.settings)

@@ -108,6 +108,10 @@ def pca_target(x: torch.Tensor, k: int) -> torch.Tensor:
 class ESE(Method):
     name = "ese"
     summary = "loss at every layer at width k (weights 1/(1+ln i)) + first-k aligned to a PCA target"
+    settings = (
+        "k alpha beta layers=layers_reading shallow_mean compress_target kl_factor dynamic_weights=dynamic "
+        "kl_temperature full_loss pca pca_sign"
+    )
 
     def __init__(
         self,
@@ -205,19 +209,4 @@ class ESE(Method):
         return total, parts
 
     def config(self) -> dict:
-        return {
-            "method": self.name,
-            "k": self.k,
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "layers": self.layers_reading,
-            "shallow_mean": self.shallow_mean,
-            "compress_target": self.compress_target,
-            "kl_factor": self.kl_factor,
-            "dynamic_weights": self.dynamic,
-            "layer_weights": [round(float(w), 4) for w in self.layer_weights().detach()],
-            "kl_temperature": self.kl_temperature,
-            "full_loss": self.full_loss,
-            "pca": self.pca,
-            "pca_sign": self.pca_sign,
-        }
+        return {**super().config(), "layer_weights": [round(float(w), 4) for w in self.layer_weights().detach()]}

@@ -13,6 +13,7 @@ from matryoshka2d.views import View, nested_dims
 class MRL(Method):
     name = "mrl"
     summary = "nested widths 8, 16, 32, ... D at the last layer, every step"
+    settings = "dims"
 
     def __init__(self, num_layers: int, hidden_size: int, dims: list[int] | None = None):
         super().__init__(num_layers, hidden_size)
@@ -20,6 +21,3 @@ class MRL(Method):
 
     def plan(self, rng) -> Plan:
         return Plan([View(self.num_layers, d) for d in self.dims])
-
-    def config(self) -> dict:
-        return {"method": self.name, "dims": self.dims}

@@ -14,6 +14,7 @@ from matryoshka2d.views import View
 class Separate(Method):
     name = "separate"
     summary = "cut the backbone to n layers and train (n, d) alone (the separately-trained baseline)"
+    settings = "layer dim"
 
     def __init__(self, num_layers: int, hidden_size: int, layer: int | None = None, dim: int | None = None):
         super().__init__(num_layers, hidden_size)
@@ -33,6 +34,3 @@ class Separate(Method):
 
     def plan(self, rng) -> Plan:
         return Plan([View(self.layer, self.dim)])
-
-    def config(self) -> dict:
-        return {"method": self.name, "layer": self.layer, "dim": self.dim}

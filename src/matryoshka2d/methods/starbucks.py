@@ -49,6 +49,7 @@ def default_sizes(num_layers: int, hidden: int) -> list[tuple[int, int]]:
 class Starbucks(Method):
     name = "starbucks"
     summary = "a fixed list of (layer, dim) sizes every step + KL from the full size to each (SRL)"
+    settings = "sizes kl_weight kl_temperature kl=kl_kind kl_factor kl_detach kl_scale_logits kl_normalize kl_teacher"
 
     def __init__(
         self,
@@ -130,17 +131,3 @@ class Starbucks(Method):
         if kl is None:
             return None, {}
         return self.kl_weight * kl, {"kl": kl.detach()}
-
-    def config(self) -> dict:
-        return {
-            "method": self.name,
-            "sizes": [list(s) for s in self.sizes],
-            "kl_weight": self.kl_weight,
-            "kl_temperature": self.kl_temperature,
-            "kl": self.kl_kind,
-            "kl_factor": self.kl_factor,
-            "kl_detach": self.kl_detach,
-            "kl_scale_logits": self.kl_scale_logits,
-            "kl_normalize": self.kl_normalize,
-            "kl_teacher": self.kl_teacher,
-        }

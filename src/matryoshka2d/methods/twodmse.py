@@ -34,6 +34,10 @@ from matryoshka2d.views import View, nested_dims
 class TwoDMSE(Method):
     name = "2dmse"
     summary = "each step: last + one random shallow layer, full + one random width, KL from last layer"
+    settings = (
+        "dims weights_full_shallow_lastsmall_shallowsmall=weights kl_weight kl_temperature shallow_weighting "
+        "kl=kl_kind kl_widths kl_factor kl_detach kl_normalize min_layer views"
+    )
 
     def __init__(
         self,
@@ -127,20 +131,3 @@ class TwoDMSE(Method):
                 )
             kl = value if kl is None else kl + value
         return self.kl_weight * kl, {"kl": kl.detach()}
-
-    def config(self) -> dict:
-        return {
-            "method": self.name,
-            "dims": self.dims,
-            "weights_full_shallow_lastsmall_shallowsmall": list(self.weights),
-            "kl_weight": self.kl_weight,
-            "kl_temperature": self.kl_temperature,
-            "shallow_weighting": self.shallow_weighting,
-            "kl": self.kl_kind,
-            "kl_widths": self.kl_widths,
-            "kl_factor": self.kl_factor,
-            "kl_detach": self.kl_detach,
-            "kl_normalize": self.kl_normalize,
-            "min_layer": self.min_layer,
-            "views": self.views,
-        }
