@@ -102,3 +102,60 @@ def test_a_module_we_cannot_run_is_named(st_saved, tmp_path):
     (copy / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(BackboneError, match=r"entry 3 .*sentence-transformers cannot resolve this module"):
         ElasticEncoder(str(copy), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "pooling_config",
+    [
+        {"embedding_dimension": 32, "pooling_mode": "lasttoken", "include_prompt": True},  # sentence-transformers 5+
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True},  # legacy
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True},  # two on
+        {"word_embedding_dimension": 32, "pooling_mode": "max"},
+    ],
+)
+def test_plain_json_modules_read_as_sentence_transformers_reads_them(st_saved, tmp_path, pooling_config):
+    """The JSON read of Transformer/Pooling/Normalize gives what sentence-transformers' classes give; a config it
+    cannot read plainly (two pooling flags on) is left to sentence-transformers."""
+    import shutil
+
+    from sentence_transformers.util.misc import import_module_class
+
+    from matryoshka2d.models.st_folder import read_sentence_config, settings_module
+
+    folder = tmp_path / "model"
+    shutil.copytree(st_saved[0], folder)
+    modules = json.loads((folder / "modules.json").read_text())
+    pooling = next(m for m in modules if m["type"].endswith("Pooling"))
+    (folder / pooling["path"] / "config.json").write_text(json.dumps(pooling_config))
+    for module in modules:
+        plain = settings_module(module["type"], folder / module["path"])
+        module_class = import_module_class(module["type"], str(folder), trust_remote_code=False)
+        if module_class.__name__ == "Pooling":
+            theirs = module_class.load(str(folder), subfolder=module["path"]).pooling_mode
+            if plain is None:
+                assert sum(bool(v) for k, v in pooling_config.items() if k.startswith("pooling_mode_")) > 1
+                continue
+            assert plain == ("Pooling", {"pooling_mode": theirs})
+        elif module_class.__name__ == "Transformer":
+            config = module_class.load_config(str(folder), subfolder=module["path"])
+            assert plain == ("Transformer", {"max_seq_length": config.get("max_seq_length")})
+        else:
+            assert plain == ("Normalize", {})
+    if pooling_config.get("pooling_mode") == "max":
+        with pytest.raises(BackboneError, match="pooling mode 'max' is not supported"):
+            read_sentence_config(str(folder))
+
+
+def test_loading_a_plain_model_folder_does_not_import_sentence_transformers(st_saved):
+    """sentence-transformers brings scikit-learn, pandas and pyarrow: about 200 MB of RSS that encode and serve
+    do not need for Transformer, Pooling and Normalize."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from matryoshka2d.models.encoder import ElasticEncoder; "
+        f"e = ElasticEncoder({str(st_saved[0])!r}, device='cpu'); "
+        "print(e.pooling, 'sentence_transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["cls", "False"]

@@ -40,8 +40,50 @@ class SentenceConfig:
     dense: nn.Module | None = None
 
 
+# sentence-transformers' legacy pooling flags -> its pooling_mode names (its Pooling module's own table).
+ST_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+# Where sentence-transformers' Transformer module keeps max_seq_length (its load_config tries these in order).
+ST_TRANSFORMER_CONFIGS = tuple(
+    f"sentence_{name}_config.json"
+    for name in ("bert", "roberta", "distilbert", "camembert", "albert", "xlm-roberta", "xlnet")
+)
+
+
+def settings_module(kind: str, folder: Path):
+    """The settings of a Transformer, Pooling or Normalize module of sentence-transformers read from its JSON,
+    as (class name, settings), or None where only sentence-transformers can say (another module, a config that
+    does not read plainly). Importing sentence-transformers costs about 200 MB of RSS (scikit-learn, pandas and
+    pyarrow come with it) and seconds of start-up; a model whose modules are these three does not need it."""
+    package, _, name = kind.rpartition(".")
+    if not package.startswith("sentence_transformers.") or name not in ("Transformer", "Pooling", "Normalize"):
+        return None
+    try:
+        if name == "Normalize":
+            return name, {}
+        if name == "Transformer":
+            found = next((folder / f for f in ST_TRANSFORMER_CONFIGS if (folder / f).is_file()), None)
+            config = json.loads(found.read_text()) if found else {}
+            return name, {"max_seq_length": config.get("max_seq_length")}
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # sentence-transformers reads it and says what is wrong
+    mode = config.get("pooling_mode")
+    if mode is None:
+        modes = [ST_POOLING_FLAGS[k] for k, on in config.items() if k in ST_POOLING_FLAGS and on is True]
+        mode = modes[0] if len(modes) == 1 else None
+    return (name, {"pooling_mode": mode}) if isinstance(mode, str) else None
+
+
 def read_sentence_config(model_dir: str | None) -> SentenceConfig:
-    """Read a sentence-transformers folder's modules through sentence-transformers' own module classes.
+    """Read a sentence-transformers folder's modules: Transformer, Pooling and Normalize from their JSON where it
+    reads plainly (`settings_module`), anything else through sentence-transformers' own module classes.
 
     Each module that modules.json lists is resolved and loaded by the installed sentence-transformers (so every
     config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
@@ -60,8 +102,6 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
         if bert_cfg.is_file():
             cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
         return cfg
-    from sentence_transformers.util.misc import import_module_class
-
     try:
         modules = json.loads(modules_file.read_text())
     except json.JSONDecodeError as exc:
@@ -70,17 +110,21 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
     for i, module in enumerate(modules):
         kind, sub = module.get("type", ""), module.get("path", "")
         where = f"{modules_file} entry {i} ({kind or 'no type'}, path '{sub}')"
-        try:
-            module_class = import_module_class(kind, str(root), trust_remote_code=False)
-        except Exception as exc:
-            raise BackboneError(f"{where}: sentence-transformers cannot resolve this module ({exc})") from None
-        name = module_class.__name__
+        plain = settings_module(kind, root / sub)
+        if plain is None:
+            from sentence_transformers.util.misc import import_module_class
+
+            try:
+                module_class = import_module_class(kind, str(root), trust_remote_code=False)
+            except Exception as exc:
+                raise BackboneError(f"{where}: sentence-transformers cannot resolve this module ({exc})") from None
+        name = plain[0] if plain else module_class.__name__
         try:
             if name == "Transformer":
-                cfg.max_length = module_class.load_config(str(root), subfolder=sub).get("max_seq_length")
+                config = plain[1] if plain else module_class.load_config(str(root), subfolder=sub)
+                cfg.max_length = config.get("max_seq_length")
             elif name == "Pooling":
-                pooling = module_class.load(str(root), subfolder=sub)
-                mode = pooling.pooling_mode
+                mode = plain[1]["pooling_mode"] if plain else module_class.load(str(root), subfolder=sub).pooling_mode
                 if mode not in ST_POOLING:
                     raise BackboneError(
                         f"{root / sub / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
