@@ -69,6 +69,12 @@ if [ "${EXTRA:-0}" = 1 ]; then
   run ese-compress-paper --method ese --method-option beta=1 --method-option compress_target=dependency
   run ese-angle-emb --preset ese-angle-emb
   run st-recipe --preset st-matryoshka2d
+  run 2dmse-paper --preset 2dmse-paper
+  run 2dmse-angle-0.3 --preset 2dmse-angle-0.3
+  run 2dmse-authors --preset 2dmse-authors
+  run ese-paper --preset ese-paper
+  run 2dmse-dedup --method 2dmse --filter-duplicates                           # issue 21 item 7
+  run 2dmse-wd-exempt --method 2dmse --weight-decay-exempt norm-and-bias       # issue 21 item 12
   run starbucks-paper --preset starbucks-paper
   run 2dmse-infonce --method 2dmse --loss infonce
   run mrl --method mrl

@@ -167,7 +167,11 @@ def test_pretrain_cli(tiny_dir, files, tmp_path, capsys):
         0.05,
     )
     assert meta["method"]["encoder_mask_ratio"] == 0.2 and meta["method"]["decoder_mask_ratio"] == 0.4
+    assert meta["method"]["reduction"] == "sum"  # the paper's eq. 9 unless --reduction says otherwise
     assert "pre-trained encoder saved" in capsys.readouterr().out
+    mean = tmp_path / "smae-mean"
+    assert main([*args[:-5], "--output", str(mean), "--eval-file", str(files / "dev.tsv"), "--reduction", "mean"]) == 0
+    assert json.loads((mean / "matryoshka2d.json").read_text())["method"]["reduction"] == "mean"
     assert main([*args, "--encoder-mask-ratio", "1.5", "--output", str(tmp_path / "other")]) == 2
     assert "encoder_mask_ratio must be between 0 and 1" in capsys.readouterr().err
 

@@ -99,3 +99,24 @@ def test_weight_decay_exempt_is_checked_and_changes_the_run():
     with pytest.raises(ValueError, match=r"weight_decay_exempt \(checkpoint 'none', now 'norm-and-bias'\)"):
         check_resumable("ckpt", saved, {"weight_decay_exempt": "norm-and-bias"})
     check_resumable("ckpt", {}, {"weight_decay_exempt": "none", "filter_duplicates": False})  # older checkpoints
+
+
+def test_train_flags_set_the_duplicate_filter_and_the_weight_decay_exemption(triplets, tiny_dir, tmp_path):
+    """--filter-duplicates, --weight-decay and --weight-decay-exempt reach the run's recorded config; a bad
+    exemption is refused by argparse with the choices."""
+    import json
+
+    from matryoshka2d.cli import main
+
+    (triplets.parent / "dev.tsv").write_text("sentence1\tsentence2\tscore\nred cat\tred cat\t5\nred\tdog\t1\n")
+    out = tmp_path / "o"
+    common = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
+    common += ["--batch-size", "4", "--eval-file", str(triplets.parent / "dev.tsv"), "--device", "cpu"]
+    flags = ["--filter-duplicates", "--weight-decay", "0", "--weight-decay-exempt", "norm-and-bias"]
+    assert main([*common, *flags, "--output", str(out)]) == 0
+    training = json.loads((out / "matryoshka2d.json").read_text())["training"]
+    assert training["filter_duplicates"] is True and training["weight_decay"] == 0
+    assert training["weight_decay_exempt"] == "norm-and-bias"
+    with pytest.raises(SystemExit):
+        main([*common, "--weight-decay-exempt", "norms", "--output", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()

@@ -65,6 +65,7 @@ def cmd_pretrain(args) -> int:
         "encoder_mask_ratio": args.encoder_mask_ratio if args.encoder_mask_ratio is not None else ENCODER_MASK_RATIO,
         "decoder_mask_ratio": args.decoder_mask_ratio if args.decoder_mask_ratio is not None else DECODER_MASK_RATIO,
         "bottleneck": args.bottleneck,
+        "reduction": args.reduction,
     }
     if args.sizes:
         options["sizes"] = [list(c) for c in parse_cells(args.sizes)]
@@ -152,6 +153,13 @@ def register(sub, model_args) -> None:
         choices=["pooled", "cls"],
         default="pooled",
         help="decoder input vector: the model's pooled sentence vector (default) or the [CLS] state",
+    )
+    p.add_argument(
+        "--reduction",
+        choices=["sum", "mean"],
+        default="sum",
+        help="how the per-size MLM and MAE losses combine: sum (the paper's eq. 9, the default) or mean (ielab's "
+        "code: (mlm + mae) / 2 per size, averaged over sizes)",
     )
     run_options(
         p,

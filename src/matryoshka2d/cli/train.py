@@ -140,6 +140,18 @@ def register(sub, model_args) -> None:
     p.add_argument("--dim", type=int, help="separate: at this width")
     p.add_argument("--method-option", action="append", metavar="KEY=VALUE", help="e.g. k=64, kl_temperature=0.5")
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. angle_weight=0.02")
+    p.add_argument(
+        "--filter-duplicates",
+        action="store_true",
+        help="drop a row that repeats a text already in its batch, as angle-emb's collator does (default off)",
+    )
+    run_options(p, "--weight-decay")
+    p.add_argument(
+        "--weight-decay-exempt",
+        choices=["none", "norm-and-bias"],
+        help="parameters without weight decay: none (default) or biases and LayerNorm weights, as "
+        "sentence-transformers' trainer and nanoGPT do",
+    )
     heads = p.add_argument_group("exit heads (a small map at every exit into the last layer's space)")
     heads.add_argument(
         "--exit-heads",
