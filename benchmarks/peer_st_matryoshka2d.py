@@ -4,9 +4,10 @@
         [--steps N] [--batch-size 32] [--device cpu|cuda]
 
 Same backbone (minilm-l6), same batches in the same order (our trainer's seeded permutation), AdamW with the
-library trainer's weight decay (0.0), linear warm-up/decay and clipping; only the loss differs: Matryoshka2dLoss(MultipleNegativesRankingLoss)
-with its defaults (one random prior layer and one random dim per step, KL temperature 0.3) over the nested
-dims 384 ... 8. The model is saved with model.save(), so it can be scored with `matryoshka2d eval sts`.
+library trainer's weight decay (0.0), linear warm-up/decay and clipping; only the loss differs:
+Matryoshka2dLoss(MultipleNegativesRankingLoss) with its defaults (one random prior layer and one random dim per
+step, KL temperature 0.3) over the nested dims 384 ... 8. The model is saved with model.save(), so it can be
+scored with `matryoshka2d eval sts`.
 Prints samples/second next to the number of steps so that it can be compared with our `2dmse` + `infonce`.
 """
 
