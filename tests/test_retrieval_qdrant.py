@@ -262,3 +262,12 @@ def test_server_search_parameters(built, capsys):
     search = ["search", "--index", str(root / "faiss"), *common, "--query", "rain", "--oversampling", "2"]
     assert main(search) == 2
     assert "--oversampling are for Qdrant" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index", ["faiss", "q"])
+def test_a_query_layer_deeper_than_the_documents_is_refused_by_both_backends(built, capsys, index):
+    """Queries exit at most at the documents' layer, in a faiss index and a Qdrant collection alike."""
+    root, common, queries = built
+    args = ["search", "--index", str(root / index), *common, "--queries", str(queries)]
+    assert main([*args, "--cell", "1:8", "--query-layer", "3"]) == 2
+    assert "--query-layer 3 is deeper than the documents of cell 1:8" in capsys.readouterr().err

@@ -330,10 +330,10 @@ class QdrantIndex(SearchIndex):
     def check_search(self, encoder, cells: list[Cell], cascade, shortlist: int, top_k: int, query_layer) -> None:
         if cascade and shortlist < top_k:
             raise ValueError(f"--shortlist {shortlist} is smaller than --top-k {top_k}; the rerank can only reorder it")
-        if query_layer is not None:
-            encoder.check_layer(query_layer)
         for c in cells:
             self.check_cell(c)
+        if query_layer is not None:
+            self.check_query_layer(encoder.check_layer(query_layer), cells)
 
     def run_search(self, vectors: dict[Cell, np.ndarray], cells: list[Cell], cascade, shortlist: int, top_k: int):
         requests = self.requests(vectors, cells[0], cascade, shortlist, top_k)

@@ -153,6 +153,18 @@ class SearchIndex:
         """The backend's own checks of a search's cells and settings, before any query is encoded."""
         raise NotImplementedError
 
+    def check_query_layer(self, query_layer: int, cells: Sequence[Cell]) -> None:
+        """Asymmetric search runs queries through fewer layers than the documents: a query exit deeper than a
+        searched cell's documents is refused (it costs more than the documents' own exit, and no method trains a
+        deep query against shallow documents)."""
+        shallowest = min(cells)
+        if query_layer > shallowest[0]:
+            raise IndexBuildError(
+                f"--query-layer {query_layer} is deeper than the documents of cell {shallowest[0]}:{shallowest[1]} "
+                f"(encoded at layer {shallowest[0]}): queries exit at most at the documents' layer; use "
+                f"--query-layer {shallowest[0]} or less, or search a deeper cell"
+            )
+
     def run_search(self, vectors: dict[Cell, np.ndarray], cells: list[Cell], cascade, shortlist: int, top_k: int):
         """(ids, scores, description) of the search proper: the timed part."""
         raise NotImplementedError
@@ -304,18 +316,6 @@ class CellIndex(SearchIndex):
             raise IndexBuildError(
                 f"{self.directory}: documents were pooled with {want['pooling']}, the query model with "
                 f"{encoder.pooling}; pass --pooling {want['pooling']} (or leave it out)"
-            )
-
-    def check_query_layer(self, query_layer: int, cells: Sequence[Cell]) -> None:
-        """Asymmetric search runs queries through fewer layers than the documents: a query exit deeper than a
-        searched cell's documents is refused (it costs more than the documents' own exit, and no method trains a
-        deep query against shallow documents)."""
-        shallowest = min(cells)
-        if query_layer > shallowest[0]:
-            raise IndexBuildError(
-                f"--query-layer {query_layer} is deeper than the documents of cell {shallowest[0]}:{shallowest[1]} "
-                f"(encoded at layer {shallowest[0]}): queries exit at most at the documents' layer; use "
-                f"--query-layer {shallowest[0]} or less, or search a deeper cell"
             )
 
     def check_search(self, encoder, cells: list[Cell], cascade, shortlist: int, top_k: int, query_layer) -> None:
