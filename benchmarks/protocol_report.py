@@ -4,7 +4,8 @@
 
 For RAW (untouched minilm-l6) and each trained folder under --runs, runs `matryoshka2d eval sts` once
 (results cached in <run>/sts/results.json) and prints: the 7-set average at the last layer and full width,
-the shallow average (ESE's ≺Avg: layers 1..N-1 at full width) and the cells (1,64), (2,128), (3,128).
+the shallow average (ESE's ≺Avg: layers 1..N-1 at full width) and the cells (1,64), (2,128), (3,128), (5,384),
+(6,64). A model folder with exit heads is scored through them (`eval sts` uses a folder's heads).
 A separately trained model has only its own layers, so it reports only the cells it has.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from common import DEFAULT_DATA, header
 
-CELLS = [(1, 64), (2, 128), (3, 128), (6, 64)]
+CELLS = [(1, 64), (2, 128), (3, 128), (5, 384), (6, 64)]
 ORDER = [
     "raw",
     "plain",
@@ -26,18 +27,29 @@ ORDER = [
     "mrl",
     "2dmse",
     "2dmse-infonce",
+    "2dmse-paper",
+    "2dmse-angle-0.3",
+    "2dmse-authors",
+    "2dmse-dedup",
+    "2dmse-wd-exempt",
+    "2dmse-heads",
     "st-matryoshka2d",
+    "st-matryoshka2d-seed43",
     "st-recipe",
     "ese",
+    "ese-heads",
+    "ese-paper",
     "ese-compress-scaled",
     "ese-compress-paper",
     "ese-angle-emb",
     "angle-emb-ese",
     "starbucks",
     "starbucks-paper",
+    "starbucks-heads",
     "separate-1-64",
     "separate-2-128",
     "separate-3-128",
+    "separate-3-128-heads",
 ]
 
 
@@ -65,7 +77,8 @@ def describe(run: Path) -> str:
     meta_file = run / "matryoshka2d.json"
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
-        return f"{meta['method']['method']} + {meta['loss']}, {meta['steps']} steps"
+        heads = ", exit heads" if (run / "exit_heads.safetensors").is_file() else ""
+        return f"{meta['method']['method']} + {meta['loss']}, {meta['steps']} steps{heads}"
     peer = run / "peer_run.json"
     if peer.is_file():
         info = json.loads(peer.read_text())
