@@ -101,9 +101,9 @@ def test_weight_decay_exempt_is_checked_and_changes_the_run():
     check_resumable("ckpt", {}, {"weight_decay_exempt": "none", "filter_duplicates": False})  # older checkpoints
 
 
-def test_train_flags_set_the_duplicate_filter_and_the_weight_decay_exemption(triplets, tiny_dir, tmp_path):
-    """--filter-duplicates, --weight-decay and --weight-decay-exempt reach the run's recorded config; a bad
-    exemption is refused by argparse with the choices."""
+def test_train_flags_set_the_duplicate_filter_and_the_weight_decay_exemption(triplets, tiny_dir, tmp_path, capsys):
+    """--filter-duplicates, --weight-decay and --weight-decay-exempt reach the run's recorded config (--quiet: no
+    progress bar); a bad exemption is refused by argparse with the choices."""
     import json
 
     from matryoshka2d.cli import main
@@ -113,7 +113,8 @@ def test_train_flags_set_the_duplicate_filter_and_the_weight_decay_exemption(tri
     common = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
     common += ["--batch-size", "4", "--eval-file", str(triplets.parent / "dev.tsv"), "--device", "cpu"]
     flags = ["--filter-duplicates", "--weight-decay", "0", "--weight-decay-exempt", "norm-and-bias"]
-    assert main([*common, *flags, "--output", str(out)]) == 0
+    assert main([*common, *flags, "--output", str(out), "--quiet"]) == 0
+    assert "1/1 [" not in capsys.readouterr().err  # no tqdm bar
     training = json.loads((out / "matryoshka2d.json").read_text())["training"]
     assert training["filter_duplicates"] is True and training["weight_decay"] == 0
     assert training["weight_decay_exempt"] == "norm-and-bias"

@@ -92,6 +92,7 @@ def cmd_train(args) -> int:
     out = train(
         TrainConfig.from_dict(values),
         resume=args.resume,
+        progress=not args.quiet,
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle_checkpoint,
     )
@@ -196,6 +197,6 @@ def register(sub, model_args) -> None:
         help="run a step's texts in length groups instead of padding each column (default: on a CPU)",
     )
     p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
-    run_options(p, "--resume")
+    run_options(p, "--resume", "--quiet")
     add_safety_flags(p)
     p.set_defaults(func=cmd_train)
