@@ -101,6 +101,20 @@ def run_options(p, *flags: str, **helps: str) -> None:
         p.add_argument(flag, **keywords, **({"help": text} if text else {}))
 
 
+def run_training(entry, values: dict, args):
+    """Start `entry` (training.trainer.train, compress.smae.pretrain) on a TrainConfig of `values`, with the run
+    options every training command has: --resume, --quiet, --overwrite, --allow-pickle-checkpoint."""
+    from matryoshka2d.training.config import TrainConfig
+
+    return entry(
+        TrainConfig.from_dict(values),
+        resume=args.resume,
+        progress=not args.quiet,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle_checkpoint,
+    )
+
+
 def given(args, names) -> dict:
     """The options among `names` given on the command line, by name: a value, or a switch turned on (None, and
     False for a switch, mean not given, so that a preset's or a config file's value stands)."""

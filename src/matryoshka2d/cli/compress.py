@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from matryoshka2d.cli.args import add_safety_flags, command, parse_options, run_options, training_options
+from matryoshka2d.cli.args import add_safety_flags, command, parse_options, run_options, run_training, training_options
 from matryoshka2d.compress.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.views import parse_cells
@@ -56,7 +56,6 @@ def cmd_two_step(args) -> int:
 
 def cmd_pretrain(args) -> int:
     from matryoshka2d.compress.smae import pretrain
-    from matryoshka2d.training.config import TrainConfig
 
     # Defaults of the SMAE paper, sec. 4.1: AdamW lr 1e-4, weight decay 0.05, cosine schedule, warm-up 0.05.
     values = {"loss": "mlm+mae", "lr": 1e-4, "weight_decay": 0.05, "lr_schedule": "cosine", "warmup_ratio": 0.05}
@@ -70,13 +69,7 @@ def cmd_pretrain(args) -> int:
     if args.sizes:
         options["sizes"] = [list(c) for c in parse_cells(args.sizes)]
     values["method_options"] = options
-    out = pretrain(
-        TrainConfig.from_dict(values),
-        resume=args.resume,
-        progress=not args.quiet,
-        overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle_checkpoint,
-    )
+    out = run_training(pretrain, values, args)
     meta = json.loads((out / "matryoshka2d.json").read_text())
     print(f"pre-trained encoder saved to {out} ({meta['steps']} steps; decoder and MLM head discarded)")
     return 0

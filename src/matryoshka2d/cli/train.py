@@ -8,11 +8,11 @@ from pathlib import Path
 
 import yaml
 
-from matryoshka2d.cli.args import add_safety_flags, parse_options, run_options, training_options
+from matryoshka2d.cli.args import add_safety_flags, parse_options, run_options, run_training, training_options
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.methods import METHODS
 from matryoshka2d.training import presets
-from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig
+from matryoshka2d.training.config import DEFAULT_LOSSES
 from matryoshka2d.training.trainer import train
 from matryoshka2d.views import parse_cells
 
@@ -89,13 +89,7 @@ def cmd_train(args) -> int:
     missing = [k for k in ("data", "output") if not values.get(k)]
     if missing:
         raise ValueError(f"train needs {' and '.join('--' + m for m in missing)} (or in --config)")
-    out = train(
-        TrainConfig.from_dict(values),
-        resume=args.resume,
-        progress=not args.quiet,
-        overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle_checkpoint,
-    )
+    out = run_training(train, values, args)
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process returns here; rank 0 saved it
         print(f"model saved to {out}")
     return 0
