@@ -45,7 +45,8 @@ from matryoshka2d.evaluate.retrieval import load_beir, rank_metrics
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.cascade import overlap_at
 from matryoshka2d.retrieval.index import build_index, cell_name, load_shards, parse_cell_list, read_manifest
-from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors, unit
+from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors
+from matryoshka2d.views import unit_rows as unit
 
 TEXT_COLUMNS = {"sentence", "sentence1", "sentence2", "anchor", "positive", "negative", "premise", "hypothesis"}
 
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", default=["6:128/float32", "6:128/int8", "6:384/binary"])
     parser.add_argument("--ef", nargs="+", type=int, default=[16, 32, 64, 128, 256, 512], help="full-cell HNSW")
     parser.add_argument("--shortlists", nargs="+", type=int, default=[100, 200, 400, 800], help="cascade tiers")
+    parser.add_argument("--nprobe", nargs="+", type=int, default=[16, 32, 64], help="IVF tiers: lists visited")
     parser.add_argument("--exact-only", action="store_true", help="--memory: only the exact shortlists table")
     parser.add_argument(
         "--rounds", type=int, default=7, help="HNSW and each cascade at their first >= 99%% setting, searched in turns"
@@ -163,6 +165,7 @@ def main() -> None:
 # ---- --memory: the cascade against HNSW on the full cell, each index in a process of its own ----------------
 
 HNSW_M = 32
+IVF_LISTS = 1024  # about 4 sqrt(n) at 208k vectors
 
 
 def memory_status() -> dict[str, float]:
@@ -189,7 +192,10 @@ def child_build(job: dict) -> dict:
         faiss.write_index_binary(index, job["out"])
     else:
         code = {"float32": "Flat", "int8": "SQ8"}[job["storage"]]
-        spec = code if job["kind"] == "flat" else (f"HNSW{HNSW_M}" if code == "Flat" else f"HNSW{HNSW_M}_{code}")
+        if job["kind"] == "ivf":  # inverted lists over k-means cells, about 4 sqrt(n) of them
+            spec = f"IVF{IVF_LISTS},{code}"
+        else:
+            spec = code if job["kind"] == "flat" else (f"HNSW{HNSW_M}" if code == "Flat" else f"HNSW{HNSW_M}_{code}")
         index = faiss.index_factory(vectors.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
         if not index.is_trained:
             index.train(vectors)
@@ -210,11 +216,14 @@ def child_search(job: dict) -> dict:
     loaded = memory_status()
     rerank = np.load(job["rerank"], mmap_mode="r") if job.get("rerank") else None
     hnsw = index.hnsw if job["binary"] and job["hnsw"] else (faiss.downcast_index(index).hnsw if job["hnsw"] else None)
+    ivf = faiss.extract_index_ivf(index) if job.get("ivf") else None
     rows = []
     n = len(queries_full)
     for ef, shortlist in job["settings"]:
         if hnsw is not None:
             hnsw.efSearch = ef
+        if ivf is not None:
+            ivf.nprobe = ef  # an IVF tier's first setting is the number of lists visited
         best, ranking = float("inf"), None
         for _ in range(job["repeats"]):
             start = time.perf_counter()
@@ -253,7 +262,10 @@ def child_race(job: dict) -> dict:
     full_index = faiss.read_index(job["full_index"])
     faiss.downcast_index(full_index).hnsw.efSearch = job["ef"]
     small_index = faiss.read_index_binary(job["small_index"]) if job["binary"] else faiss.read_index(job["small_index"])
-    (small_index.hnsw if job["binary"] else faiss.downcast_index(small_index).hnsw).efSearch = job["shortlist"]
+    if job.get("nprobe"):
+        faiss.extract_index_ivf(small_index).nprobe = job["nprobe"]
+    else:
+        (small_index.hnsw if job["binary"] else faiss.downcast_index(small_index).hnsw).efSearch = job["shortlist"]
     rerank = np.load(job["rerank"], mmap_mode="r")
     qs, qf = np.load(job["queries_small"]), np.load(job["queries_full"])
     n = len(qf)
@@ -324,8 +336,10 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         cell = parse_cell_list(parts[0], "--tiers")[0]
         storage = parts[1] if len(parts) > 1 else "float32"
         kind = parts[2] if len(parts) > 2 else "hnsw"
-        if storage not in ("float32", "int8", "binary") or kind not in ("hnsw", "flat"):
-            raise SystemExit(f"--tiers {spec!r}: write LAYER:DIM/float32|int8|binary[/flat]")
+        if storage not in ("float32", "int8", "binary") or kind not in ("hnsw", "flat", "ivf"):
+            raise SystemExit(f"--tiers {spec!r}: write LAYER:DIM/float32|int8|binary[/flat|/ivf]")
+        if kind == "ivf" and storage == "binary":
+            raise SystemExit(f"--tiers {spec!r}: an IVF tier holds float32 or int8 vectors")
         tiers.append((cell, storage, kind))
     width = encoder.hidden_size
     layers = sorted({full[0], *(c[0] for c, _, _ in tiers)})
@@ -379,6 +393,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
             "index": index_file,
             "binary": storage == "binary",
             "hnsw": kind == "hnsw",
+            "ivf": kind == "ivf",
             "rerank": rerank,
             "queries_small": small_queries,
             "queries_full": qfull,
@@ -390,7 +405,9 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         else:
             job["save_ranking"] = path("flat-top10.npy")
         result = run_child("search", job)
-        result.update(built, label=label, index=index_file, binary=storage == "binary", hnsw=kind == "hnsw")
+        result.update(
+            built, label=label, index=index_file, binary=storage == "binary", hnsw=kind == "hnsw", ivf=kind == "ivf"
+        )
         result["queries_small"] = small_queries
         summary.append(result)
         print(
@@ -399,7 +416,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
             f"file-backed +{result['file_after_mb']:.0f} MB"
         )
         if reference:
-            print("| efSearch | shortlist | top-10 overlap with flat | ms/query | queries/s |")
+            print("| efSearch (IVF: nprobe) | shortlist | top-10 overlap with flat | ms/query | queries/s |")
             print("|---:|---:|---:|---:|---:|")
             for row in result["rows"]:
                 print(
@@ -416,7 +433,10 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
                    "hnsw", [[ef, 0] for ef in args.ef], None, qfull)  # fmt: skip
     for cell, storage, kind in tiers:
         settings = [[max(s, 16), s] for s in args.shortlists]
-        label = f"{'HNSW' + str(HNSW_M) if kind == 'hnsw' else 'flat'} ({cell[0]},{cell[1]}) {storage} -> rerank"
+        if kind == "ivf":
+            settings = [[nprobe, s] for nprobe in args.nprobe for s in args.shortlists]
+        name = {"hnsw": f"HNSW{HNSW_M}", "flat": "flat", "ivf": f"IVF{IVF_LISTS}"}[kind]
+        label = f"{name} ({cell[0]},{cell[1]}) {storage} -> rerank"
         measure(label, path(f"{cell_name(cell)}.f32.npy"), storage, kind, settings, path("rerank.f16.npy"),
                 path(f"q-{cell_name(cell)}.npy"))  # fmt: skip
 
@@ -431,7 +451,10 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for result in summary[1:]:
         hit = first_at(result, 99.0)
-        where = f"ef {hit['ef']}" + (f", shortlist {hit['shortlist']}" if hit["shortlist"] else "") if hit else "none"
+        knob = "nprobe" if result["ivf"] else "ef"
+        where = "none"
+        if hit:
+            where = f"{knob} {hit['ef']}" + (f", shortlist {hit['shortlist']}" if hit["shortlist"] else "")
         qps = f"{1000 / hit['ms']:.0f}" if hit else "-"
         ram_ratio = f"{100 * result['anon_after_mb'] / hnsw['anon_after_mb']:.0f}%"
         qps_ratio = f"{target['ms'] / hit['ms']:.2f}x" if hit and target else "-"
@@ -443,7 +466,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
     if target is not None and args.rounds:
         for result in summary[2:]:
             hit = first_at(result, 99.0)
-            if hit is None or not result["hnsw"]:
+            if hit is None or not (result["hnsw"] or result["ivf"]):
                 continue
             race = run_child(
                 "race",
@@ -453,6 +476,7 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
                     "small_index": result["index"],
                     "binary": result["binary"],
                     "shortlist": hit["shortlist"],
+                    "nprobe": hit["ef"] if result["ivf"] else None,
                     "rerank": path("rerank.f16.npy"),
                     "queries_small": result["queries_small"],
                     "queries_full": qfull,
@@ -460,9 +484,11 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
                 },
             )
             h, c = np.median(race["hnsw"]), np.median(race["cascade"])
+            probe = f" nprobe {hit['ef']}" if result["ivf"] else ""
             print(
                 f"\nin turns, {args.rounds} rounds in one process: HNSW ef {target['ef']} median {h:.3f} ms/query "
-                f"({1000 / h:.0f} queries/s), {result['label']} shortlist {hit['shortlist']} median {c:.3f} ms/query "
+                f"({1000 / h:.0f} queries/s), {result['label']} shortlist {hit['shortlist']}{probe} median "
+                f"{c:.3f} ms/query "
                 f"({1000 / c:.0f} queries/s): the cascade at {h / c:.2f}x HNSW's queries/s; per round "
                 f"{', '.join(f'{a / b:.2f}x' for a, b in zip(race['hnsw'], race['cascade'], strict=True))}"
             )
