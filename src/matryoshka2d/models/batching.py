@@ -1,8 +1,10 @@
 """Batches of texts for the encoder: which texts share one forward pass, so that padding costs little and calls
 stay few; and padded tensors from pre-tokenized rows.
 
-`length_batches` cuts texts sorted longest first into batches of at most `batch_size` texts (and a token budget):
-inference and evaluation. `length_groups` cuts a training step's texts where a cut pays:
+`inference_batches` gives the passes of `ElasticEncoder.encode` and the serving backends: length groups where the
+call overhead was measured, else fixed runs longest first. `length_batches` cuts texts sorted longest first into
+batches of at most `batch_size` texts and a token budget (the `encode` command's memory bound, export's checks).
+`length_groups` cuts texts where a cut pays, in training steps and inference passes alike:
 
 A forward pass over a padded batch costs about `size x longest` token positions, plus a fixed cost per call
 that does not depend on the tokens (in a training step mostly the backward pass: every call adds a full-size
