@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,6 +71,48 @@ def test_fit_refuses_no_data_and_too_few_sentences(encoder, sentences):
         fit_heads(encoder, [sentences[:30]])
     with pytest.raises(HeadsError, match=r"--layers \[4\]: exit heads go on layers 1..3"):
         fit_heads(encoder, [sentences], layers=[4])
+
+
+def _dev_pairs(encoder, sentences):
+    """A stand-in for STS-B dev: pairs of the sentences, scored by the last layer's own cosine."""
+    from matryoshka2d.evaluate.sts import PairSet
+
+    first, second = sentences[:60], sentences[60:120]
+    top = encoder.encode(first + second, layer=encoder.num_layers, heads=False)
+    return PairSet("dev", Path("dev.tsv"), first, second, (top[:60] * top[60:]).sum(1).astype(np.float64))
+
+
+def test_the_ridge_strength_is_given_or_chosen_on_sts_dev(encoder, sentences):
+    from matryoshka2d.models.heads import RIDGE_GRID
+
+    given, report = fit_heads(encoder, [sentences], ridge=0.5)
+    assert report.strengths == {1: 0.5, 2: 0.5, 3: 0.5} and given.record["ridge_chosen_by"] == "given (--ridge)"
+    dev = _dev_pairs(encoder, sentences)
+    chosen, report = fit_heads(encoder, [sentences], select="sts-dev", dev=dev)
+    for layer in (1, 2, 3):
+        scores = report.dev_spearman[layer]
+        assert set(scores) == set(RIDGE_GRID) and all(-1 <= v <= 1 for v in scores.values())
+        assert report.strengths[layer] == max(scores, key=scores.get)
+    assert chosen.record["ridge_chosen_by"] == "STS-B dev Spearman"
+    with pytest.raises(HeadsError, match="--select sts-dev needs the STS-B dev pairs"):
+        fit_heads(encoder, [sentences], select="sts-dev")
+    with pytest.raises(HeadsError, match=r"--ridge -1.0: .* must be > 0"):
+        fit_heads(encoder, [sentences], ridge=-1.0)
+
+
+def test_heads_fit_sts_dev_without_the_dev_file_names_it(tiny_dir, text_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MATRYOSHKA2D_DATA", str(tmp_path))
+    args = ["heads", "fit", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(text_file)]
+    assert main([*args, "--select", "sts-dev", "--output", str(tmp_path / "h"), "--quiet"]) == 2
+    assert f"no STS-B dev file at {tmp_path / 'sts' / 'raw' / 'stsb_dev.tsv'}" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()
+    lines = text_file.read_text().split("\n")
+    dev = tmp_path / "sts" / "raw" / "stsb_dev.tsv"
+    dev.parent.mkdir(parents=True)
+    rows = [f"{a}\t{b}\t{i % 5}" for i, (a, b) in enumerate(zip(lines[:40], lines[40:80], strict=True))]
+    dev.write_text("sentence1\tsentence2\tscore\n" + "\n".join(rows) + "\n")
+    assert main([*args, "--select", "sts-dev", "--output", str(tmp_path / "h"), "--quiet"]) == 0
+    assert "ridge strength STS-B dev Spearman" in capsys.readouterr().out
 
 
 def _saved_with_heads(encoder, sentences, folder):

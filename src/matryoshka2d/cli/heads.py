@@ -96,6 +96,17 @@ def cmd_heads_fit(args) -> int:
     encoder = load_encoder(args, log=lambda _m: None)
     if encoder.location and out.resolve() == Path(encoder.location).resolve():
         raise ValueError(f"--output {out} is the model's own folder; write the model with heads to a new folder")
+    dev = None
+    if args.select == "sts-dev" and args.ridge is None:
+        from matryoshka2d.evaluate.sts import load_pairs
+        from matryoshka2d.paths import sts_dev_file
+
+        dev_file = sts_dev_file()
+        if not dev_file.is_file():
+            raise FileNotFoundError(
+                f"--select sts-dev: no STS-B dev file at {dev_file} (set MATRYOSHKA2D_DATA to the data folder)"
+            )
+        dev = load_pairs(dev_file)
     texts = read_texts(args.data)
     if args.max_sentences is not None:
         texts = itertools.islice(texts, args.max_sentences)
@@ -110,6 +121,8 @@ def cmd_heads_fit(args) -> int:
         target=args.target,
         kind=args.kind,
         select=args.select,
+        ridge=args.ridge,
+        dev=dev,
         layers=parse_ints(args.layers, "layers"),
         log=_log if not args.quiet else None,
     )
@@ -119,10 +132,10 @@ def cmd_heads_fit(args) -> int:
     metadata = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {}
     metadata["heads_fit"] = {"from_model": encoder.location or encoder.name, "seconds": report.seconds}
     saved = save_model_atomically(lambda folder: encoder.save(folder, metadata=metadata), out)
+    strengths = ", ".join(f"{n}: {v:g}" for n, v in report.strengths.items())
     print(
-        f"fitted {heads.describe()} on {report.sentences} sentences ({report.held_out} held out to choose the ridge "
-        f"strength; lambda/n per layer: {', '.join(f'{n}: {v:g}' for n, v in report.strengths.items())}) in "
-        f"{report.seconds:.1f} s -> {saved}"
+        f"fitted {heads.describe()} on {report.sentences} sentences ({report.held_out} held out; ridge strength "
+        f"{heads.record['ridge_chosen_by']}; lambda/n per layer: {strengths}) in {report.seconds:.1f} s -> {saved}"
     )
     top, width = encoder.num_layers, encoder.hidden_size
     cells = sorted({(min(n, top - 1), min(d, width)) for n, d in GAIN_CELLS} | {(top, width)})
@@ -154,10 +167,14 @@ def register(sub, model_args) -> None:
     f.add_argument("--layers", nargs="*", help="exits to fit (default: every layer below the last)")
     f.add_argument(
         "--select",
-        choices=["similarity", "mse"],
+        choices=["similarity", "mse", "sts-dev"],
         default="mse",
         help="choose the ridge strength on the held-out tenth by squared error to the last layer's vectors (mse) "
-        "or by how well the heads keep its cosine similarities between sentences (similarity)",
+        "or by how well the heads keep its cosine similarities between sentences (similarity), or by STS-B dev "
+        "Spearman (sts-dev; the only STS data a fit may see)",
+    )
+    f.add_argument(
+        "--ridge", type=float, help="a fixed ridge strength as a multiple of the number of sentences (no selection)"
     )
     f.add_argument("--max-sentences", type=int, help="use at most this many distinct sentences (default: all)")
     f.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")

@@ -45,8 +45,11 @@ HELD_OUT_EVERY = 10  # every tenth sentence is held out to choose the ridge stre
 # How the ridge strength is chosen on the held-out sentences: "similarity" keeps the strength whose heads best
 # preserve the last layer's cosine similarities between held-out sentences (Pearson over random pairs, what STS
 # and retrieval use); "mse" the lowest squared error to the target vectors. The similarity criterion needs the
-# held-out vectors themselves, so it keeps a fixed-size sample of them (memory stays bounded).
-SELECTIONS = ("similarity", "mse")
+# held-out vectors themselves, so it keeps a fixed-size sample of them (memory stays bounded). "sts-dev" keeps the
+# strength with the best STS-B dev Spearman, averaged over DEV_WIDTHS (issue 18 allows STS-B dev and nothing else
+# of STS; the held-out sentences' criteria only see how close a head gets to the last layer, not the task).
+SELECTIONS = ("similarity", "mse", "sts-dev")
+DEV_WIDTHS = (64, 128, 256, None)  # cell widths the sts-dev criterion averages over (None: the full width)
 SIMILARITY_SAMPLE = 2000  # held-out sentences kept for the similarity criterion
 SIMILARITY_PAIRS = 20000
 
@@ -269,6 +272,7 @@ class FitReport:
     strengths: dict[int, float] = field(default_factory=dict)  # layer -> chosen lambda / n
     held_out_mse: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: mse}
     held_out_similarity: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: r}
+    dev_spearman: dict[int, dict[float, float]] = field(default_factory=dict)  # layer -> {lambda/n: STS-B dev}
     seconds: float = 0.0
 
 
@@ -281,12 +285,17 @@ def fit_heads(
     mlp_epochs: int = 20,
     seed: int = 0,
     select: str = "mse",
+    ridge: float | None = None,
+    dev=None,
     log: Callable[[str], None] | None = None,
 ) -> tuple[ExitHeads, FitReport]:
     """Fit exit heads on batches of distinct texts, with no labels: each exit's pooled vector is regressed onto
     the last layer's output vector (scaled to length 1 for target="normalized"). One encoder pass per batch,
     every exit at once. The MLP kind starts from the closed-form affine fit and trains its residual with Adam on
-    the pooled vectors, which it keeps in memory (its memory grows with the data, unlike the affine fit)."""
+    the pooled vectors, which it keeps in memory (its memory grows with the data, unlike the affine fit).
+
+    The ridge strength (lambda / n) is `ridge` when given, else the grid's best by `select`; select="sts-dev"
+    needs `dev`, a pair set with sentences1, sentences2 and gold scores (STS-B dev, evaluate.sts.load_pairs)."""
     import time
 
     if target not in TARGETS:
@@ -295,6 +304,10 @@ def fit_heads(
         raise HeadsError(f"--kind {kind}: choose one of {', '.join(KINDS)}")
     if select not in SELECTIONS:
         raise HeadsError(f"--select {select}: choose one of {', '.join(SELECTIONS)}")
+    if ridge is not None and not (np.isfinite(ridge) and ridge > 0):
+        raise HeadsError(f"--ridge {ridge}: the ridge strength (a multiple of the number of sentences) must be > 0")
+    if select == "sts-dev" and ridge is None and dev is None:
+        raise HeadsError("--select sts-dev needs the STS-B dev pairs (stsb_dev.tsv under the data folder)")
     top = encoder.num_layers
     if top < 2:
         raise HeadsError(f"{encoder.name} has one layer: there is no exit below the last layer to fit a head for")
@@ -351,21 +364,31 @@ def fit_heads(
     heads = ExitHeads(exits, d_in, d_out, kind)
     pairs = _pairs(sampled, seed)
     target_cos = _cosines(np.concatenate(sample[top]), pairs) if sampled else None
+    dev_pooled = None
+    if select == "sts-dev" and ridge is None:
+        dev_pooled = encoder.pooled_states(list(dev.sentences1) + list(dev.sentences2), exits, pooled=True)
     for n in exits:
-        errors, similarity = {}, {}
+        errors, similarity, on_dev = {}, {}, {}
         for ratio in RIDGE_GRID:
             solution = fit[n].solve(ratio * train_rows)
             errors[ratio] = held[n].squared_error(solution) / max(1, held[n].rows) if held[n].rows else 0.0
             if target_cos is not None:
                 mapped = np.concatenate(sample[n]) @ solution[:-1] + solution[-1]
                 similarity[ratio] = float(np.corrcoef(_cosines(mapped, pairs), target_cos)[0, 1])
-        if not held[n].rows:
+            if dev_pooled is not None:
+                on_dev[ratio] = _dev_spearman(dev_pooled[n] @ solution[:-1] + solution[-1], dev.gold)
+        if ridge is not None:
+            best = float(ridge)
+        elif dev_pooled is not None:
+            best = max(on_dev, key=on_dev.get)
+        elif not held[n].rows:
             best = 1e-2
         elif select == "similarity" and similarity:
             best = max(similarity, key=similarity.get)
         else:
             best = min(errors, key=errors.get)
         report.held_out_mse[n], report.held_out_similarity[n], report.strengths[n] = errors, similarity, best
+        report.dev_spearman[n] = on_dev
         everything = NormalEquations(fit[n].xtx + held[n].xtx, fit[n].xty + held[n].xty, fit[n].yty + held[n].yty)
         solution = everything.solve(best * (train_rows + held[n].rows))
         with torch.no_grad():
@@ -383,9 +406,26 @@ def fit_heads(
         "sentences": report.sentences,
         "held_out": report.held_out,
         "ridge_lambda_over_n": {str(n): v for n, v in report.strengths.items()},
-        "ridge_chosen_by": f"held-out {select}",
+        "ridge_chosen_by": "given (--ridge)"
+        if ridge is not None
+        else ("STS-B dev Spearman" if select == "sts-dev" else f"held-out {select}"),
     }
     return heads, report
+
+
+def _dev_spearman(mapped: np.ndarray, gold: np.ndarray) -> float:
+    """STS-B dev Spearman of cosine, averaged over the DEV_WIDTHS prefixes of the heads' output (mapped holds the
+    first sentences of every pair, then the second ones)."""
+    from scipy.stats import spearmanr
+
+    half = len(mapped) // 2
+    widths = sorted({min(w or mapped.shape[1], mapped.shape[1]) for w in DEV_WIDTHS})
+    scores = []
+    for width in widths:
+        cut = mapped[:, :width]
+        unit = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+        scores.append(spearmanr(gold, (unit[:half] * unit[half:]).sum(1)).statistic)
+    return float(np.mean(scores))
 
 
 def _pairs(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
