@@ -171,3 +171,19 @@ def test_inference_batches_cap_their_size_and_pad_less_than_fixed_runs():
     assert max(len(b) for b in grouped) <= 64
     assert sorted(np.concatenate(grouped).tolist()) == list(range(len(lengths)))
     assert padded_positions(lengths, grouped) < 0.8 * padded_positions(lengths, fixed)
+
+
+@pytest.mark.parametrize("overhead", [None, 0.0, 48.0, 1e6])
+def test_a_token_budget_bounds_every_pass_and_keeps_every_text(overhead):
+    from matryoshka2d.models.batching import inference_batches
+
+    rng = np.random.default_rng(7)
+    lengths = np.concatenate([rng.integers(5, 40, 300), [256] * 40, [300]]).tolist()  # 300: over the budget alone
+    batches = inference_batches(lengths, 64, overhead, token_budget=64 * 64)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) <= 64 and (len(batch) * longest <= 64 * 64 or len(batch) == 1)
+    assert max(len(b) for b in batches if max(lengths[i] for i in b) == 256) == 16  # 256-token texts 16 at a time
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        length_groups([1, 2], 0.0, max_tokens=0)

@@ -32,6 +32,11 @@ def cmd_info(args) -> int:
 
 
 ENCODE_CHUNK = 1024  # lines embedded per chunk: memory stays bounded whatever the size of the input
+# oneDNN keeps a primitive per shape it has run (1,024 by default) with its scratch memory; length groups make
+# batches of many shapes, so over a long input that cache alone grew the heap by tens of MB (docs/benchmarks.md,
+# encode memory). A few dozen cover the shapes that repeat within a chunk. Read at oneDNN's first use, so it is
+# set before the model runs; a value in the environment wins.
+ONEDNN_CACHE_CAPACITY = "64"
 # Tokens per batch once texts are long: 64 texts of up to 64 tokens batch as asked, 256-token texts 16 at a time.
 # A batch's activations grow with batch x length (x length for attention); this caps the peak at any input.
 TOKEN_BUDGET = 64 * 64
@@ -44,21 +49,19 @@ def npy_path(output: str) -> Path:
 
 
 def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: int, normalize: bool) -> np.ndarray:
-    """Embed texts longest first in batches of at most `batch_size` texts and TOKEN_BUDGET tokens."""
-    from matryoshka2d.models.batching import length_batches
+    """Embed texts in length groups of at most `batch_size` texts and TOKEN_BUDGET padded tokens (one tokenizer
+    call for the chunk)."""
+    from matryoshka2d.views import unit_rows
 
-    ids = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
-    out = np.empty((len(texts), dim), dtype=np.float32)
-    for idx in length_batches([len(x) for x in ids], batch_size, TOKEN_BUDGET):
-        batch = [texts[i] for i in idx]
-        out[idx] = encoder.encode(batch, layer=layer, dim=dim, batch_size=len(idx), normalize=normalize)
-    return out
+    pooled = encoder.pooled_states(texts, [layer], batch_size, token_budget=TOKEN_BUDGET)[layer][:, :dim]
+    return unit_rows(pooled) if normalize else np.ascontiguousarray(pooled)
 
 
 def cmd_encode(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     fix_mmap_threshold()  # activations must not fragment the heap (matryoshka2d.allocator)
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
     binary, name = open_input(args.input)
     with binary:
         count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work

@@ -28,9 +28,12 @@ import numpy as np
 import torch
 
 
-def length_groups(lengths: Sequence[int], overhead: float, max_size: int | None = None) -> list[np.ndarray]:
+def length_groups(
+    lengths: Sequence[int], overhead: float, max_size: int | None = None, max_tokens: int | None = None
+) -> list[np.ndarray]:
     """Indices into `lengths`, grouped: each group a run of the ascending length order (stable, so equal
-    lengths keep their order), the groups shortest first. `max_size` caps the texts per group."""
+    lengths keep their order), the groups shortest first. `max_size` caps the texts per group, `max_tokens` the
+    padded positions (texts x the group's longest; a single text longer than that is a group of its own)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:
         return []
@@ -41,14 +44,21 @@ def length_groups(lengths: Sequence[int], overhead: float, max_size: int | None 
     # Ends (exclusive) of the runs of equal length in sorted order: the only places worth cutting.
     ends = np.flatnonzero(np.diff(ordered)) + 1
     ends = np.append(ends, len(ordered)).tolist()
-    if max_size is not None:
-        if max_size < 1:
-            raise ValueError(f"max_size must be at least 1, got {max_size}")
-        # A run of equal lengths longer than max_size is cut in pieces of max_size (nothing pads inside a run).
+    if max_size is not None and max_size < 1:
+        raise ValueError(f"max_size must be at least 1, got {max_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if max_size is not None or max_tokens is not None:
+
+        def piece(length: int) -> int:  # the most texts of this length one group may hold
+            cap = max_size if max_size is not None else len(ordered)
+            return cap if max_tokens is None else max(1, min(cap, max_tokens // max(1, length)))
+
+        # A run of equal lengths longer than allowed is cut in pieces (nothing pads inside a run).
         ends = [
             e
             for start, stop in zip([0, *ends[:-1]], ends, strict=True)
-            for e in [*range(start + max_size, stop, max_size), stop]
+            for e in [*range(start + piece(int(ordered[start])), stop, piece(int(ordered[start]))), stop]
         ]
     longest = [int(ordered[e - 1]) for e in ends]
     cost = [0.0] + [float("inf")] * len(ends)  # cost[j]: best cost of the first ends[j-1] texts
@@ -59,6 +69,8 @@ def length_groups(lengths: Sequence[int], overhead: float, max_size: int | None 
             start = ends[i - 1] if i else 0
             size = stop - start
             if max_size is not None and size > max_size:
+                break
+            if max_tokens is not None and i < j - 1 and size * longest[j - 1] > max_tokens:
                 break
             total = cost[i] + overhead + size * longest[j - 1]
             if total < cost[j]:
@@ -131,15 +143,17 @@ def check_texts(texts) -> list[str]:
     return texts
 
 
-def inference_batches(lengths: Sequence[int], batch_size: int, overhead: float | None) -> list[np.ndarray]:
-    """The batches of an inference pass: length groups of at most `batch_size` texts for a call overhead in token
-    positions, or, with `overhead` None (a device where it was not measured), runs of `batch_size` texts of the
-    longest-first order. After one long text, a fixed run of 64 pads 63 texts to its length: on 256 random
-    STS sentences (what the server collects from 32 clients) fixed runs compute 1.42 positions per token, length
-    groups at an overhead of 48 about 1.07 (docs/benchmarks.md, issue 19)."""
+def inference_batches(
+    lengths: Sequence[int], batch_size: int, overhead: float | None, token_budget: int | None = None
+) -> list[np.ndarray]:
+    """The batches of an inference pass: length groups of at most `batch_size` texts (and, with `token_budget`,
+    at most that many padded positions: what bounds a batch's activations) for a call overhead in token
+    positions, or, with `overhead` None (a device where it was not measured), runs of the longest-first order.
+    After one long text, a fixed run of 64 pads 63 texts to its length: on 256 random STS sentences (what the
+    server collects from 32 clients) fixed runs compute 1.42 positions per token, length groups at an overhead
+    of 48 about 1.07 (docs/benchmarks.md, issue 19)."""
     if len(lengths) == 1:  # one text, one pass (a query: keep its fixed cost small)
         return [np.zeros(1, dtype=np.int64)]
     if overhead is not None:
-        return length_groups(lengths, overhead, max_size=batch_size)
-    order = np.argsort([-n for n in lengths], kind="stable")
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+        return length_groups(lengths, overhead, max_size=batch_size, max_tokens=token_budget)
+    return list(length_batches(lengths, batch_size, token_budget))

@@ -381,9 +381,12 @@ class ElasticEncoder(nn.Module):
         show_progress: bool = False,
         heads: bool | None = None,
         pooled: bool = False,
+        token_budget: int | None = None,
     ) -> dict[int, np.ndarray]:
         """Full-width sentence vectors per layer as `forward` makes them, (len(texts), hidden_size) each (with
-        `pooled=True`, the pooled vectors before any head, transformer_size wide); duplicates are encoded once."""
+        `pooled=True`, the pooled vectors before any head, transformer_size wide); duplicates are encoded once.
+        `token_budget` caps the padded positions of one forward pass (texts x their longest), so long texts go
+        fewer at a time and a pass's activations stay bounded whatever the input."""
         texts = check_texts(texts)
         layers = sorted({self.check_layer(n) for n in layers})
         if batch_size < 1:
@@ -397,7 +400,7 @@ class ElasticEncoder(nn.Module):
             lengths = [len(x) for x in encoded["input_ids"]]
             device = self.device  # a walk over the modules to the first parameter: once per call, not per batch
             overhead = CALL_OVERHEAD_TOKENS.get(device.type)
-            batches = inference_batches(lengths, batch_size, overhead)  # texts of like length share a pass
+            batches = inference_batches(lengths, batch_size, overhead, token_budget)  # like lengths share a pass
             # Module.train() walks every submodule (about 1 ms for a 6-layer model, most of a one-query call):
             # switch to eval and back only when the model is training.
             was_training = self.model.training
