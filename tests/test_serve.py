@@ -499,3 +499,45 @@ def test_serve_refuses_a_default_cell_out_of_range(capsys, tiny_folder):
     assert "--default-layer 5: layer 5 is out of range" in capsys.readouterr().err
     assert main(["serve", "--model", str(tiny_folder), "--device", "cpu", "--default-dimensions", "0"]) == 2
     assert "--default-dimensions 0: dim 0 is out of range" in capsys.readouterr().err
+
+
+def test_a_request_is_tokenized_once_and_long_texts_are_cut_as_encode_cuts_them(tiny_folder, tiny_local):
+    """The endpoint counts tokens with the tokenizer and hands those ids to the model: the backend's own tokenizer
+    is never called (it was, a second time, for every text); with --truncate a long text's ids are cut as the
+    tokenizer cuts them, so the vectors equal encode's."""
+    from fastapi.testclient import TestClient
+
+    from matryoshka2d.deploy.server import ServerLimits, create_app
+
+    model = ElasticEncoder(str(tiny_folder), device="cpu")
+    app = create_app(model, "tiny", ServerLimits(truncate=True))
+    real, calls = model.tokenizer, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(args)
+            return real(*args, **kwargs)
+
+    model.tokenizer = Spy()
+    texts = ["a cat sat", "the dog ran far away", "a cat sat", "word " * 3000]
+    with TestClient(app) as client:
+        reply = client.post("/v1/embeddings", json={"model": "tiny", "input": texts, "layer": 2, "dimensions": 16})
+    assert reply.status_code == 200 and calls == []
+    body = reply.json()
+    assert body["truncated_inputs"] == 1 and body["usage"]["prompt_tokens"] > model.max_length
+    got = np.array([row["embedding"] for row in body["data"]], dtype=np.float32)
+    np.testing.assert_allclose(got, tiny_local.encode(texts, layer=2, dim=16, normalize=True), atol=1e-5)
+
+
+def test_pooled_states_from_given_token_ids_equal_its_own(tiny_local):
+    texts = ["a cat sat", "the dog ran", "a cat sat", "word " * 3000]
+    encoded = dict(tiny_local.tokenizer(texts, truncation=True, max_length=tiny_local.max_length))
+    given = tiny_local.pooled_states(texts, [1, 2], encoded=encoded)
+    own = tiny_local.pooled_states(texts, [1, 2])
+    for n in (1, 2):
+        np.testing.assert_array_equal(given[n], own[n])
+    with pytest.raises(ValueError, match="encoded holds 4 rows for 3 texts"):
+        tiny_local.pooled_states(texts[:3], [1], encoded=encoded)

@@ -1,7 +1,8 @@
 """What runs the model behind `matryoshka2d serve`: torch, or onnxruntime with one graph per exit layer.
 
 A backend answers one question, the full-width sentence vectors of some texts at one exit layer
-(`pooled(texts, layer)`), and knows the model's shape and tokenizer. The server does everything else (the
+(`pooled(texts, layer, encoded)`; `encoded`, when given, is the texts' unpadded tokenizer output, which the server
+already made to count tokens), and knows the model's shape and tokenizer. The server does everything else (the
 API, validation, micro-batching, slicing to `dimensions`, normalising, errors) the same way for every backend.
 
 - TorchBackend: the ElasticEncoder (pooled_states: length-sorted batches, the exit stops the stack).
@@ -69,8 +70,8 @@ class TorchBackend:
         self.num_layers, self.hidden_size, self.max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
         self.layers = list(range(1, self.num_layers + 1))
 
-    def pooled(self, texts: list[str], layer: int) -> np.ndarray:
-        return self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size)[layer]
+    def pooled(self, texts: list[str], layer: int, encoded=None) -> np.ndarray:
+        return self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size, encoded=encoded)[layer]
 
     def describe(self) -> dict:
         return {"backend": "torch", "precision": str(next(self.encoder.parameters()).dtype).replace("torch.", "")}
@@ -268,9 +269,10 @@ class OnnxBackend:
             self.log(f"onnxruntime session for layer {layer} loaded: {self.session_mb[layer]:+.0f} MB resident")
         return session
 
-    def _run(self, session, texts: list[str]) -> np.ndarray:
+    def _run(self, session, texts: list[str], encoded=None) -> np.ndarray:
         names = [i.name for i in session.get_inputs()]
-        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        if encoded is None:
+            encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         lengths = [len(x) for x in encoded["input_ids"]]
         out = np.zeros((len(texts), self.hidden_size), dtype=np.float32)
         for idx in inference_batches(lengths, self.batch_size, CALL_OVERHEAD_TOKENS[self.quantize]):
@@ -279,8 +281,8 @@ class OnnxBackend:
             out[idx] = vectors
         return out
 
-    def pooled(self, texts: list[str], layer: int) -> np.ndarray:
-        return self._run(self._session(layer), texts)
+    def pooled(self, texts: list[str], layer: int, encoded=None) -> np.ndarray:
+        return self._run(self._session(layer), texts, encoded)
 
     def describe(self) -> dict:
         return {

@@ -71,6 +71,7 @@ class _Job:
     texts: list[str]
     layer: int
     future: asyncio.Future = field(repr=False)
+    encoded: dict | None = field(default=None, repr=False)  # the texts' token ids, when the endpoint made them
 
 
 class MicroBatcher:
@@ -93,10 +94,10 @@ class MicroBatcher:
                 await self._task
         self.executor.shutdown(wait=True)
 
-    async def encode(self, texts: list[str], layer: int) -> np.ndarray:
-        """Full-width vectors at `layer`, one row per text."""
+    async def encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
+        """Full-width vectors at `layer`, one row per text (`encoded`: the texts already tokenized)."""
         future = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Job(texts, layer, future))
+        await self.queue.put(_Job(texts, layer, future, encoded))
         return await future
 
     async def _collect(self) -> list[_Job]:
@@ -128,8 +129,11 @@ class MicroBatcher:
                 by_layer.setdefault(job.layer, []).append(job)
             for layer, group in by_layer.items():
                 texts = [t for job in group for t in job.texts]
+                encoded = None
+                if all(job.encoded is not None for job in group):
+                    encoded = {k: [row for job in group for row in job.encoded[k]] for k in group[0].encoded}
                 try:
-                    vectors = await loop.run_in_executor(self.executor, self._encode, texts, layer)
+                    vectors = await loop.run_in_executor(self.executor, self._encode, texts, layer, encoded)
                 except Exception as exc:  # the model failed: every waiting request hears why
                     for job in group:
                         if not job.future.done():
@@ -142,8 +146,8 @@ class MicroBatcher:
                     start += len(job.texts)
                 self.batches += 1
 
-    def _encode(self, texts: list[str], layer: int) -> np.ndarray:
-        vectors = self.backend.pooled(texts, layer)
+    def _encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
+        vectors = self.backend.pooled(texts, layer, encoded)
         trim_heap()  # free pages back after each call: RSS stays flat under load (matryoshka2d.allocator)
         return vectors
 
@@ -187,7 +191,7 @@ def create_app(
     default_layer = default_layer if default_layer is not None else served[-1]
     default_dimensions = default_dimensions if default_dimensions is not None else hidden_size
     alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
-    counter = copy.deepcopy(backend.tokenizer)  # token counting in the event loop, apart from the model thread
+    counter = copy.deepcopy(backend.tokenizer)  # tokenizing in the event loop, apart from the model thread
     created = int(time.time())
     batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait)
 
@@ -301,7 +305,9 @@ def create_app(
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
         texts, layer, dim, encoding, embedding_type = validate(body)
-        lengths = [len(ids) for ids in counter(texts, add_special_tokens=True, verbose=False)["input_ids"]]
+        # One tokenizer call counts the tokens and gives the model its input (the backend does not tokenize again).
+        encoded = dict(counter(texts, add_special_tokens=True, verbose=False))
+        lengths = [len(ids) for ids in encoded["input_ids"]]
         too_long = [i for i, n in enumerate(lengths) if n > max_length]
         if too_long and not limits.truncate:
             i = too_long[0]
@@ -312,8 +318,13 @@ def create_app(
                 "input",
                 "context_length_exceeded",
             )
+        if too_long:  # --truncate: those texts cut as the tokenizer cuts them
+            cut = counter([texts[i] for i in too_long], truncation=True, max_length=max_length, verbose=False)
+            for row, i in enumerate(too_long):
+                for k in encoded:
+                    encoded[k][i] = cut[k][row]
         used = [min(n, max_length) for n in lengths]
-        vectors = (await batcher.encode(texts, layer))[:, :dim]
+        vectors = (await batcher.encode(texts, layer, encoded))[:, :dim]
         data = encode_rows(vectors, encoding, embedding_type)
         reply = {
             "object": "list",

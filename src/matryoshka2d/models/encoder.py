@@ -382,11 +382,14 @@ class ElasticEncoder(nn.Module):
         heads: bool | None = None,
         pooled: bool = False,
         token_budget: int | None = None,
+        encoded=None,
     ) -> dict[int, np.ndarray]:
         """Full-width sentence vectors per layer as `forward` makes them, (len(texts), hidden_size) each (with
         `pooled=True`, the pooled vectors before any head, transformer_size wide); duplicates are encoded once.
         `token_budget` caps the padded positions of one forward pass (texts x their longest), so long texts go
-        fewer at a time and a pass's activations stay bounded whatever the input."""
+        fewer at a time and a pass's activations stay bounded whatever the input. `encoded`: these texts already
+        tokenized (the tokenizer's unpadded output, a list of ids per text and input, none longer than
+        max_length), so a caller that tokenized them (the server counts tokens) does not pay for it twice."""
         texts = check_texts(texts)
         layers = sorted({self.check_layer(n) for n in layers})
         if batch_size < 1:
@@ -395,8 +398,14 @@ class ElasticEncoder(nn.Module):
         inverse = np.fromiter((unique.setdefault(t, len(unique)) for t in texts), dtype=np.int64, count=len(texts))
         width = self.transformer_size if pooled else self.hidden_size
         out = {n: np.zeros((len(unique), width), dtype=np.float32) for n in layers}
+        if encoded is not None and len(encoded["input_ids"]) != len(texts):
+            raise BackboneError(f"encoded holds {len(encoded['input_ids'])} rows for {len(texts)} texts")
         if unique:
-            encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
+            if encoded is None:
+                encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
+            elif len(unique) < len(texts):  # the rows of each text's first occurrence
+                first = np.unique(inverse, return_index=True)[1]
+                encoded = {k: [rows[i] for i in first] for k, rows in encoded.items()}
             lengths = [len(x) for x in encoded["input_ids"]]
             device = self.device  # a walk over the modules to the first parameter: once per call, not per batch
             overhead = CALL_OVERHEAD_TOKENS.get(device.type)
