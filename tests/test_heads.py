@@ -106,12 +106,18 @@ def test_heads_fit_sts_dev_without_the_dev_file_names_it(tiny_dir, text_file, tm
     assert main([*args, "--select", "sts-dev", "--output", str(tmp_path / "h"), "--quiet"]) == 2
     assert f"no STS-B dev file at {tmp_path / 'sts' / 'raw' / 'stsb_dev.tsv'}" in capsys.readouterr().err
     assert not (tmp_path / "h").exists()
+    assert main([*args, "--output", str(tmp_path / "auto"), "--quiet"]) == 0  # the default falls back, and says so
+    printed = capsys.readouterr()
+    assert "chosen by held-out squared error (--select mse)" in printed.err
+    assert "ridge strength held-out mse" in printed.out
     lines = text_file.read_text().split("\n")
     dev = tmp_path / "sts" / "raw" / "stsb_dev.tsv"
     dev.parent.mkdir(parents=True)
     rows = [f"{a}\t{b}\t{i % 5}" for i, (a, b) in enumerate(zip(lines[:40], lines[40:80], strict=True))]
     dev.write_text("sentence1\tsentence2\tscore\n" + "\n".join(rows) + "\n")
     assert main([*args, "--select", "sts-dev", "--output", str(tmp_path / "h"), "--quiet"]) == 0
+    assert "ridge strength STS-B dev Spearman" in capsys.readouterr().out
+    assert main([*args, "--output", str(tmp_path / "auto2"), "--quiet"]) == 0  # found: the default uses it
     assert "ridge strength STS-B dev Spearman" in capsys.readouterr().out
 
 

@@ -96,17 +96,24 @@ def cmd_heads_fit(args) -> int:
     encoder = load_encoder(args, log=lambda _m: None)
     if encoder.location and out.resolve() == Path(encoder.location).resolve():
         raise ValueError(f"--output {out} is the model's own folder; write the model with heads to a new folder")
-    dev = None
-    if args.select == "sts-dev" and args.ridge is None:
+    select, dev = args.select, None
+    if select in ("auto", "sts-dev") and args.ridge is None:
         from matryoshka2d.evaluate.sts import load_pairs
         from matryoshka2d.paths import sts_dev_file
 
-        dev_file = sts_dev_file()
-        if not dev_file.is_file():
-            raise FileNotFoundError(
-                f"--select sts-dev: no STS-B dev file at {dev_file} (set MATRYOSHKA2D_DATA to the data folder)"
-            )
-        dev = load_pairs(dev_file)
+        try:
+            dev_file = sts_dev_file()
+        except FileNotFoundError as exc:  # no data folder at all
+            dev_file, missing = None, str(exc)
+        else:
+            missing = f"no STS-B dev file at {dev_file}"
+        if dev_file is not None and dev_file.is_file():
+            dev, select = load_pairs(dev_file), "sts-dev"
+        elif select == "sts-dev":
+            raise FileNotFoundError(f"--select sts-dev: {missing} (set MATRYOSHKA2D_DATA to the data folder)")
+        else:
+            select = "mse"
+            _log(f"heads fit: {missing}; the ridge strength is chosen by held-out squared error (--select mse)")
     texts = read_texts(args.data)
     if args.max_sentences is not None:
         texts = itertools.islice(texts, args.max_sentences)
@@ -120,7 +127,7 @@ def cmd_heads_fit(args) -> int:
         batches(),
         target=args.target,
         kind=args.kind,
-        select=args.select,
+        select="mse" if select == "auto" else select,
         ridge=args.ridge,
         dev=dev,
         layers=parse_ints(args.layers, "layers"),
@@ -151,8 +158,8 @@ def register(sub, model_args) -> None:
         help="fit exit heads in closed form on unlabelled text and write the model with them",
         description="One encoder pass over the text fits one affine head per exit layer l < N by ridge regression "
         "from the pooled layer-l vector to the last layer's vector (normal equations in float64, streamed; the "
-        "ridge strength chosen on a held-out tenth). No labels are used. The model with its heads is written to "
-        "--output; the input model is not changed.",
+        "ridge strength chosen on STS-B dev where it is found, else on a held-out tenth). No labels are used. "
+        "The model with its heads is written to --output; the input model is not changed.",
     )
     model_args(f, heads=False)
     f.add_argument(
@@ -167,11 +174,11 @@ def register(sub, model_args) -> None:
     f.add_argument("--layers", nargs="*", help="exits to fit (default: every layer below the last)")
     f.add_argument(
         "--select",
-        choices=["similarity", "mse", "sts-dev"],
-        default="mse",
-        help="choose the ridge strength on the held-out tenth by squared error to the last layer's vectors (mse) "
-        "or by how well the heads keep its cosine similarities between sentences (similarity), or by STS-B dev "
-        "Spearman (sts-dev; the only STS data a fit may see)",
+        choices=["auto", "sts-dev", "mse", "similarity"],
+        default="auto",
+        help="how the ridge strength is chosen: by STS-B dev Spearman (sts-dev; the only STS data a fit may see), "
+        "by squared error to the last layer's vectors on the held-out tenth (mse), or by how well the heads keep "
+        "its cosine similarities there (similarity); auto: sts-dev where the STS-B dev file is found, else mse",
     )
     f.add_argument(
         "--ridge", type=float, help="a fixed ridge strength as a multiple of the number of sentences (no selection)"
