@@ -63,6 +63,11 @@ def main() -> None:
         lambda s: (s + 1) / (warmup + 1) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)),
     )
     model.train()
+    # Seeded again here, at the first step: loading the model draws from Python's `random`, and the
+    # `st-matryoshka2d` preset (draws: python) draws the library's layers and widths from random.Random(seed)
+    # in the library's order, so both runs train the same cells at every step.
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
     samples, start = 0, time.perf_counter()
     for step in tqdm(range(total), desc="st Matryoshka2dLoss"):
         epoch, position = divmod(step, steps_per_epoch)

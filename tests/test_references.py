@@ -94,6 +94,49 @@ def test_2dmse_st_views_draw_layer_0_and_a_width_per_loss():
     assert default == int(np.random.default_rng(7).integers(1, 6))
 
 
+def test_2dmse_python_draws_are_sentence_transformers_draws_step_for_step(tiny_dir, monkeypatch):
+    """draws=python: the layers and widths of Matryoshka2dLoss itself, step for step, from the same seed; a run
+    resumed at a later step draws what the uninterrupted run drew there."""
+    import random
+
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
+
+    from matryoshka2d.views import nested_dims
+
+    model = SentenceTransformer(str(tiny_dir), device="cpu")
+    layers, hidden = model[0].auto_model.config.num_hidden_layers, model.get_embedding_dimension()
+    dims = sorted(nested_dims(hidden), reverse=True)
+    loss_fn = Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), dims)
+    drawn, sample = [], random.sample
+
+    def spy(population, k, **kwargs):
+        out = sample(population, k, **kwargs)
+        drawn.append(out[0])
+        return out
+
+    monkeypatch.setattr(random, "sample", spy)
+    tokenize = getattr(model, "preprocess", None) or model.tokenize
+    features = [tokenize(["a red cat sat", "a dog ran"]), tokenize(["the cat", "one dog"])]
+    random.seed(42)
+    for _ in range(5):
+        loss_fn(features, labels=None)
+    monkeypatch.undo()
+    assert len(drawn) == 15  # three draws a step: last layer's width, prior layer, its width
+    theirs = [(dims[a], n, dims[b]) for a, n, b in zip(drawn[0::3], drawn[1::3], drawn[2::3], strict=True)]
+    options = {"views": "st", "min_layer": 0, "kl": "features", "kl_widths": "full", "draws": "python"}
+    method = make_method("2dmse", layers, hidden, **options)
+    plans = [method.plan(method.generator(42, step)) for step in range(5)]
+    assert [(p.info["d"], p.info["n"], p.info["d_n"]) for p in plans] == theirs
+    assert [(v.layer, v.dim) for v in plans[0].views] == [(layers, theirs[0][0]), (theirs[0][1], theirs[0][2])]
+    resumed = make_method("2dmse", layers, hidden, **options)
+    assert resumed.plan(resumed.generator(42, 3)).info == plans[3].info
+    assert method.plan(method.generator(42, 3)).info == plans[3].info  # a step drawn again (micro-batches)
+    with pytest.raises(ValueError, match="draws=python draws sentence-transformers' views in its order; set views=st"):
+        make_method("2dmse", 6, 64, draws="python")
+
+
 def dependency_inputs():
     torch.manual_seed(0)
     return [0.5 * torch.randn(24, 16), 0.3 * torch.randn(24, 16)]  # distinct leading singular values

@@ -78,6 +78,11 @@ class Method(nn.Module):
     def plan(self, rng: np.random.Generator) -> Plan:
         raise NotImplementedError
 
+    def generator(self, seed: int, step: int):
+        """What `plan` draws step `step`'s layers and widths from: by default a generator of its own per step, so
+        a resumed run draws what the uninterrupted one drew."""
+        return np.random.default_rng([seed, step, 1])
+
     def loss(self, plan: Plan, states: States, task_loss: TaskLoss) -> tuple[torch.Tensor, dict[str, float]]:
         parts: dict[str, float] = {}
         total = None

@@ -20,9 +20,17 @@ Options that give the reference code's choices (presets st-matryoshka2d and 2dms
   layer at one random width and layer n at another, each drawn from the dims and D
   (Matryoshka2dLoss = AdaptiveLayerLoss(MatryoshkaLoss(n_dims_per_step=1)), matryoshka_2d.py L124-140;
   matryoshka.py L237-239 draws a width at every call). It compares the layers at full width only.
+- `draws` ("numpy"): with views="st", "python" draws as sentence-transformers does, from one Python
+  `random.Random(seed)` for the whole run, three `sample` calls a step in its order: the last layer's width
+  (MatryoshkaLoss, matryoshka.py L237-239), the prior layer (adaptive_layer.py L251-254), that layer's width,
+  each an index into the widths largest first. Given the same seed, at the same point, a run draws the
+  library's layers and widths step for step (benchmarks/peer_st_matryoshka2d.py seeds `random` just before its
+  first step). A resumed run replays the draws of the steps before it.
 """
 
 from __future__ import annotations
+
+import random
 
 import numpy as np
 
@@ -36,8 +44,9 @@ class TwoDMSE(Method):
     summary = "each step: last + one random shallow layer, full + one random width, KL from last layer"
     settings = (
         "dims weights_full_shallow_lastsmall_shallowsmall=weights kl_weight kl_temperature shallow_weighting "
-        "kl=kl_kind kl_widths kl_factor kl_detach kl_normalize min_layer views"
+        "kl=kl_kind kl_widths kl_factor kl_detach kl_normalize min_layer views draws"
     )
+    DRAWS_PER_STEP = 3  # sentence-transformers' random.sample calls a step (views="st", draws="python")
 
     def __init__(
         self,
@@ -58,6 +67,7 @@ class TwoDMSE(Method):
         kl_normalize: bool | str = False,
         min_layer: int = 1,
         views: str = "paper",
+        draws: str = "numpy",
     ):
         super().__init__(num_layers, hidden_size)
         if num_layers < 2:
@@ -73,6 +83,7 @@ class TwoDMSE(Method):
             ("kl_widths", kl_widths, ("both", "full")),
             ("kl_factor", kl_factor, FACTORS),
             ("views", views, ("paper", "st")),
+            ("draws", draws, ("numpy", "python")),
         ):
             if value not in allowed:
                 raise ValueError(f"2dmse: {option} must be one of {', '.join(allowed)}, got '{value}'")
@@ -88,13 +99,43 @@ class TwoDMSE(Method):
         self.shallow_weighting, self.kl_kind, self.kl_widths = shallow_weighting, kl, kl_widths
         self.kl_factor, self.kl_detach = kl_factor, bool(kl_detach)
         self.kl_normalize, self.min_layer, self.views = check_normalize(self.name, kl_normalize), min_layer, views
+        if draws == "python" and views != "st":
+            raise ValueError("2dmse: draws=python draws sentence-transformers' views in its order; set views=st")
+        self.draws = draws
+        self._python: tuple[int, int, random.Random] | None = None  # (seed, next step, its generator)
 
     def adapt_to_backbone(self, pooling: str, normalizes: bool) -> list[str]:
         if self.kl_normalize == "auto":
             self.kl_normalize = bool(normalizes)
         return []
 
+    def generator(self, seed: int, step: int):
+        if self.draws == "numpy":
+            return super().generator(seed, step)
+        if self._python is None or self._python[:2] != (seed, step):  # a new run or a resumed one: replay
+            rng = random.Random(seed)
+            for _ in range(step):
+                self._st_draws(rng)
+            self._python = (seed, step, rng)
+        rng = self._python[2]
+        self._python = (seed, step + 1, rng)
+        return rng
+
+    def _st_draws(self, rng: random.Random) -> tuple[int, int, int]:
+        """(last layer's width, prior layer, its width) as sentence-transformers draws them."""
+        widths = sorted({*self.dims, self.hidden_size}, reverse=True)
+        d = widths[rng.sample(range(len(widths)), 1)[0]]
+        n = rng.sample(range(self.min_layer, self.num_layers), 1)[0]
+        d_shallow = widths[rng.sample(range(len(widths)), 1)[0]]
+        return d, n, d_shallow
+
     def plan(self, rng: np.random.Generator) -> Plan:
+        if isinstance(rng, random.Random):  # draws="python"
+            d, n, d_shallow = self._st_draws(rng)
+            N, w_full, w_shallow = self.num_layers, self.weights[0], self.weights[1]
+            if self.shallow_weighting == "inverse":
+                w_shallow = w_shallow / n
+            return Plan([View(N, d, w_full), View(n, d_shallow, w_shallow)], info={"n": n, "d": d, "d_n": d_shallow})
         n = int(rng.integers(self.min_layer, self.num_layers))  # U(1, N-1) by default, inclusive
         d = int(self.dims[rng.integers(len(self.dims))])
         N, D = self.num_layers, self.hidden_size

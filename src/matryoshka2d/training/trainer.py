@@ -188,7 +188,7 @@ class Trainer:
         """Seed the step's dropout and draw its plan (layers, widths) from the step's own generator."""
         # Dropout draws differ per process (their rows differ); the plan (layers, widths) is the same in all.
         torch.manual_seed(self.config.seed * 1_000_003 + step + 7919 * self.processes.rank)
-        return self.method.plan(np.random.default_rng([self.config.seed, step, 1]))
+        return self.method.plan(self.method.generator(self.config.seed, step))
 
     def embed(self, features: ColumnBatch, plan: Plan) -> list[dict[int, torch.Tensor]]:
         """Per column, the pooled full-width state of every layer the plan needs (one forward pass per length
