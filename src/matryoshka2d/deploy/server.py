@@ -66,6 +66,13 @@ class ServerLimits:
     max_wait: float = 0.005  # seconds the first request of a batch waits for company
 
 
+# malloc_trim after every model call kept RSS flat under load but cost 6% of a (3,128) server's model time (CPU
+# time per text, minilm-l6, batches of 256: 1.79 ms without, 1.91 ms with; docs/benchmarks.md, issue 19): the
+# pages it gives back are faulted in again by the next batch. Trimmed at most this often under load, and
+# whenever the queue runs dry, so a server at rest holds no more than after its warm-up.
+TRIM_INTERVAL = 5.0  # seconds
+
+
 @dataclass
 class _Job:
     texts: list[str]
@@ -82,6 +89,8 @@ class MicroBatcher:
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="matryoshka2d-model")
         self.batches = 0
+        self.trims = 0
+        self._trimmed_at, self._untrimmed = time.monotonic(), False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -122,6 +131,8 @@ class MicroBatcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self._untrimmed and self.queue.empty():  # at rest: give the heap's free pages back
+                await loop.run_in_executor(self.executor, self._trim)
             jobs = await self._collect()
             jobs = [j for j in jobs if not j.future.done()]  # a client that went away
             by_layer: dict[int, list[_Job]] = {}
@@ -148,8 +159,16 @@ class MicroBatcher:
 
     def _encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
         vectors = self.backend.pooled(texts, layer, encoded)
-        trim_heap()  # free pages back after each call: RSS stays flat under load (matryoshka2d.allocator)
+        self._untrimmed = True
+        if time.monotonic() - self._trimmed_at >= TRIM_INTERVAL:
+            self._trim()
         return vectors
+
+    def _trim(self) -> None:
+        """Free pages back to the system (matryoshka2d.allocator); runs on the model thread."""
+        trim_heap()
+        self.trims += 1
+        self._trimmed_at, self._untrimmed = time.monotonic(), False
 
 
 def _error_response(error: ApiError):
