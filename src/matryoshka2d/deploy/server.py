@@ -132,7 +132,7 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         while True:
             if self._untrimmed and self.queue.empty():  # at rest: give the heap's free pages back
-                await loop.run_in_executor(self.executor, self._trim)
+                await loop.run_in_executor(self.executor, self._trim, True)
             jobs = await self._collect()
             jobs = [j for j in jobs if not j.future.done()]  # a client that went away
             by_layer: dict[int, list[_Job]] = {}
@@ -164,8 +164,12 @@ class MicroBatcher:
             self._trim()
         return vectors
 
-    def _trim(self) -> None:
-        """Free pages back to the system (matryoshka2d.allocator); runs on the model thread."""
+    def _trim(self, at_rest: bool = False) -> None:
+        """Free pages back to the system (matryoshka2d.allocator); at rest, also what the backend keeps for itself
+        under load (onnxruntime's arenas). Runs on the model thread."""
+        release = getattr(self.backend, "release_memory", None)
+        if at_rest and release is not None:
+            release()
         trim_heap()
         self.trims += 1
         self._trimmed_at, self._untrimmed = time.monotonic(), False
