@@ -208,6 +208,11 @@ def test_cli_train_preset_applies_its_recipe_and_flags_override_it(tiny_dir, tri
     method = meta["method"]
     assert method["layers"] == "angle-emb" and method["shallow_mean"] is True and method["beta"] == 1.0
     assert method["k"] == 16 and method["kl_factor"] == "T" and meta["loss"] == "angle"
+    assert meta["training"]["preset"] == "ese-angle-emb"  # which recipe the options came from
+    config = tmp_path / "c.yaml"
+    config.write_text("preset: ese-angle-emb\n")
+    assert main([*args[:-2], "--config", str(config), "--output", str(tmp_path / "p")]) == 2
+    assert "'preset' cannot be set in a config file; pass --preset NAME" in capsys.readouterr().err
 
 
 def test_every_preset_builds_its_method_and_loss_and_cites_a_source():

@@ -63,13 +63,15 @@ def cmd_train(args) -> int:
             return launch(main, args.argv, args.processes)
     values: dict = {}
     if args.preset:
-        values.update(presets.load(args.preset))
+        values.update(presets.load(args.preset), preset=args.preset)
         print(f"preset {args.preset}: {presets.source(args.preset)}")
     if args.config:
         path = Path(args.config)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         loaded = read_config_file(path)
+        if "preset" in loaded:
+            raise ValueError(f"{path}: 'preset' cannot be set in a config file; pass --preset NAME with --config")
         for key in ("method_options", "loss_options"):  # a config refines a preset's options, key by key
             if isinstance(loaded.get(key), dict) and isinstance(values.get(key), dict):
                 loaded[key] = {**values[key], **loaded[key]}

@@ -37,6 +37,7 @@ RESUMABLE_CHANGES = (
     "gradient_checkpointing",
     "compile",
     "padding_free",
+    "preset",  # its name only: the options it set are recorded, and compared, one by one
 )
 
 
@@ -94,6 +95,7 @@ class TrainConfig:
     # (training.data.without_repeated_texts); off unless a preset of angle-emb's recipes turns it on
     filter_duplicates: bool = False
     padding_free: bool | None = None  # length groups, not per-column padding (training/packing.py); None: on a CPU
+    preset: str | None = None  # the --preset the options came from (recorded with the model; training/presets)
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
