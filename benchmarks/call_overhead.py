@@ -9,10 +9,10 @@ than wall time), minilm-l6.
 - train: the forward and backward pass of a 2dmse + infonce step (batch 32 of the shared NLI triplets) with the
   step's texts grouped for each overhead value in `--overheads` (token positions per call), next to per-column
   padding; the steps are the trainer's own (Trainer.prepare_batch and compute_loss), in alternating order over
-  two rounds, the best round kept. The value with the cheapest step is what CALL_OVERHEAD_TOKENS["cpu"] in
+  two rounds, the best round kept. The value with the cheapest step is what TRAINING_CALL_OVERHEAD_TOKENS["cpu"] in
   training/packing.py holds.
 - torch: one inference pass of n texts of t tokens at layers 3 and 6, for small shapes; the intercept of the
-  line through them, in token positions, is CALL_OVERHEAD_TOKENS in models/encoder.py.
+  line through them, in token positions, is TORCH_CALL_OVERHEAD_TOKENS in models/encoder.py.
 - onnx: the same through the cached exit graphs of the onnx serving backend (fp32 and int8, layers 3 and 6),
   for deploy/backends.py (built first if the cache does not hold them).
 """

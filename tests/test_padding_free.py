@@ -9,7 +9,7 @@ import torch
 
 from matryoshka2d.models.batching import length_groups, padded_positions
 from matryoshka2d.training.config import TrainConfig
-from matryoshka2d.training.packing import CALL_OVERHEAD_TOKENS, call_overhead
+from matryoshka2d.training.packing import TRAINING_CALL_OVERHEAD_TOKENS, call_overhead
 from matryoshka2d.training.trainer import Trainer
 
 WORDS = [
@@ -135,10 +135,10 @@ def test_padded_and_padding_free_steps_give_the_same_loss(tiny_dir, varied_tripl
 
 def test_padding_free_is_the_cpu_default_and_can_be_turned_off():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert call_overhead(cpu, None) == CALL_OVERHEAD_TOKENS["cpu"]
+    assert call_overhead(cpu, None) == TRAINING_CALL_OVERHEAD_TOKENS["cpu"]
     assert call_overhead(cpu, False) is None
     assert call_overhead(cuda, None) is None  # not measured there: per-column padding unless asked
-    assert call_overhead(cuda, True) == CALL_OVERHEAD_TOKENS["cpu"]
+    assert call_overhead(cuda, True) == TRAINING_CALL_OVERHEAD_TOKENS["cpu"]
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -38,7 +38,7 @@ BACKENDS = ("torch", "onnx")
 # The fixed cost of one onnxruntime call in token positions (minilm-l6, one thread, CPU time, 1-8 texts of 10
 # tokens): fp32 about 2 ms at layer 3 against 0.1 ms per position; int8 0.4-1.1 ms at layers 3-6 against
 # 0.05-0.1 ms (benchmarks/call_overhead.py; used by models/batching.inference_batches).
-CALL_OVERHEAD_TOKENS = {None: 20.0, "int8": 10.0}
+ONNX_CALL_OVERHEAD_TOKENS = {None: 20.0, "int8": 10.0}
 # How each kind of graph is made; a cached graph made another way (an older recipe) is rebuilt.
 RECIPES = {
     None: "torch.onnx dynamo export of ExitGraph (encoder.forward at the layer), fp32",
@@ -275,7 +275,7 @@ class OnnxBackend:
             encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         lengths = [len(x) for x in encoded["input_ids"]]
         out = np.zeros((len(texts), self.hidden_size), dtype=np.float32)
-        for idx in inference_batches(lengths, self.batch_size, CALL_OVERHEAD_TOKENS[self.quantize]):
+        for idx in inference_batches(lengths, self.batch_size, ONNX_CALL_OVERHEAD_TOKENS[self.quantize]):
             features = pad_rows(self.tokenizer, encoded, idx, names)
             (vectors,) = session.run(None, {k: v.numpy() for k, v in features.items()})
             out[idx] = vectors

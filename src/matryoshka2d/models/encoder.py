@@ -43,7 +43,7 @@ from matryoshka2d.views import unit_rows
 # at layer 3 and 9.5 ms at layer 6 for a call, against 0.11 and 0.2 ms per token position (minilm-l6, CPU
 # time, 1-8 texts of 10-20 tokens: benchmarks/call_overhead.py). Other devices were not measured: fixed
 # batches there.
-CALL_OVERHEAD_TOKENS = {"cpu": 48.0}
+TORCH_CALL_OVERHEAD_TOKENS = {"cpu": 48.0}
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -408,7 +408,7 @@ class ElasticEncoder(nn.Module):
                 encoded = {k: [rows[i] for i in first] for k, rows in encoded.items()}
             lengths = [len(x) for x in encoded["input_ids"]]
             device = self.device  # a walk over the modules to the first parameter: once per call, not per batch
-            overhead = CALL_OVERHEAD_TOKENS.get(device.type)
+            overhead = TORCH_CALL_OVERHEAD_TOKENS.get(device.type)
             batches = inference_batches(lengths, batch_size, overhead, token_budget)  # like lengths share a pass
             # Module.train() walks every submodule (about 1 ms for a 6-layer model, most of a one-query call):
             # switch to eval and back only when the model is training.

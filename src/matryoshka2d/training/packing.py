@@ -11,7 +11,7 @@ rounding (tests/test_padding_free.py).
 
 How many groups: each forward pass has a fixed cost that does not depend on its tokens (most of it in the
 backward pass: a full-size gradient added to each weight and a dense gradient of the token-embedding table per
-call). `CALL_OVERHEAD_TOKENS` states it in token positions, measured on the CPU (benchmarks/call_overhead.py);
+call). `TRAINING_CALL_OVERHEAD_TOKENS` states it in token positions, measured on the CPU (benchmarks/call_overhead.py);
 on other devices it was not measured, so they keep the per-column padding unless the run asks
 for padding-free steps.
 """
@@ -29,15 +29,17 @@ from matryoshka2d.models.batching import length_groups
 # The fixed cost of one forward and backward pass, in token positions of minilm-l6, fp32 on a CPU: 55 ms per
 # call against 0.64 ms per token position (3 exits, one thread, CPU time); whole steps were cheapest, and
 # equally so, for any value from 40 to 150 (benchmarks/call_overhead.py, docs/benchmarks.md).
-CALL_OVERHEAD_TOKENS = {"cpu": 86.0}
+TRAINING_CALL_OVERHEAD_TOKENS = {"cpu": 86.0}
 
 
 def call_overhead(device: torch.device, padding_free: bool | None) -> float | None:
     """The per-call cost to group with, or None for per-column padding. padding_free None: on where the cost
     was measured (the CPU), off elsewhere; True on a device without a measurement uses the CPU's figure."""
     if padding_free is None:
-        padding_free = device.type in CALL_OVERHEAD_TOKENS
-    return CALL_OVERHEAD_TOKENS.get(device.type, CALL_OVERHEAD_TOKENS["cpu"]) if padding_free else None
+        padding_free = device.type in TRAINING_CALL_OVERHEAD_TOKENS
+    if not padding_free:
+        return None
+    return TRAINING_CALL_OVERHEAD_TOKENS.get(device.type, TRAINING_CALL_OVERHEAD_TOKENS["cpu"])
 
 
 @dataclass
