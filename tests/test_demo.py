@@ -39,6 +39,7 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
         assert heading in out
     assert "recommended cell (" in out and "x faster encoding" in out and "bytes/vector" in out
     assert "affine exit heads at layers 1,2,3" in out and "without heads the same budget would give (" in out
+    assert "(ridge strength: STS-B dev Spearman)" in out  # chosen as `heads fit` chooses it
     assert (tmp_path / "run" / "sts-no-heads" / "results.json").is_file()
     chosen = json.loads((tmp_path / "run" / "pick" / "pick.json").read_text())["recommended"]
     export = tmp_path / "run" / f"export-{chosen['layer']}x{chosen['dim']}"

@@ -114,25 +114,33 @@ def fine_tune(args, root: Path) -> Path:
 
 
 def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
-    """Exit heads fitted in closed form on the fine-tune's own training sentences, cached beside it."""
+    """Exit heads fitted in closed form on the fine-tune's own training sentences, cached beside it; the ridge
+    strength chosen on STS-B dev as `heads fit` does by default (held-out squared error if the file is missing)."""
     import itertools
 
+    from matryoshka2d.evaluate.sts import load_pairs
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
     from matryoshka2d.training.data import read_sentences
 
-    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}")
+    dev_file = root / "sts" / "raw" / "stsb_dev.tsv"
+    select = "sts-dev" if dev_file.is_file() else "mse"
+    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}")
     if (out / "matryoshka2d.json").is_file():
         print(f"    reusing the cached heads {out}")
         return out
     encoder = ElasticEncoder(str(model_dir), device=args.device)
     texts = iter(read_sentences(root / "nli" / "train_triplets.tsv")[: args.head_sentences])
-    heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []))
+    dev = load_pairs(dev_file) if select == "sts-dev" else None
+    heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []), select=select, dev=dev)
     encoder.set_exit_heads(heads)
     meta = json.loads((model_dir / "matryoshka2d.json").read_text())
     save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
-    print(f"    {heads.describe()}, fitted on {report.sentences} training sentences in {report.seconds:.0f} s")
+    print(
+        f"    {heads.describe()}, fitted on {report.sentences} training sentences in {report.seconds:.0f} s "
+        f"(ridge strength: {heads.record['ridge_chosen_by']})"
+    )
     return out
 
 
