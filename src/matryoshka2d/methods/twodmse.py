@@ -46,7 +46,6 @@ class TwoDMSE(Method):
         "dims weights_full_shallow_lastsmall_shallowsmall=weights kl_weight kl_temperature shallow_weighting "
         "kl=kl_kind kl_widths kl_factor kl_detach kl_normalize min_layer views draws"
     )
-    DRAWS_PER_STEP = 3  # sentence-transformers' random.sample calls a step (views="st", draws="python")
 
     def __init__(
         self,
@@ -132,22 +131,27 @@ class TwoDMSE(Method):
     def plan(self, rng: np.random.Generator) -> Plan:
         if isinstance(rng, random.Random):  # draws="python"
             d, n, d_shallow = self._st_draws(rng)
-            N, w_full, w_shallow = self.num_layers, self.weights[0], self.weights[1]
-            if self.shallow_weighting == "inverse":
-                w_shallow = w_shallow / n
-            return Plan([View(N, d, w_full), View(n, d_shallow, w_shallow)], info={"n": n, "d": d, "d_n": d_shallow})
+            return self._st_plan(n, d, d_shallow)
         n = int(rng.integers(self.min_layer, self.num_layers))  # U(1, N-1) by default, inclusive
         d = int(self.dims[rng.integers(len(self.dims))])
         N, D = self.num_layers, self.hidden_size
-        w_full, w_shallow, w_last_small, w_shallow_small = self.weights
-        if self.shallow_weighting == "inverse":
-            w_shallow, w_shallow_small = w_shallow / n, w_shallow_small / n
         if self.views == "st":  # one width for the last layer's loss (d), another for layer n's, from dims and D
             widths = [*self.dims, D]
             d, d_shallow = int(widths[rng.integers(len(widths))]), int(widths[rng.integers(len(widths))])
-            return Plan([View(N, d, w_full), View(n, d_shallow, w_shallow)], info={"n": n, "d": d, "d_n": d_shallow})
+            return self._st_plan(n, d, d_shallow)
+        w_full, w_shallow, w_last_small, w_shallow_small = self.weights
+        if self.shallow_weighting == "inverse":
+            w_shallow, w_shallow_small = w_shallow / n, w_shallow_small / n
         views = [View(N, D, w_full), View(n, D, w_shallow), View(N, d, w_last_small), View(n, d, w_shallow_small)]
         return Plan(views, info={"n": n, "d": d})
+
+    def _st_plan(self, n: int, d: int, d_shallow: int) -> Plan:
+        """sentence-transformers' two views: the last layer at width d, layer n at width d_shallow."""
+        w_full, w_shallow = self.weights[0], self.weights[1]
+        if self.shallow_weighting == "inverse":
+            w_shallow = w_shallow / n
+        views = [View(self.num_layers, d, w_full), View(n, d_shallow, w_shallow)]
+        return Plan(views, info={"n": n, "d": d, "d_n": d_shallow})
 
     def widths(self) -> set[int]:
         return {*self.dims, self.hidden_size}
