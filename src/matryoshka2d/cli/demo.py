@@ -118,21 +118,19 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     strength chosen on STS-B dev as `heads fit` does by default (held-out squared error if the file is missing)."""
     import itertools
 
-    from matryoshka2d.evaluate.sts import load_pairs
+    from matryoshka2d.cli.heads import ridge_selection
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
     from matryoshka2d.training.data import read_sentences
 
-    dev_file = root / "sts" / "raw" / "stsb_dev.tsv"
-    select = "sts-dev" if dev_file.is_file() else "mse"
+    select, dev = ridge_selection("auto", root / "sts" / "raw" / "stsb_dev.tsv")
     out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}")
     if (out / "matryoshka2d.json").is_file():
         print(f"    reusing the cached heads {out}")
         return out
     encoder = ElasticEncoder(str(model_dir), device=args.device)
     texts = iter(read_sentences(root / "nli" / "train_triplets.tsv")[: args.head_sentences])
-    dev = load_pairs(dev_file) if select == "sts-dev" else None
     heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []), select=select, dev=dev)
     encoder.set_exit_heads(heads)
     meta = json.loads((model_dir / "matryoshka2d.json").read_text())

@@ -79,6 +79,22 @@ def _gain_table(encoder, cells) -> list[str]:
     return lines
 
 
+def ridge_selection(select: str, dev_file: Path | None, missing: str | None = None):
+    """(criterion, STS-B dev pairs or None) for fit_heads: "auto" takes STS-B dev where `dev_file` exists, else
+    held-out squared error (and says so); "sts-dev" needs the file. `missing`: why there is no file to name."""
+    if select not in ("auto", "sts-dev"):
+        return select, None
+    if dev_file is not None and dev_file.is_file():
+        from matryoshka2d.evaluate.sts import load_pairs
+
+        return "sts-dev", load_pairs(dev_file)
+    missing = missing or f"no STS-B dev file at {dev_file}"
+    if select == "sts-dev":
+        raise FileNotFoundError(f"--select sts-dev: {missing} (set MATRYOSHKA2D_DATA to the data folder)")
+    _log(f"heads fit: {missing}; the ridge strength is chosen by held-out squared error (--select mse)")
+    return "mse", None
+
+
 def cmd_heads_fit(args) -> int:
     import json
 
@@ -97,23 +113,14 @@ def cmd_heads_fit(args) -> int:
     if encoder.location and out.resolve() == Path(encoder.location).resolve():
         raise ValueError(f"--output {out} is the model's own folder; write the model with heads to a new folder")
     select, dev = args.select, None
-    if select in ("auto", "sts-dev") and args.ridge is None:
-        from matryoshka2d.evaluate.sts import load_pairs
+    if args.ridge is None:
         from matryoshka2d.paths import sts_dev_file
 
         try:
-            dev_file = sts_dev_file()
+            dev_file, missing = sts_dev_file(), None
         except FileNotFoundError as exc:  # no data folder at all
             dev_file, missing = None, str(exc)
-        else:
-            missing = f"no STS-B dev file at {dev_file}"
-        if dev_file is not None and dev_file.is_file():
-            dev, select = load_pairs(dev_file), "sts-dev"
-        elif select == "sts-dev":
-            raise FileNotFoundError(f"--select sts-dev: {missing} (set MATRYOSHKA2D_DATA to the data folder)")
-        else:
-            select = "mse"
-            _log(f"heads fit: {missing}; the ridge strength is chosen by held-out squared error (--select mse)")
+        select, dev = ridge_selection(select, dev_file, missing)
     texts = read_texts(args.data)
     if args.max_sentences is not None:
         texts = itertools.islice(texts, args.max_sentences)
@@ -127,7 +134,7 @@ def cmd_heads_fit(args) -> int:
         batches(),
         target=args.target,
         kind=args.kind,
-        select="mse" if select == "auto" else select,
+        select="mse" if select == "auto" else select,  # auto with --ridge: nothing is selected
         ridge=args.ridge,
         dev=dev,
         layers=parse_ints(args.layers, "layers"),
