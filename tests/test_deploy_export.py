@@ -85,6 +85,39 @@ def test_onnx_and_int8_run_in_onnxruntime(tiny_bert, tmp_path):
     assert any("ONNX int8" in line and "MiB" in line for line in report.lines())
 
 
+def test_the_traced_graph_holds_for_any_batch_and_length(tiny_bert, tmp_path):
+    """The TorchScript exporter traces two short sentences once; its graph must still compute encoder.forward for
+    one text, a padded batch, and texts longer than the ones it was traced on."""
+    ort = pytest.importorskip("onnxruntime")
+    from matryoshka2d.deploy.export import export_exit, graph_exporter
+
+    path = export_exit(tiny_bert, 2, tmp_path / "exit.onnx")
+    assert graph_exporter(path) == "torchscript"
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for texts in ([TEXTS[0]], TEXTS, ["word " * 60, TEXTS[1]]):
+        features = tiny_bert.tokenize(texts)
+        expected = tiny_bert.forward(features, [2])[2].detach().numpy()
+        got = session.run(None, {i.name: features[i.name].numpy() for i in session.get_inputs()})[0]
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_a_failing_exporter_falls_back_to_the_next_and_says_so(tiny_bert, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("onnxscript", reason="the [onnx] extra (onnxscript) is not installed")
+    from matryoshka2d.deploy import export
+
+    def cannot_trace(*_):
+        raise RuntimeError("cannot trace this model")
+
+    monkeypatch.setitem(export._EXPORT, "torchscript", cannot_trace)
+    path = export.export_exit(tiny_bert, 2, tmp_path / "exit.onnx")
+    assert export.graph_exporter(path) == "dynamo"
+    assert "torchscript: RuntimeError: cannot trace this model; written by dynamo" in capsys.readouterr().err
+    monkeypatch.setitem(export._EXPORT, "dynamo", cannot_trace)
+    with pytest.raises(ExportError, match="no torch.onnx exporter could export other.onnx: torchscript: .*; dynamo"):
+        export.export_exit(tiny_bert, 2, tmp_path / "other.onnx")
+    assert not (tmp_path / "other.onnx").exists()
+
+
 def test_minilm_cell_3_128_keeps_half_the_layers_and_matches(minilm, tmp_path):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel

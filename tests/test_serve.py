@@ -460,6 +460,24 @@ def test_int8_graphs_agree_with_torch(graph_copy, tiny_local):
     np.testing.assert_array_equal(backend.pooled(TEXTS, 2), got)
 
 
+def test_an_int8_graph_from_an_older_fp32_recipe_is_rebuilt(graph_copy, tiny_local, monkeypatch):
+    """The int8 recipe names the fp32 recipe it quantizes: when the export changes, cached int8 graphs go too."""
+    from matryoshka2d.deploy import backends
+
+    folder, _ = graph_copy
+    onnx_backend(tiny_local, folder, quantize="int8")
+    quantized, quantize = [], backends.quantize_int8
+    monkeypatch.setattr(backends, "quantize_int8", lambda *a: quantized.append(a) or quantize(*a))
+    onnx_backend(tiny_local, folder, quantize="int8")
+    assert quantized == []  # cached and trusted
+    manifest = json.loads((folder / "manifest.json").read_text())
+    old_fp32 = "torch.onnx dynamo export of ExitGraph (encoder.forward at the layer), fp32"
+    manifest["graphs"]["layer-2.int8.onnx"]["recipe"] = backends.RECIPES["int8"].replace(backends.FP32_RECIPE, old_fp32)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    onnx_backend(tiny_local, folder, quantize="int8")
+    assert len(quantized) == 1
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -29,7 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matryoshka2d.deploy.export import CHECK_SENTENCES, ONNX_ATOL, ExportError, export_exit, quantize_int8
+from matryoshka2d.deploy.export import (
+    CHECK_SENTENCES,
+    ONNX_ATOL,
+    ExportError,
+    export_exit,
+    graph_exporter,
+    quantize_int8,
+)
 from matryoshka2d.files import file_sha256
 from matryoshka2d.models.batching import inference_batches, pad_rows
 from matryoshka2d.models.encoder import ElasticEncoder
@@ -39,10 +46,12 @@ BACKENDS = ("torch", "onnx")
 # tokens): fp32 about 2 ms at layer 3 against 0.1 ms per position; int8 0.4-1.1 ms at layers 3-6 against
 # 0.05-0.1 ms (benchmarks/call_overhead.py; used by models/batching.inference_batches).
 ONNX_CALL_OVERHEAD_TOKENS = {None: 20.0, "int8": 10.0}
-# How each kind of graph is made; a cached graph made another way (an older recipe) is rebuilt.
+# How each kind of graph is made; a cached graph made another way (an older recipe) is rebuilt. The int8 recipe
+# names the fp32 one it starts from, so that a new fp32 recipe also rebuilds the int8 graphs.
+FP32_RECIPE = "torch.onnx export of ExitGraph (encoder.forward at the layer): TorchScript, dynamo where it fails"
 RECIPES = {
-    None: "torch.onnx dynamo export of ExitGraph (encoder.forward at the layer), fp32",
-    "int8": "onnxruntime quantize_dynamic of the fp32 graph: QInt8 weights, one scale per channel",
+    None: FP32_RECIPE,
+    "int8": f"onnxruntime quantize_dynamic of the fp32 graph ({FP32_RECIPE}): QInt8 weights, one scale per channel",
 }
 MANIFEST = "manifest.json"
 CACHE_FOLDER = "onnx-serve"  # inside the model's folder when it is writable
@@ -196,7 +205,9 @@ def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize
                     f"the ONNX graph of layer {layer} does not reproduce encoder.forward: shape {got.shape} vs "
                     f"{expected.shape}, max |difference| {diff:.2e} > {ONNX_ATOL:g}"
                 )
-            fp32 = cache.add(built, layer, None, {"max_abs_difference_vs_torch": diff})
+            fp32 = cache.add(
+                built, layer, None, {"exporter": graph_exporter(built), "max_abs_difference_vs_torch": diff}
+            )
         if quantize is None:
             return fp32
         built = quantize_int8(fp32, Path(tmp) / "exit.int8.onnx")
