@@ -118,6 +118,31 @@ def test_a_failing_exporter_falls_back_to_the_next_and_says_so(tiny_bert, tmp_pa
     assert not (tmp_path / "other.onnx").exists()
 
 
+def test_a_graph_that_does_not_hold_on_other_texts_is_not_kept(tiny_bert, tmp_path, monkeypatch, capsys):
+    """A traced graph that computes something else than the module (as one specialised to the traced shapes
+    would) is dropped for the next exporter's."""
+    pytest.importorskip("onnxscript", reason="the [onnx] extra (onnxscript) is not installed")
+    import torch
+
+    from matryoshka2d.deploy import export
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *features):
+            return 2 * self.inner(*features)
+
+    trace = export._EXPORT["torchscript"]
+    # eval(): the exporter puts the module it was given back in the mode it found it in, submodules included
+    monkeypatch.setitem(export._EXPORT, "torchscript", lambda graph, *rest: trace(Doubled(graph).eval(), *rest))
+    path = export.export_exit(tiny_bert, 2, tmp_path / "exit.onnx")
+    assert export.graph_exporter(path) == "dynamo"
+    err = capsys.readouterr().err
+    assert "torchscript: ExportError: its graph does not reproduce the model on other texts" in err
+
+
 def test_minilm_cell_3_128_keeps_half_the_layers_and_matches(minilm, tmp_path):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel

@@ -245,8 +245,10 @@ def export_exit(encoder: ElasticEncoder, layer: int, path: Path) -> Path:
 # Which torch.onnx exporter writes a graph: the TorchScript one first, because onnxruntime runs its graph faster
 # (minilm-l6, one thread, batches of 8 NLI sentences, CPU ms per text, TorchScript against dynamo: int8 0.93 vs
 # 1.09 at layer 3 and 1.68 vs 1.98 at layer 6; fp32 1.86 vs 2.08 and 3.65 vs 4.19; docs/benchmarks.md, issue 19);
-# dynamo where TorchScript fails (it traces, is deprecated in torch, and some models do not trace). The exporter
-# used is written into the graph's metadata (`exporter`).
+# dynamo where TorchScript fails (it traces, is deprecated in torch, and some models do not trace). A traced graph
+# can also hold only for the shapes it was traced on, so each graph must reproduce the module in onnxruntime on
+# other texts (another batch size, longer and shorter) before it is kept. The exporter used is written into the
+# graph's metadata (`exporter`).
 EXPORTERS = ("torchscript", "dynamo")
 OPSET = 18
 
@@ -262,6 +264,10 @@ def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None,
     sample = cut.tokenize(["a first short sentence", "and a second, slightly longer sentence here"])
     args = tuple(sample[n] for n in names)
     graph = (graph if graph is not None else CellGraph(cut, cut.normalize_output)).eval()
+    check = cut.tokenize(CHECK_SENTENCES)
+    check_args = tuple(check[n] for n in names)
+    with torch.no_grad():
+        expected = graph(*check_args).float().numpy()
     failures = []
     for exporter in exporters:
         path.unlink(missing_ok=True)
@@ -269,8 +275,10 @@ def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None,
             with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tracer and deprecation warnings: the graph is checked after
                 _EXPORT[exporter](graph, args, names, path)
+            _check_graph(path, dict(zip(names, check_args, strict=True)), expected)
         except Exception as error:  # any failure of one exporter means: try the next
             failures.append(f"{exporter}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            path.unlink(missing_ok=True)
             continue
         _set_metadata(path, {"exporter": exporter})
         if failures:
@@ -308,6 +316,21 @@ def _export_dynamo(graph: nn.Module, args: tuple, names: list[str], path: Path) 
 
 
 _EXPORT = {"torchscript": _export_torchscript, "dynamo": _export_dynamo}
+
+
+def _check_graph(path: Path, features: dict[str, torch.Tensor], expected: np.ndarray) -> None:
+    """The graph in onnxruntime must give what the module gave on `features` (other texts than it was exported
+    with) within ONNX_ATOL."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: features[i.name].numpy() for i in session.get_inputs()})[0]
+    diff = float(np.abs(got - expected).max()) if got.shape == expected.shape else float("inf")
+    if not diff <= ONNX_ATOL:
+        raise ExportError(
+            f"its graph does not reproduce the model on other texts: shape {got.shape} vs {expected.shape}, "
+            f"max |difference| {diff:.2e} > {ONNX_ATOL:g}"
+        )
 
 
 def _set_metadata(path: Path, values: dict[str, str]) -> None:
