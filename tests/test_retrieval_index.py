@@ -9,7 +9,7 @@ import pytest
 from matryoshka2d.cli import main
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.retrieval.index import IndexBuildError, build_index, factory_string, make_index
-from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search
+from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, stored_vectors
 from matryoshka2d.views import unit_rows
 
 DOCS = [
@@ -130,6 +130,25 @@ def test_cascade_with_full_shortlist_equals_flat_and_excludes_ids():
     assert not (ids == exclude[:, None]).any()
     with pytest.raises(ValueError, match="--shortlist 3 is smaller than --top-k 5"):
         cascade_search(small, full, queries[:, :8], queries, shortlist=3, k=5)
+
+
+def test_float16_rerank_rows_widen_exactly(tmp_path):
+    """The rerank reads float16 rows (a memory-mapped file) and widens them with torch: the same float32 numbers
+    numpy gives, and a cascade over them ranks as one over the float32 vectors would."""
+    rng = np.random.default_rng(2)
+    docs = unit_rows(rng.normal(size=(300, 48))).astype(np.float16)
+    np.save(tmp_path / "rerank.f16.npy", docs)
+    mapped = np.load(tmp_path / "rerank.f16.npy", mmap_mode="r")
+    ids = np.array([5, 299, 0, 5, 17])
+    got = stored_vectors(mapped, ids)
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, docs[ids].astype(np.float32))
+    queries = unit_rows(rng.normal(size=(4, 48)))
+    small = make_index(unit_rows(docs[:, :8].astype(np.float32)), "flat", "float32")
+    ids, scores = cascade_search(small, mapped, unit_rows(queries[:, :8]), queries, shortlist=300, k=5)
+    expected_ids, expected_scores = flat_search(make_index(docs.astype(np.float32), "flat", "float32"), queries, 5)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-5)
 
 
 def test_index_build_and_search_commands(tiny_dir, tmp_path, capsys):
