@@ -95,6 +95,12 @@ def main() -> None:
     parser.add_argument("--shortlists", nargs="+", type=int, default=[100, 200, 400, 800], help="cascade tiers")
     parser.add_argument("--nprobe", nargs="+", type=int, default=[16, 32, 64], help="IVF tiers: lists visited")
     parser.add_argument(
+        "--ef-construction",
+        type=int,
+        default=40,
+        help="efConstruction of every HNSW graph here, the full cell's and the tiers' (faiss's default: 40)",
+    )
+    parser.add_argument(
         "--tier-ef",
         nargs="+",
         type=int,
@@ -194,6 +200,8 @@ def child_build(job: dict) -> dict:
     if job["storage"] == "binary":
         bits = np.packbits(vectors > 0, axis=1)
         index = faiss.index_binary_factory(8 * bits.shape[1], "BFlat" if job["kind"] == "flat" else f"BHNSW{HNSW_M}")
+        if job["kind"] == "hnsw":
+            index.hnsw.efConstruction = job["ef_construction"]
         index.add(bits)
         seconds = time.perf_counter() - start
         faiss.write_index_binary(index, job["out"])
@@ -204,6 +212,8 @@ def child_build(job: dict) -> dict:
         else:
             spec = code if job["kind"] == "flat" else (f"HNSW{HNSW_M}" if code == "Flat" else f"HNSW{HNSW_M}_{code}")
         index = faiss.index_factory(vectors.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
+        if job["kind"] == "hnsw":
+            faiss.downcast_index(index).hnsw.efConstruction = job["ef_construction"]
         if not index.is_trained:
             index.train(vectors)
         index.add(vectors)
@@ -395,7 +405,16 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
 
     def measure(label, vectors, storage, kind, settings, rerank, small_queries, reference=True):
         index_file = path("".join(c if c.isalnum() else "_" for c in label) + ".index")
-        built = run_child("build", {"vectors": vectors, "storage": storage, "kind": kind, "out": index_file})
+        built = run_child(
+            "build",
+            {
+                "vectors": vectors,
+                "storage": storage,
+                "kind": kind,
+                "out": index_file,
+                "ef_construction": args.ef_construction,
+            },
+        )
         job = {
             "index": index_file,
             "binary": storage == "binary",

@@ -115,6 +115,36 @@ def test_index_kinds_and_storage_find_the_exact_neighbours(kind, storage):
     assert factory_string(kind, storage, 400).startswith({"flat": "", "hnsw": "HNSW", "ivf": "IVF"}[kind])
 
 
+@pytest.mark.parametrize("storage", ["float32", "int8", "binary"])
+def test_hnsw_graphs_are_built_with_the_wider_construction_search(tmp_path, storage):
+    """faiss builds HNSW links with efConstruction 40 unless told; ours use HNSW_EF_CONSTRUCTION, which is
+    written into the index file with the graph, and the build's manifest says so."""
+    import faiss
+
+    from matryoshka2d.retrieval.index import HNSW_EF_CONSTRUCTION
+
+    index = make_index(unit_rows(np.random.default_rng(3).normal(size=(300, 16))), "hnsw", storage)
+    path = str(tmp_path / "cell.faiss")
+    if storage == "binary":
+        faiss.write_index_binary(index, path)
+        graph = faiss.read_index_binary(path).hnsw
+    else:
+        faiss.write_index(index, path)
+        graph = faiss.downcast_index(faiss.read_index(path)).hnsw
+    assert graph.efConstruction == HNSW_EF_CONSTRUCTION == 200
+
+
+def test_an_hnsw_build_records_its_construction_search(tiny_bert, tmp_path):
+    from matryoshka2d.retrieval.index import HNSW_EF_CONSTRUCTION
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", kind="hnsw", log=lambda m: None)
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert manifest["hnsw_ef_construction"] == HNSW_EF_CONSTRUCTION
+    build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "flat", log=lambda m: None)
+    assert "hnsw_ef_construction" not in json.loads((tmp_path / "flat" / "manifest.json").read_text())
+
+
 def test_cascade_with_full_shortlist_equals_flat_and_excludes_ids():
     rng = np.random.default_rng(1)
     docs = unit_rows(rng.normal(size=(200, 32)))

@@ -56,6 +56,11 @@ from matryoshka2d.retrieval.shards import (
 from matryoshka2d.views import parse_cells
 
 BACKENDS = ("faiss", "qdrant")
+# How wide an HNSW graph's construction searches for each new vector's links (faiss's default is 40; hnswlib's
+# 200). On 208,041 minilm-l6 vectors, HNSW32 (6,384) built at 200 keeps 99.0% of flat's top 10 at efSearch 64
+# (0.21 ms a query), where the graph built at 40 needs efSearch 384 (0.78 ms), for about 2x the build time
+# (docs/benchmarks.md, issue 20).
+HNSW_EF_CONSTRUCTION = 200
 ENGINES = ("local", "ray")
 
 
@@ -105,11 +110,15 @@ def make_index(vectors: np.ndarray, kind: str, storage: str):
     if storage == "binary":
         bits = sign_bits(vectors)  # d bits padded with zeros to whole bytes: padding never changes a distance
         index = faiss.index_binary_factory(8 * bits.shape[1], factory_string(kind, storage, n))
+        if kind == "hnsw":
+            index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
         if not index.is_trained:
             index.train(bits)
         index.add(bits)
         return index
     index = faiss.index_factory(d, factory_string(kind, storage, n), faiss.METRIC_INNER_PRODUCT)
+    if kind == "hnsw":
+        faiss.downcast_index(index).hnsw.efConstruction = HNSW_EF_CONSTRUCTION
     if not index.is_trained:
         index.train(vectors)
     index.add(vectors)
@@ -187,6 +196,7 @@ def build_index(
         "backend": backend,
         "index": kind,
         "storage": storage,
+        **({"hnsw_ef_construction": HNSW_EF_CONSTRUCTION} if kind == "hnsw" else {}),
         "corpus": str(corpus.resolve()),
         "corpus_bytes": corpus.stat().st_size,
         "limit": limit,
