@@ -38,15 +38,13 @@ def unit(x: np.ndarray) -> np.ndarray:
 def ridge(x: np.ndarray, y: np.ndarray, fixed: float | None = None) -> np.ndarray:
     """[W'; b'] with the strength of RIDGE_GRID that has the lowest held-out error (or `fixed` x n), refitted on
     all rows."""
-    if fixed is not None:
-        everything = NormalEquations.empty(x.shape[1], y.shape[1])
-        everything.add(x, y)
-        return everything.solve(fixed * len(x))
-    out = np.arange(len(x)) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
-    fit, held = NormalEquations.empty(x.shape[1], y.shape[1]), NormalEquations.empty(x.shape[1], y.shape[1])
-    fit.add(x[~out], y[~out])
-    held.add(x[out], y[out])
-    best = min(RIDGE_GRID, key=lambda r: held.squared_error(fit.solve(r * fit.rows)))
+    best = fixed
+    if best is None:
+        out = np.arange(len(x)) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+        fit, held = NormalEquations.empty(x.shape[1], y.shape[1]), NormalEquations.empty(x.shape[1], y.shape[1])
+        fit.add(x[~out], y[~out])
+        held.add(x[out], y[out])
+        best = min(RIDGE_GRID, key=lambda r: held.squared_error(fit.solve(r * fit.rows)))
     everything = NormalEquations.empty(x.shape[1], y.shape[1])
     everything.add(x, y)
     return everything.solve(best * len(x))

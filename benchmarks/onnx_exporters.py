@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from common import DEFAULT_DATA, header
-from matryoshka2d.deploy.export import EXPORTERS, ExitGraph, export_onnx, graph_exporter, quantize_int8
+from matryoshka2d.deploy.export import EXPORTERS, export_exit, graph_exporter, quantize_int8
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.models.st_folder import truncated_stack
 from matryoshka2d.training.data import read_sentences
 
 
@@ -54,8 +53,7 @@ def main() -> None:
             graphs = {}
             for exporter in EXPORTERS:
                 fp32 = work / f"layer{layer}.{exporter}.onnx"
-                with truncated_stack(encoder.model, layer):
-                    export_onnx(encoder, fp32, ExitGraph(encoder, layer), exporters=(exporter,))
+                export_exit(encoder, layer, fp32, exporters=(exporter,))
                 assert graph_exporter(fp32) == exporter
                 graphs[f"{exporter} fp32"] = fp32
                 graphs[f"{exporter} int8"] = quantize_int8(fp32, work / f"layer{layer}.{exporter}.int8.onnx")

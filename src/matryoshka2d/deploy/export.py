@@ -233,13 +233,13 @@ class ExitGraph(nn.Module):
         return self.encoder.forward(graph_inputs(input_ids, attention_mask, token_type_ids), [self.layer])[self.layer]
 
 
-def export_exit(encoder: ElasticEncoder, layer: int, path: Path) -> Path:
+def export_exit(encoder: ElasticEncoder, layer: int, path: Path, exporters=None) -> Path:
     """One exit layer of a whole encoder as an ONNX graph (ExitGraph: `sentence_embedding`, full width)."""
     from matryoshka2d.models.st_folder import truncated_stack
 
     layer = encoder.check_layer(layer)
     with truncated_stack(encoder.model, layer):
-        return export_onnx(encoder, path, ExitGraph(encoder, layer))
+        return export_onnx(encoder, path, ExitGraph(encoder, layer), exporters or EXPORTERS)
 
 
 # Which torch.onnx exporter writes a graph: the TorchScript one first, because onnxruntime runs its graph faster
@@ -275,12 +275,12 @@ def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None,
             with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tracer and deprecation warnings: the graph is checked after
                 _EXPORT[exporter](graph, args, names, path)
-            _check_graph(path, dict(zip(names, check_args, strict=True)), expected)
+            diff = _check_graph(path, dict(zip(names, check_args, strict=True)), expected)
         except Exception as error:  # any failure of one exporter means: try the next
             failures.append(f"{exporter}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             path.unlink(missing_ok=True)
             continue
-        _set_metadata(path, {"exporter": exporter})
+        _set_metadata(path, {"exporter": exporter, "max_abs_difference_vs_torch": repr(diff)})
         if failures:
             print(f"ONNX export of {path.name}: {'; '.join(failures)}; written by {exporter}", file=sys.stderr)
         return path
@@ -318,9 +318,9 @@ def _export_dynamo(graph: nn.Module, args: tuple, names: list[str], path: Path) 
 _EXPORT = {"torchscript": _export_torchscript, "dynamo": _export_dynamo}
 
 
-def _check_graph(path: Path, features: dict[str, torch.Tensor], expected: np.ndarray) -> None:
+def _check_graph(path: Path, features: dict[str, torch.Tensor], expected: np.ndarray) -> float:
     """The graph in onnxruntime must give what the module gave on `features` (other texts than it was exported
-    with) within ONNX_ATOL."""
+    with) within ONNX_ATOL; returns the largest difference."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -331,6 +331,7 @@ def _check_graph(path: Path, features: dict[str, torch.Tensor], expected: np.nda
             f"its graph does not reproduce the model on other texts: shape {got.shape} vs {expected.shape}, "
             f"max |difference| {diff:.2e} > {ONNX_ATOL:g}"
         )
+    return diff
 
 
 def _set_metadata(path: Path, values: dict[str, str]) -> None:
@@ -342,12 +343,18 @@ def _set_metadata(path: Path, values: dict[str, str]) -> None:
     onnx.save(model, str(path))
 
 
-def graph_exporter(path: Path) -> str | None:
-    """The exporter that wrote an ONNX graph, from its metadata (None for graphs written before it was recorded)."""
+def graph_metadata(path: Path) -> dict[str, str]:
+    """What export_onnx wrote into a graph: `exporter` and `max_abs_difference_vs_torch` (its check); empty for
+    graphs written before they were recorded."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    return next((p.value for p in model.metadata_props if p.key == "exporter"), None)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def graph_exporter(path: Path) -> str | None:
+    """The exporter that wrote an ONNX graph (None for graphs written before it was recorded)."""
+    return graph_metadata(path).get("exporter")
 
 
 def quantize_int8(source: Path, target: Path) -> Path:
