@@ -7,7 +7,9 @@ and scored on the same STS 7-set average (Spearman x 100 of cosine, SentEval "al
 - affine per exit, target the raw last-layer vector;
 - affine per (exit, width): for cell (l, d) a head fitted onto the first d numbers of the last layer's vector,
   scaled to length 1 (the last layer's own cell (N, d));
-- MLP per exit: the default affine head plus a residual MLP trained with Adam (as `heads fit --kind mlp`).
+- MLP per exit: the default affine head plus a residual MLP trained with Adam (as `heads fit --kind mlp`);
+- affine, stacked: a head reading the pooled vectors of the embedding output and of every layer up to its exit,
+  side by side (as `heads fit --inputs stack`).
 Ridge strengths are chosen by squared error on a held-out tenth (`heads fit --select mse`), or fixed at
 `--ridge R` x n for every variant (the issue's own measurement used 0.01). Then the cost of a head: time next to the
 layers it saves, and bytes per exported cell.
@@ -69,7 +71,7 @@ def main() -> None:
     cells = [tuple(int(v) for v in c.split(":")) for c in args.cells]
     encoder = ElasticEncoder(args.model, device="cpu")
     top = encoder.num_layers
-    layers = sorted({n for n, _ in cells} | {top})
+    layers = sorted(set(range(0, max(n for n, _ in cells) + 1)) | {top})  # 0: the embedding output (stacked heads)
     if args.cost_only:
         head_cost(encoder, read_sentences(args.data)[:64], cells)
         return
@@ -100,6 +102,7 @@ def main() -> None:
             "affine, raw target",
             "affine per (exit, width)",
             "MLP",
+            "affine, stacked layers 0..exit",
         )
     }
     for n, d in cells:
@@ -122,6 +125,11 @@ def main() -> None:
         with torch.no_grad():
             mlp = heads(n, torch.from_numpy(sts_x[n])).numpy()
         variants["MLP"][(n, d)] = score(mlp, d)
+        stacked_fit = np.concatenate([fit_x[k] for k in range(0, n + 1)], axis=1)
+        stacked_sts = np.concatenate([sts_x[k] for k in range(0, n + 1)], axis=1)
+        variants["affine, stacked layers 0..exit"][(n, d)] = score(
+            apply(ridge(stacked_fit, unit(target_raw), args.ridge), stacked_sts), d
+        )
     strength = f"ridge {args.ridge} x n" if args.ridge is not None else "ridge chosen by held-out squared error"
     print(f"\nSTS 7-set average, Spearman x 100 of cosine; {len(fit_texts)} fit sentences of {args.data}; {strength}")
     print("| variant | " + " | ".join(f"({n},{d})" for n, d in cells) + " |")
@@ -146,16 +154,19 @@ def head_cost(encoder, texts: list[str], cells) -> None:
                 encoder(batch, [n])
             timings[n] = (time.perf_counter() - t0) / 10 / len(texts) * 1000
         x = encoder(batch, [1], pooled=True)[1]
-        head = torch.nn.Linear(x.shape[1], width)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            head(x)
-        head_ms = (time.perf_counter() - t0) / 200 / len(texts) * 1000
+        head_ms = {}
+        for inputs in (1, top):  # a head on its exit's layer; a stacked head on the deepest exit (layers 0..N-1)
+            head, stacked = torch.nn.Linear(inputs * x.shape[1], width), x.repeat(1, inputs)
+            t0 = time.perf_counter()
+            for _ in range(200):
+                head(stacked)
+            head_ms[inputs] = (time.perf_counter() - t0) / 200 / len(texts) * 1000
     layer_ms = (timings[top] - timings[1]) / (top - 1)
     print(
         f"\ncost per text at batch {len(texts)}: exit at layer 1 {timings[1]:.3f} ms, all {top} layers "
-        f"{timings[top]:.3f} ms (one layer about {layer_ms:.3f} ms); one {x.shape[1]} x {width} head {head_ms:.4f} ms "
-        f"({100 * head_ms / layer_ms:.2f}% of a layer)"
+        f"{timings[top]:.3f} ms (one layer about {layer_ms:.3f} ms); one {x.shape[1]} x {width} head "
+        f"{head_ms[1]:.4f} ms ({100 * head_ms[1] / layer_ms:.2f}% of a layer); a stacked head at exit {top - 1} "
+        f"({top * x.shape[1]} x {width}) {head_ms[top]:.4f} ms ({100 * head_ms[top] / layer_ms:.2f}% of a layer)"
     )
     for n, d in cells:
         if n < top:

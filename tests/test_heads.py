@@ -353,3 +353,120 @@ def test_a_document_cache_serves_every_model_of_one_backbone(tiny_dir, text_file
     calls.clear()
     assert rows(fitted, "cached", "--doc-cache", str(cache)) == plain
     assert len(list(cache.iterdir())) == 1 and len(corpus) not in calls  # only the queries were encoded
+
+
+# ---- heads that read the pooled layers 0..exit side by side (inputs="stack") ---------------------------------
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_a_stacked_head_reads_every_layer_up_to_its_exit_and_fits_at_least_as_well(encoder, sentences):
+    stacked, _ = fit_heads(encoder, [sentences], inputs="stack", ridge=1e-6)
+    single, _ = fit_heads(encoder, [sentences], ridge=1e-6)
+    assert [stacked.reads(n) for n in (1, 3)] == [[0, 1], [0, 1, 2, 3]]
+    assert [stacked.heads[str(n)].linear.in_features for n in (1, 2, 3)] == [64, 96, 128]  # (n + 1) x 32
+    assert stacked.record["inputs"] == "pooled layers 0..exit, side by side"
+    raw = encoder.pooled_states(sentences, [0, 1, 2, 3, 4], pooled=True)  # layer 0: the embedding output
+    tensors = {n: torch.from_numpy(v) for n, v in raw.items()}
+    target = _unit(raw[4])
+    with torch.no_grad():
+        for n in (1, 2, 3):
+            # the exit-only fit is the stacked fit with zero weight on the other layers: the stacked one is closer
+            err_stacked = np.mean((stacked(n, tensors).numpy() - target) ** 2)
+            err_single = np.mean((single(n, tensors[n]).numpy() - target) ** 2)
+            assert err_stacked <= err_single + 1e-9
+        with pytest.raises(HeadsError, match=r"reads the pooled vectors of layers \[0, 1, 2\]; it was given"):
+            stacked(2, tensors[2])
+        encoder.set_exit_heads(stacked)
+        manual = stacked(2, tensors).numpy()
+    np.testing.assert_allclose(encoder.pooled_states(sentences, [2])[2], manual, atol=1e-5)
+    assert encoder.pooled_inputs([2, 4]) == [0, 1, 2, 4] and encoder.pooled_inputs([2], heads=False) == [2]
+    np.testing.assert_array_equal(encoder.encode(sentences, layer=4), encoder.encode(sentences, layer=4, heads=False))
+
+
+def test_stacked_heads_load_with_their_folder_and_make_every_cell_the_same_way(encoder, sentences, tmp_path):
+    from matryoshka2d.evaluate.grid import EncoderCells
+
+    heads, _ = fit_heads(encoder, [sentences], inputs="stack")
+    encoder.set_exit_heads(heads)
+    encoder.save(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "matryoshka2d.json").read_text())["exit_heads"]["inputs"] == "stack"
+    loaded = ElasticEncoder(str(tmp_path / "m"), device="cpu")
+    assert loaded.exit_heads.inputs == "stack" and "each reading layers 0..its exit" in loaded.exit_heads.describe()
+    texts = sentences[:12]
+    np.testing.assert_allclose(loaded.encode(texts, layer=3, dim=16), encoder.encode(texts, layer=3, dim=16), atol=1e-5)
+    cells = EncoderCells(loaded, [1, 3, 4], [8, 32], compare_heads=True)  # both sides from one pass
+    with_heads = cells.embed(texts)
+    without = cells.without_heads().embed(texts)
+    for layer, dim in cells.cells():
+        np.testing.assert_allclose(with_heads[(layer, dim)], loaded.encode(texts, layer=layer, dim=dim), atol=1e-5)
+        np.testing.assert_allclose(
+            without[(layer, dim)], loaded.encode(texts, layer=layer, dim=dim, heads=False), atol=1e-5
+        )
+    # a plain sentence-transformers folder pools one layer: the cell is refused, with what to do instead
+    with pytest.raises(HeadsError, match=r"reads the pooled vectors of layers \[0, 1, 2, 3\]; .* --inputs exit"):
+        loaded.save(tmp_path / "cell", keep_layers=3, dim=16)
+    assert not (tmp_path / "cell" / "model.safetensors").exists()
+
+
+def test_stacked_heads_start_as_the_exit_itself_and_train_along(encoder, sentences, tmp_path, tiny_dir, text_file):
+    from matryoshka2d.training.config import TrainConfig
+    from matryoshka2d.training.trainer import Trainer
+
+    identity = ExitHeads.identity([1, 2, 3], 32, 32, inputs="stack")
+    encoder.set_exit_heads(identity)
+    np.testing.assert_allclose(
+        encoder.encode(sentences[:8], layer=2), encoder.encode(sentences[:8], layer=2, heads=False), atol=1e-6
+    )
+    lines = text_file.read_text().split("\n")
+    data = tmp_path / "t.tsv"
+    data.write_text(
+        "anchor\tpositive\tnegative\n"
+        + "\n".join(f"{a}\t{a} too\t{b}" for a, b in zip(lines[:200:2], lines[1:200:2], strict=True))
+        + "\n"
+    )
+    base = dict(model=str(tiny_dir), pooling="mean", data=[str(data)], batch_size=8, steps=2, lr=1e-3)
+    base |= dict(warmup_ratio=0.0, save_steps=0, method="starbucks", exit_heads_lr=1e-2)
+    trainer = Trainer(TrainConfig(**base, output=str(tmp_path / "run"), exit_heads="fit", exit_heads_inputs="stack"))
+    assert trainer.encoder.exit_heads.inputs == "stack"
+    trainer.run(progress=False)
+    saved = ElasticEncoder(str(tmp_path / "run"), device="cpu")
+    assert saved.exit_heads.inputs == "stack" and saved.exit_heads.record["init"] == "closed-form ridge"
+    with pytest.raises(ValueError, match="the heads of .* read 'stack'; keep trains them as they are"):
+        Trainer(
+            TrainConfig(
+                **{**base, "model": str(tmp_path / "run")},
+                output=str(tmp_path / "again"),
+                exit_heads="keep",
+                exit_heads_inputs="exit",
+            )
+        )
+
+
+def test_an_exit_graph_with_a_stacked_head_runs_in_onnxruntime(encoder, sentences, tmp_path):
+    """serve --backend onnx builds one graph per exit from encoder.forward: the stacked head's extra layers (the
+    embedding output among them) must be in the graph, at any batch and length."""
+    ort = pytest.importorskip("onnxruntime")
+    from matryoshka2d.deploy.export import export_exit
+
+    heads, _ = fit_heads(encoder, [sentences], inputs="stack")
+    encoder.set_exit_heads(heads)
+    encoder.eval()
+    path = export_exit(encoder, 2, tmp_path / "exit.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for texts in (sentences[:1], sentences[:9], [" ".join(sentences[:12]), sentences[3]]):
+        features = encoder.tokenize(texts)
+        with torch.no_grad():
+            expected = encoder.forward(features, [2])[2].numpy()
+        got = session.run(None, {i.name: features[i.name].numpy() for i in session.get_inputs()})[0]
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_an_mlp_fit_is_the_same_for_the_same_seed(encoder, sentences):
+    first, _ = fit_heads(encoder, [sentences], kind="mlp", mlp_epochs=1, ridge=0.1)
+    torch.manual_seed(123)  # whatever the global generator holds
+    again, _ = fit_heads(encoder, [sentences], kind="mlp", mlp_epochs=1, ridge=0.1)
+    for name, tensor in first.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)

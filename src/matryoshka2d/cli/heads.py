@@ -53,8 +53,6 @@ def read_texts(sources: list[str]) -> Iterator[str]:
 
 def _gain_table(encoder, cells) -> list[str]:
     """STS-B dev Spearman x 100 at a few cells, without and with the heads (the only STS data a fit may see)."""
-    import torch
-
     from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
     from matryoshka2d.paths import sts_dev_file
     from matryoshka2d.views import unit_rows
@@ -67,13 +65,12 @@ def _gain_table(encoder, cells) -> list[str]:
     texts = pairs.sentences1 + pairs.sentences2
     layers = sorted({c[0] for c in cells})
     lines = ["STS-B dev, Spearman x 100 of cosine:", "| cell | no heads | heads | gain |", "|---|---:|---:|---:|"]
-    pooled = encoder.pooled_states(texts, layers, pooled=True)  # one pass; both sides made from it
+    pooled = encoder.pooled_states(texts, encoder.pooled_inputs(layers), pooled=True)  # both sides made from it
+    sides = {use: encoder.cells_from_pooled(pooled, layers, heads=use) for use in (False, True)}
     for layer, dim in cells:
         scores = []
         for use in (False, True):
-            with torch.no_grad():
-                vectors = encoder.cell_vector(layer, torch.from_numpy(pooled[layer]).to(encoder.device), heads=use)
-            cell = unit_rows(vectors.float().cpu().numpy()[:, :dim])
+            cell = unit_rows(sides[use][layer][:, :dim])
             scores.append(spearman_x100(pairs.gold, (cell[:n] * cell[n:]).sum(1)))
         lines.append(f"| ({layer},{dim}) | {scores[0]:.2f} | {scores[1]:.2f} | {scores[1] - scores[0]:+.2f} |")
     return lines
@@ -139,6 +136,7 @@ def cmd_heads_fit(args) -> int:
         dev=dev,
         layers=parse_ints(args.layers, "layers"),
         log=_log if not args.quiet else None,
+        inputs=args.inputs,
     )
     heads.record["data"] = [str(Path(d).resolve()) for d in args.data]
     encoder.set_exit_heads(heads)
@@ -178,6 +176,14 @@ def register(sub, model_args) -> None:
     f.add_argument("--output", required=True, help="folder for the model with its heads")
     f.add_argument("--target", choices=["normalized", "raw"], default="normalized", help="last-layer vector as target")
     f.add_argument("--kind", choices=["affine", "mlp"], default="affine", help="affine (closed form) or a small MLP")
+    f.add_argument(
+        "--inputs",
+        choices=["exit", "stack"],
+        default="exit",
+        help="what each head reads: its exit's pooled vector (exit; exportable as a Dense module), or the pooled "
+        "vectors of the embedding output and every layer up to its exit, side by side (stack; better cells, served "
+        "by matryoshka2d and ONNX)",
+    )
     f.add_argument("--layers", nargs="*", help="exits to fit (default: every layer below the last)")
     f.add_argument(
         "--select",

@@ -160,6 +160,12 @@ def register(sub, model_args) -> None:
     )
     heads.add_argument("--exit-heads-lr", type=float, help="learning rate of the heads (default: --lr)")
     heads.add_argument(
+        "--exit-heads-inputs",
+        choices=["exit", "stack"],
+        help="what a head reads: its exit's pooled vector (exit, the default of fit and identity) or the pooled "
+        "vectors of the embedding output and every layer up to its exit (stack); keep takes the folder's heads",
+    )
+    heads.add_argument(
         "--freeze-encoder",
         action="store_true",
         help="keep the transformer's weights as they are and train only the heads (or a pooler head): e.g. a "

@@ -92,19 +92,11 @@ class EncoderCells:
         if not self.compare_heads:
             pooled = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress)
             return {(n, d): pooled[n][:, :d] for n in self.layers for d in self.dims}
-        import torch
-
-        raw = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress, pooled=True)
+        reads = self.encoder.pooled_inputs(self.layers, heads=True)  # what the heads read, and the layers
+        raw = self.encoder.pooled_states(texts, reads, self.batch_size, self.show_progress, pooled=True)
         sides = {}
         for heads in (True, False):
-            with torch.no_grad():
-                full = {
-                    n: self.encoder.cell_vector(n, torch.from_numpy(raw[n]).to(self.encoder.device), heads=heads)
-                    .float()
-                    .cpu()
-                    .numpy()
-                    for n in self.layers
-                }
+            full = self.encoder.cells_from_pooled(raw, self.layers, heads=heads)
             sides[heads] = {(n, d): full[n][:, :d] for n in self.layers for d in self.dims}
         self._without[tuple(texts)] = sides[False]
         return sides[True]

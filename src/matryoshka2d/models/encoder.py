@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -280,19 +280,43 @@ class ElasticEncoder(nn.Module):
         (B, transformer_size). Runs max(layers) layers only."""
         mask = features["attention_mask"]
         use = self.use_heads if heads is None else heads
-        out = {}
-        for n, hidden in self.token_states(features, layers).items():
-            vector = pool(hidden, mask, self.pooling)
-            out[n] = vector if pooled else self.cell_vector(n, vector, use)
-        return out
+        layers = {int(n) for n in layers}
+        reads = set(self.pooled_inputs(layers, use)) if not pooled else layers
+        vectors = {n: pool(hidden, mask, self.pooling) for n, hidden in self.token_states(features, reads).items()}
+        # token_states keys its output by the checked layer numbers, in order
+        return {n: vectors[n] if pooled else self.cell_vector(n, vectors, use) for n in vectors if n in layers}
 
-    def cell_vector(self, layer: int, pooled: torch.Tensor, heads: bool = True) -> torch.Tensor:
-        """The one place a cell's vector is made from a pooled layer: through the exit head of that layer when
+    def pooled_inputs(self, layers: Iterable[int], heads: bool | None = None) -> list[int]:
+        """The layers whose pooled vectors the cells of `layers` are made from: the layers themselves, and the
+        layers their exit heads also read (heads that read layers 0..exit, matryoshka2d.models.heads)."""
+        use = self.use_heads if heads is None else heads
+        out = {int(n) for n in layers}
+        if use and self.exit_heads is not None:
+            out |= {r for n in list(out) if self.exit_heads.has(n) for r in self.exit_heads.reads(n)}
+        return sorted(out)
+
+    def cell_vector(
+        self, layer: int, pooled: torch.Tensor | Mapping[int, torch.Tensor], heads: bool = True
+    ) -> torch.Tensor:
+        """The one place a cell's vector is made from pooled layers: through the exit head of that layer when
         heads are on and the model has one (matryoshka2d.models.heads), else through the pooler head if the
-        model has one. A cell (layer, dim) is the first dim numbers of this."""
+        model has one. A cell (layer, dim) is the first dim numbers of this. `pooled`: the layer's pooled vectors,
+        or a mapping layer -> pooled vectors holding at least `pooled_inputs([layer])` (heads that read several
+        layers need it)."""
         if heads and self.exit_heads is not None and self.exit_heads.has(layer):
             return self.exit_heads(layer, pooled)
-        return self.head(pooled) if self.head is not None else pooled
+        own = pooled[layer] if isinstance(pooled, Mapping) else pooled
+        return self.head(own) if self.head is not None else own
+
+    def cells_from_pooled(
+        self, pooled: Mapping[int, np.ndarray], layers: Iterable[int], heads: bool = True
+    ) -> dict[int, np.ndarray]:
+        """Full-width cell vectors of `layers` from the pooled vectors of `pooled_states(..., pooled=True)` (which
+        must hold `pooled_inputs(layers, heads)`), as numpy float32."""
+        device = self.device
+        tensors = {n: torch.from_numpy(np.ascontiguousarray(v)).to(device) for n, v in pooled.items()}
+        with torch.inference_mode():
+            return {n: self.cell_vector(n, tensors, heads).float().cpu().numpy() for n in layers}
 
     def token_states(self, features: dict[str, torch.Tensor], layers: Iterable[int]) -> dict[int, torch.Tensor]:
         """Token states (B, T, D) after each requested layer (the final norm applied, for decoders); runs
@@ -391,7 +415,8 @@ class ElasticEncoder(nn.Module):
         tokenized (the tokenizer's unpadded output, a list of ids per text and input, none longer than
         max_length), so a caller that tokenized them (the server counts tokens) does not pay for it twice."""
         texts = check_texts(texts)
-        layers = sorted({self.check_layer(n) for n in layers})
+        # pooled vectors may include layer 0 (the embedding output), which exit heads reading layers 0..l need
+        layers = sorted({0 if pooled and n == 0 else self.check_layer(n) for n in layers})
         if batch_size < 1:
             raise BackboneError(f"batch_size must be at least 1, got {batch_size}")
         unique: dict[str, int] = {}

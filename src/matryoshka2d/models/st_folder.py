@@ -244,6 +244,12 @@ def save_folder(
             f"the exit head of layer {n} is a {cell_head.kind} head; a sentence-transformers folder can hold an "
             "affine head only (a Dense module): fit affine heads to export this cell"
         )
+    if cell_head is not None and len(heads.reads(n)) > 1:
+        raise HeadsError(
+            f"the exit head of layer {n} reads the pooled vectors of layers {heads.reads(n)}; a sentence-transformers "
+            "folder pools one layer: serve the cell from the model with its heads (`serve`, torch or onnx backend), "
+            "or fit heads with --inputs exit to export it"
+        )
     (out / HEADS_FILE).unlink(missing_ok=True)  # an earlier save's heads must not outlive their record
     for stale in out.iterdir():
         # Module folders of an earlier save into this folder (2_Dense, 2_Normalize, ...) must not survive.

@@ -116,11 +116,10 @@ def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_
     """Full-width document vectors per layer, as the encoder makes them (through its exit heads when on), and
     the cache file used; the pooled states under them come from `cache` when it holds them for this backbone
     and these texts."""
-    import torch
-
     from matryoshka2d.models.heads import backbone_sha256
 
     layers = sorted(set(layers))
+    reads = encoder.pooled_inputs(layers)  # the layers, and those their exit heads also read
     pooled, path = None, None
     if cache is not None:
         key = {
@@ -133,23 +132,18 @@ def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_
         path = Path(cache) / f"docs-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.npz"
         if path.is_file():
             with np.load(path) as stored:
-                if all(f"layer{n}" in stored for n in layers):
-                    pooled = {n: stored[f"layer{n}"] for n in layers}
+                if all(f"layer{n}" in stored for n in reads):
+                    pooled = {n: stored[f"layer{n}"] for n in reads}
     if pooled is None:
         # every layer up to the deepest: the pass runs them all anyway, and a later run may ask for others
-        wanted = range(1, max(layers) + 1) if path is not None else layers
+        wanted = sorted(set(range(1, max(layers) + 1)) | set(reads)) if path is not None else reads
         pooled = encoder.pooled_states(texts, wanted, batch_size, show_progress=progress, pooled=True)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.stem + ".tmp.npz")
             np.savez(tmp, **{f"layer{n}": v for n, v in pooled.items()})
             os.replace(tmp, path)  # atomic: a killed run never leaves half a cache file
-    out = {}
-    with torch.inference_mode():
-        for n in layers:
-            vectors = encoder.cell_vector(n, torch.from_numpy(pooled[n]).to(encoder.device), encoder.use_heads)
-            out[n] = vectors.float().cpu().numpy()
-    return out, path
+    return encoder.cells_from_pooled(pooled, layers, encoder.use_heads), path
 
 
 def _cascade_rows(

@@ -77,6 +77,9 @@ class TrainConfig:
     exit_heads: str | None = None
     exit_heads_lr: float | None = None  # default: lr
     exit_heads_sentences: int = 20000  # training sentences the closed-form start is fitted on
+    # what each head reads (models.heads.INPUTS): its exit's pooled vector ("exit", the default for fit and
+    # identity) or the pooled layers 0..exit side by side ("stack"); with keep, the folder's heads decide
+    exit_heads_inputs: str | None = None
     # decoder backbones (ESE sec. 3.1; matryoshka2d.models.decoders)
     bidirectional: bool = False  # non-causal attention in a Llama/Qwen2/Mistral backbone, saved with the model
     lora_r: int | None = None  # train LoRA adapters of this rank (peft) instead of all weights
@@ -142,6 +145,8 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "exit_heads_sentences", int, 1)
     if config.exit_heads is not None and config.exit_heads not in ("fit", "identity", "keep"):
         raise ValueError(f"--exit-heads must be fit, identity or keep, got {config.exit_heads!r}")
+    if config.exit_heads_inputs is not None and config.exit_heads_inputs not in ("exit", "stack"):
+        raise ValueError(f"--exit-heads-inputs must be exit or stack, got {config.exit_heads_inputs!r}")
     _number(config, "log_every", int, 1)
     _number(config, "gradient_accumulation", int, 1)
     if config.gradient_accumulation > config.batch_size:

@@ -43,9 +43,15 @@ def prepare(trainer) -> None:
     if cfg.exit_heads == "keep":
         if encoder.exit_heads is None:
             raise ValueError(f"--exit-heads keep: {encoder.name} has no exit heads to keep; use fit or identity")
+        if cfg.exit_heads_inputs not in (None, encoder.exit_heads.inputs):
+            raise ValueError(
+                f"--exit-heads keep --exit-heads-inputs {cfg.exit_heads_inputs}: the heads of {encoder.name} read "
+                f"'{encoder.exit_heads.inputs}'; keep trains them as they are (use fit or identity for other inputs)"
+            )
     else:
         layers = range(1, encoder.num_layers)
-        encoder.set_exit_heads(ExitHeads.identity(layers, encoder.transformer_size, encoder.hidden_size))
+        inputs = cfg.exit_heads_inputs or "exit"
+        encoder.set_exit_heads(ExitHeads.identity(layers, encoder.transformer_size, encoder.hidden_size, inputs=inputs))
     for p in encoder.exit_heads.parameters():
         p.requires_grad_(True)
 
@@ -84,7 +90,7 @@ def fit_at_start(trainer, log=print) -> None:
     batches = iter(lambda: list(itertools.islice(texts, FIT_BATCH)), [])
     if trainer.processes.main:
         log(f"exit heads: fitting in closed form on up to {cfg.exit_heads_sentences} training sentences")
-    fitted, report = fit_heads(encoder, batches)
+    fitted, report = fit_heads(encoder, batches, inputs=encoder.exit_heads.inputs)
     state = {k: v.to(encoder.device) for k, v in fitted.state_dict().items()}
     encoder.exit_heads.load_state_dict(state)  # in place: the optimizer holds these parameters
     encoder.exit_heads.record = {**fitted.record, "then": f"trained with the backbone ({cfg.method})"}
