@@ -470,3 +470,24 @@ def test_an_mlp_fit_is_the_same_for_the_same_seed(encoder, sentences):
     again, _ = fit_heads(encoder, [sentences], kind="mlp", mlp_epochs=1, ridge=0.1)
     for name, tensor in first.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_a_stacked_cell_exports_as_an_onnx_graph_only(encoder, sentences, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from matryoshka2d.deploy.export import ExportError, OnnxCellEncoder, export_cell
+
+    heads, _ = fit_heads(encoder, [sentences], inputs="stack")
+    encoder.set_exit_heads(heads)
+    with pytest.raises(ExportError, match=r"reads the pooled vectors of layers \[0, 1, 2\]; .* add --format onnx"):
+        export_cell(encoder, 2, 16, tmp_path / "st")
+    assert not (tmp_path / "st").exists()
+    report = export_cell(encoder, 2, 16, tmp_path / "cell", fmt="onnx", quantize="int8", normalize=True)
+    assert (tmp_path / "cell" / "onnx" / "cell.onnx").is_file() and (
+        tmp_path / "cell" / "onnx" / "cell_int8.onnx"
+    ).is_file()
+    assert not (tmp_path / "cell" / "model.safetensors").exists()  # no sentence-transformers folder: ONNX only
+    assert any("ONNX only" in note for note in report.notes) and report.checks["onnxruntime fp32 vs encode()"] < 1e-4
+    texts = [*sentences[:9], " ".join(sentences[:40])]  # one longer than the model's max_length: cut the same way
+    expected = encoder.encode(texts, layer=2, dim=16, normalize=True)
+    np.testing.assert_allclose(OnnxCellEncoder(tmp_path / "cell").encode(texts), expected, atol=1e-4)
+    assert report.layer == 2 and report.parameters_kept < report.parameters_full

@@ -7,6 +7,10 @@ transformer. `--format onnx` adds `onnx/cell.onnx`, the whole cell as one graph 
 `sentence_embedding` out: transformer, pooling, head, slice, normalize), exported with torch.onnx; `--quantize
 int8` adds `onnx/cell_int8.onnx`, made by onnxruntime's dynamic quantization (int8 weights of the matrix
 multiplications, activations quantized on the fly). Both need the `onnx` extra (onnx, onnxscript, onnxruntime).
+
+A cell whose exit head reads the pooled vectors of several layers (`heads fit --inputs stack`) has no
+sentence-transformers form (a Pooling module pools one layer): it exports with `--format onnx` only, as the graph,
+the tokenizer and matryoshka2d.json, and without it the export is refused with what to do instead.
 """
 
 from __future__ import annotations
@@ -113,6 +117,14 @@ def export_cell(
     metadata = _source_metadata(encoder)
     metadata["exported_cell"] = {"from": str(encoder.name), "layer": layer, "dim": dim, "normalize": normalize}
     output.parent.mkdir(parents=True, exist_ok=True)
+    if reads_several_layers(encoder, layer):
+        if fmt != "onnx":
+            raise ExportError(
+                f"the exit head of layer {layer} reads the pooled vectors of layers "
+                f"{encoder.exit_heads.reads(layer)}; a sentence-transformers folder pools one layer, so this cell "
+                "exports as an ONNX graph only: add --format onnx (or fit heads with --inputs exit)"
+            )
+        return _export_onnx_only(encoder, layer, dim, normalize, quantize, output, metadata, sts_file)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
         staging = Path(tmp) / "cell"
         encoder.save(staging, keep_layers=layer, dim=dim, normalize=normalize, metadata=metadata)
@@ -149,6 +161,70 @@ def export_cell(
     full = Path(encoder.location) / "model.safetensors" if encoder.location else None
     if full is not None and full.is_file():
         report.files["full model's torch weights, for comparison"] = full.stat().st_size
+    return report
+
+
+def reads_several_layers(encoder: ElasticEncoder, layer: int) -> bool:
+    """Whether the cell's vectors come from an exit head that reads the pooled vectors of several layers
+    (matryoshka2d.models.heads, inputs="stack"): no stock sentence-transformers module can hold such a head."""
+    heads = encoder.exit_heads if encoder.use_heads else None
+    return heads is not None and heads.has(layer) and len(heads.reads(layer)) > 1
+
+
+class SlicedExitGraph(nn.Module):
+    """ExitGraph cut to the cell: the first `dim` numbers, normalised when the cell is."""
+
+    def __init__(self, encoder: ElasticEncoder, layer: int, dim: int, normalize: bool):
+        super().__init__()
+        self.exit, self.dim, self.normalize = ExitGraph(encoder, layer), dim, normalize
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        vectors = self.exit(input_ids, attention_mask, token_type_ids)[:, : self.dim]
+        return nn.functional.normalize(vectors, dim=-1) if self.normalize else vectors
+
+
+def _export_onnx_only(encoder, layer, dim, normalize, quantize, output: Path, metadata, sts_file) -> ExportReport:
+    """A cell whose exit head reads several layers: the ONNX graph (the layers up to the exit, their pooled
+    vectors, the head, slice, normalize), the tokenizer and matryoshka2d.json; no sentence-transformers modules.
+    Checked against encode() in onnxruntime like any ONNX export."""
+    from matryoshka2d.models.st_folder import truncated_stack
+
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
+        staging = Path(tmp) / "cell"
+        staging.mkdir()
+        encoder.tokenizer.save_pretrained(staging)
+        head = encoder.exit_heads.heads[str(layer)]
+        was_training = encoder.training
+        encoder.eval()
+        try:
+            with truncated_stack(encoder.model, layer):
+                kept = count_parameters(encoder.model)
+                export_onnx(encoder, staging / ONNX_FILE, SlicedExitGraph(encoder, layer, dim, normalize))
+        finally:
+            encoder.train(was_training)
+        head_rows = dim * (head.linear.in_features + 1)  # the rows of the head the cell reads
+        report = ExportReport(output, layer, dim, normalize, kept + head_rows, count_parameters(encoder.model))
+        cell = {**metadata["exported_cell"], "format": "onnx only", "max_length": encoder.max_length}
+        metadata = {**metadata, "exported_cell": cell}
+        (staging / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+        report.notes.append(
+            f"(ONNX only: the exit head of layer {layer} reads the pooled vectors of layers "
+            f"{encoder.exit_heads.reads(layer)}, which a sentence-transformers folder cannot hold; run the graph with "
+            "onnxruntime, e.g. matryoshka2d.deploy.export.OnnxCellEncoder)"
+        )
+        report.notes.append(f"(ONNX graph written by torch.onnx's {graph_exporter(staging / ONNX_FILE)} exporter)")
+        expected = encoder.encode(CHECK_SENTENCES, layer=layer, dim=dim, normalize=normalize)
+        got = OnnxCellEncoder(staging, ONNX_FILE).encode(CHECK_SENTENCES)
+        report.checks["onnxruntime fp32 vs encode()"] = _check(got, expected, ONNX_ATOL, "ONNX fp32 graph")
+        report.files[f"ONNX fp32 ({ONNX_FILE})"] = (staging / ONNX_FILE).stat().st_size
+        if quantize == "int8":
+            quantize_int8(staging / ONNX_FILE, staging / ONNX_INT8_FILE)
+            report.files[f"ONNX int8 ({ONNX_INT8_FILE})"] = (staging / ONNX_INT8_FILE).stat().st_size
+            _score_int8(encoder, staging, layer, dim, normalize, sts_file, report)
+        report.files["whole folder"] = folder_size(staging)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
     return report
 
 
@@ -391,7 +467,11 @@ class OnnxCellEncoder:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(folder / file), options, providers=["CPUExecutionProvider"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        self.max_length = read_sentence_config(str(folder)).max_length or self.tokenizer.model_max_length
+        self.max_length = (
+            read_sentence_config(str(folder)).max_length
+            or _exported_max_length(folder)  # an ONNX-only folder has no sentence-transformers modules
+            or self.tokenizer.model_max_length
+        )
         self.inputs = [i.name for i in self.session.get_inputs()]
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
@@ -405,6 +485,14 @@ class OnnxCellEncoder:
                 out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
             out[idx] = vectors
         return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+
+
+def _exported_max_length(folder: Path) -> int | None:
+    try:
+        meta = json.loads((folder / "matryoshka2d.json").read_text(encoding="utf-8"))
+        return int(meta["exported_cell"]["max_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _score_int8(encoder, folder, layer, dim, normalize, sts_file, report: ExportReport) -> None:

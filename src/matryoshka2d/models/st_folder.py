@@ -247,8 +247,8 @@ def save_folder(
     if cell_head is not None and len(heads.reads(n)) > 1:
         raise HeadsError(
             f"the exit head of layer {n} reads the pooled vectors of layers {heads.reads(n)}; a sentence-transformers "
-            "folder pools one layer: serve the cell from the model with its heads (`serve`, torch or onnx backend), "
-            "or fit heads with --inputs exit to export it"
+            "folder pools one layer: export the cell as an ONNX graph only (export --format onnx), serve it from the "
+            "model with its heads (`serve`), or fit heads with --inputs exit"
         )
     (out / HEADS_FILE).unlink(missing_ok=True)  # an earlier save's heads must not outlive their record
     for stale in out.iterdir():
