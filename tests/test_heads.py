@@ -270,13 +270,11 @@ def test_training_with_exit_heads_trains_them_and_saves_them(tiny_dir, text_file
         Trainer(TrainConfig(**{**config(tmp_path / "p", exit_heads="fit").__dict__, "method": "plain"}))
 
 
-def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
+def _both_sides_match_encode(encoder, layers, dims, texts):
+    """A grid with and without heads from one pass; each side equals encode() at every cell. Returns both."""
     from matryoshka2d.evaluate.grid import EncoderCells
 
-    heads, _ = fit_heads(encoder, [sentences])
-    encoder.set_exit_heads(heads)
-    cells = EncoderCells(encoder, [1, 4], [8, 32], compare_heads=True)
-    texts = sentences[:12]
+    cells = EncoderCells(encoder, layers, dims, compare_heads=True)
     with_heads = cells.embed(texts)
     without = cells.without_heads().embed(texts)
     for layer, dim in cells.cells():
@@ -284,6 +282,13 @@ def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
         np.testing.assert_allclose(
             without[(layer, dim)], encoder.encode(texts, layer=layer, dim=dim, heads=False), atol=1e-5
         )
+    return with_heads, without
+
+
+def test_one_pass_gives_the_cells_with_and_without_heads(encoder, sentences):
+    heads, _ = fit_heads(encoder, [sentences])
+    encoder.set_exit_heads(heads)
+    with_heads, without = _both_sides_match_encode(encoder, [1, 4], [8, 32], sentences[:12])
     assert not np.allclose(with_heads[(1, 32)], without[(1, 32)])
     np.testing.assert_array_equal(with_heads[(4, 32)], without[(4, 32)])  # the last layer has no head
 
@@ -387,8 +392,6 @@ def test_a_stacked_head_reads_every_layer_up_to_its_exit_and_fits_at_least_as_we
 
 
 def test_stacked_heads_load_with_their_folder_and_make_every_cell_the_same_way(encoder, sentences, tmp_path):
-    from matryoshka2d.evaluate.grid import EncoderCells
-
     heads, _ = fit_heads(encoder, [sentences], inputs="stack")
     encoder.set_exit_heads(heads)
     encoder.save(tmp_path / "m")
@@ -397,14 +400,7 @@ def test_stacked_heads_load_with_their_folder_and_make_every_cell_the_same_way(e
     assert loaded.exit_heads.inputs == "stack" and "each reading layers 0..its exit" in loaded.exit_heads.describe()
     texts = sentences[:12]
     np.testing.assert_allclose(loaded.encode(texts, layer=3, dim=16), encoder.encode(texts, layer=3, dim=16), atol=1e-5)
-    cells = EncoderCells(loaded, [1, 3, 4], [8, 32], compare_heads=True)  # both sides from one pass
-    with_heads = cells.embed(texts)
-    without = cells.without_heads().embed(texts)
-    for layer, dim in cells.cells():
-        np.testing.assert_allclose(with_heads[(layer, dim)], loaded.encode(texts, layer=layer, dim=dim), atol=1e-5)
-        np.testing.assert_allclose(
-            without[(layer, dim)], loaded.encode(texts, layer=layer, dim=dim, heads=False), atol=1e-5
-        )
+    _both_sides_match_encode(loaded, [1, 3, 4], [8, 32], texts)  # both sides from one pass
     # a plain sentence-transformers folder pools one layer: the cell is refused, with what to do instead
     with pytest.raises(HeadsError, match=r"reads the pooled vectors of layers \[0, 1, 2, 3\]; .* --inputs exit"):
         loaded.save(tmp_path / "cell", keep_layers=3, dim=16)

@@ -146,18 +146,8 @@ def export_cell(
         report.files["torch weights (model.safetensors)"] = (staging / "model.safetensors").stat().st_size
         if fmt == "onnx":
             export_onnx(cut, staging / ONNX_FILE)
-            report.notes.append(f"(ONNX graph written by torch.onnx's {graph_exporter(staging / ONNX_FILE)} exporter)")
-            got = OnnxCellEncoder(staging, ONNX_FILE).encode(CHECK_SENTENCES)
-            report.checks["onnxruntime fp32 vs encode()"] = _check(got, expected, ONNX_ATOL, "ONNX fp32 graph")
-            report.files[f"ONNX fp32 ({ONNX_FILE})"] = (staging / ONNX_FILE).stat().st_size
-        if quantize == "int8":
-            quantize_int8(staging / ONNX_FILE, staging / ONNX_INT8_FILE)
-            report.files[f"ONNX int8 ({ONNX_INT8_FILE})"] = (staging / ONNX_INT8_FILE).stat().st_size
-            _score_int8(encoder, staging, layer, dim, normalize, sts_file, report)
-        report.files["whole folder"] = folder_size(staging)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+            _check_onnx(encoder, staging, expected, quantize, sts_file, report)
+        _move_into_place(staging, output, report)
     full = Path(encoder.location) / "model.safetensors" if encoder.location else None
     if full is not None and full.is_file():
         report.files["full model's torch weights, for comparison"] = full.stat().st_size
@@ -194,14 +184,9 @@ def _export_onnx_only(encoder, layer, dim, normalize, quantize, output: Path, me
         staging.mkdir()
         encoder.tokenizer.save_pretrained(staging)
         head = encoder.exit_heads.heads[str(layer)]
-        was_training = encoder.training
-        encoder.eval()
-        try:
-            with truncated_stack(encoder.model, layer):
-                kept = count_parameters(encoder.model)
-                export_onnx(encoder, staging / ONNX_FILE, SlicedExitGraph(encoder, layer, dim, normalize))
-        finally:
-            encoder.train(was_training)
+        with truncated_stack(encoder.model, layer):
+            kept = count_parameters(encoder.model)
+            export_onnx(encoder, staging / ONNX_FILE, SlicedExitGraph(encoder, layer, dim, normalize))
         head_rows = dim * (head.linear.in_features + 1)  # the rows of the head the cell reads
         report = ExportReport(output, layer, dim, normalize, kept + head_rows, count_parameters(encoder.model))
         cell = {**metadata["exported_cell"], "format": "onnx only", "max_length": encoder.max_length}
@@ -212,20 +197,31 @@ def _export_onnx_only(encoder, layer, dim, normalize, quantize, output: Path, me
             f"{encoder.exit_heads.reads(layer)}, which a sentence-transformers folder cannot hold; run the graph with "
             "onnxruntime, e.g. matryoshka2d.deploy.export.OnnxCellEncoder)"
         )
-        report.notes.append(f"(ONNX graph written by torch.onnx's {graph_exporter(staging / ONNX_FILE)} exporter)")
         expected = encoder.encode(CHECK_SENTENCES, layer=layer, dim=dim, normalize=normalize)
-        got = OnnxCellEncoder(staging, ONNX_FILE).encode(CHECK_SENTENCES)
-        report.checks["onnxruntime fp32 vs encode()"] = _check(got, expected, ONNX_ATOL, "ONNX fp32 graph")
-        report.files[f"ONNX fp32 ({ONNX_FILE})"] = (staging / ONNX_FILE).stat().st_size
-        if quantize == "int8":
-            quantize_int8(staging / ONNX_FILE, staging / ONNX_INT8_FILE)
-            report.files[f"ONNX int8 ({ONNX_INT8_FILE})"] = (staging / ONNX_INT8_FILE).stat().st_size
-            _score_int8(encoder, staging, layer, dim, normalize, sts_file, report)
-        report.files["whole folder"] = folder_size(staging)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+        _check_onnx(encoder, staging, expected, quantize, sts_file, report)
+        _move_into_place(staging, output, report)
     return report
+
+
+def _check_onnx(encoder, staging: Path, expected: np.ndarray, quantize, sts_file, report: ExportReport) -> None:
+    """The written fp32 graph against encode() at the cell in onnxruntime; then the int8 graph, if asked, and its
+    STS-B score next to torch's."""
+    report.notes.append(f"(ONNX graph written by torch.onnx's {graph_exporter(staging / ONNX_FILE)} exporter)")
+    got = OnnxCellEncoder(staging, ONNX_FILE).encode(CHECK_SENTENCES)
+    report.checks["onnxruntime fp32 vs encode()"] = _check(got, expected, ONNX_ATOL, "ONNX fp32 graph")
+    report.files[f"ONNX fp32 ({ONNX_FILE})"] = (staging / ONNX_FILE).stat().st_size
+    if quantize == "int8":
+        quantize_int8(staging / ONNX_FILE, staging / ONNX_INT8_FILE)
+        report.files[f"ONNX int8 ({ONNX_INT8_FILE})"] = (staging / ONNX_INT8_FILE).stat().st_size
+        _score_int8(encoder, staging, report.layer, report.dim, report.normalize, sts_file, report)
+
+
+def _move_into_place(staging: Path, output: Path, report: ExportReport) -> None:
+    """The checked folder replaces `output` (whose overwrite check_output allowed before anything was written)."""
+    report.files["whole folder"] = folder_size(staging)
+    if output.exists():
+        shutil.rmtree(output)
+    staging.rename(output)
 
 
 def _source_metadata(encoder: ElasticEncoder) -> dict:

@@ -379,7 +379,8 @@ def fit_heads(
     with torch.random.fork_rng(devices=[]):  # the MLP kind's hidden layer starts the same for the same seed
         torch.manual_seed(seed)
         heads = ExitHeads(exits, d_in, d_out, kind, inputs=inputs)
-    pooled_layers = sorted({r for n in exits for r in heads.reads(n)} | {top})
+    head_layers = sorted({r for n in exits for r in heads.reads(n)})  # what the heads read
+    pooled_layers = sorted({*head_layers, top})
     fit = {n: NormalEquations.empty(heads.in_features(n), d_out) for n in exits}
     held = {n: NormalEquations.empty(heads.in_features(n), d_out) for n in exits}
     kept: dict[int, list[np.ndarray]] = {n: [] for n in pooled_layers}  # pooled rows, for the MLP kind
@@ -390,13 +391,7 @@ def fit_heads(
         if not texts:
             continue
         raw = encoder.pooled_states(texts, pooled_layers, pooled=True)  # before any head, per layer
-        with torch.no_grad():
-            y = (
-                encoder.cell_vector(top, torch.from_numpy(raw[top]).to(encoder.device), heads=False)
-                .float()
-                .cpu()
-                .numpy()
-            )
+        y = encoder.cells_from_pooled(raw, [top], heads=False)[top]  # the last layer's output vectors
         if target == "normalized":
             y = y / np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-12)
         position = np.arange(seen, seen + len(texts))
@@ -429,7 +424,7 @@ def fit_heads(
     target_cos = _cosines(np.concatenate(sample[top]), pairs) if sampled else None
     dev_pooled = None
     if select == "sts-dev" and ridge is None:
-        dev_raw = encoder.pooled_states(list(dev.sentences1) + list(dev.sentences2), pooled_layers, pooled=True)
+        dev_raw = encoder.pooled_states(list(dev.sentences1) + list(dev.sentences2), head_layers, pooled=True)
         dev_pooled = {n: heads.gather(n, dev_raw) for n in exits}
     for n in exits:
         errors, similarity, on_dev = {}, {}, {}
