@@ -13,7 +13,7 @@ from matryoshka2d.cli.args import model_args
 COMMAND_MODULES = (
     "matryoshka2d.cli.encode",  # info, encode, models
     "matryoshka2d.cli.evaluate",  # eval
-    "matryoshka2d.cli.train",  # train
+    "matryoshka2d.cli.train",  # train, merge
     "matryoshka2d.cli.compress",  # two-step, pretrain
     "matryoshka2d.cli.heads",  # heads fit
     "matryoshka2d.cli.deploy",  # export, serve

@@ -3,6 +3,8 @@ lists, the run-safety flags; and reading back which of them were given."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 POOLING_CHOICES = ["mean", "cls", "last-token"]  # models.backbones.POOLING_MODES, without importing torch here
@@ -70,6 +72,26 @@ def load_encoder(args, model: str | None = None, log=None, **options):
         said = "exit heads left off (--no-heads)" if encoder.folder_has_heads else "--no-heads: it has no exit heads"
         (log or (lambda m: print(m, file=sys.stderr)))(f"{encoder.name}: {said}")
     return encoder
+
+
+def check_new_output(out: Path, overwrite: bool) -> None:
+    """A command that writes a new model folder never replaces a user's folder unless told to."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"--output {out} already exists and is not empty; pass --overwrite or choose another folder")
+
+
+def check_not_an_input(out: Path, encoders, what: str) -> None:
+    """--output must not be the folder of a model the command reads (it would be replaced while in use)."""
+    if any(e.location and out.resolve() == Path(e.location).resolve() for e in encoders):
+        raise ValueError(f"--output {out} is the folder of a model it reads; write {what} to a new folder")
+
+
+def folder_metadata(encoder) -> dict:
+    """The model folder's matryoshka2d.json (method, training record, ...), or {} for a folder without one."""
+    import json
+
+    source = Path(encoder.location or "") / "matryoshka2d.json"
+    return json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {}
 
 
 # The options of a training run that train, two-step and pretrain share: flag -> (argparse keywords, help).

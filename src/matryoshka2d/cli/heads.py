@@ -93,22 +93,19 @@ def ridge_selection(select: str, dev_file: Path | None, missing: str | None = No
 
 
 def cmd_heads_fit(args) -> int:
-    import json
 
-    from matryoshka2d.cli.args import load_encoder
+    from matryoshka2d.cli.args import check_new_output, check_not_an_input, folder_metadata, load_encoder
     from matryoshka2d.evaluate.grid import parse_ints
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
 
     out = Path(args.output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise ValueError(f"--output {out} already exists and is not empty; pass --overwrite or choose another folder")
+    check_new_output(out, args.overwrite)
     if args.max_sentences is not None and args.max_sentences < 1:
         raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
     args.no_heads = True  # fit on the backbone alone: heads already in the folder are replaced
     encoder = load_encoder(args, log=lambda _m: None)
-    if encoder.location and out.resolve() == Path(encoder.location).resolve():
-        raise ValueError(f"--output {out} is the model's own folder; write the model with heads to a new folder")
+    check_not_an_input(out, [encoder], "the model with its heads")
     select, dev = args.select, None
     if args.ridge is None:
         from matryoshka2d.paths import sts_dev_file
@@ -140,8 +137,7 @@ def cmd_heads_fit(args) -> int:
     )
     heads.record["data"] = [str(Path(d).resolve()) for d in args.data]
     encoder.set_exit_heads(heads)
-    source = Path(encoder.location or "") / "matryoshka2d.json"
-    metadata = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {}
+    metadata = folder_metadata(encoder)
     metadata["heads_fit"] = {"from_model": encoder.location or encoder.name, "seconds": report.seconds}
     saved = save_model_atomically(lambda folder: encoder.save(folder, metadata=metadata), out)
     strengths = ", ".join(f"{n}: {v:g}" for n, v in report.strengths.items())

@@ -1,0 +1,120 @@
+"""Weight-space averages of models fine-tuned from one start: WiSE-FT and model soups.
+
+WiSE-FT (Wortsman et al., 2022, "Robust fine-tuning of zero-shot models") keeps
+alpha x fine-tuned + (1 - alpha) x start, every weight alike; a model soup (Wortsman et al., 2022, "Model soups")
+averages several fine-tuned runs of one start. Neither costs a training step or looks at data.
+
+Why it belongs to a 2D toolkit: a short run of a 2D recipe lifts the last layer and the mid-depth cells, but its
+smallest shallow cells can end below where the run started (exit heads fitted in closed form on the untouched
+model, then 150 protocol steps: (1,64) from 69.06 to 68.49), and halfway back keeps most of what training gained
+everywhere else (docs/exit-heads.md). Exit heads and a pooler head are averaged with the backbone, so every model
+must have the same heads (kind, layers, inputs); the averaged model gets its heads' backbone checksum anew when
+it is saved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from matryoshka2d.models.encoder import ElasticEncoder
+
+
+class MergeError(ValueError):
+    """Models that cannot be averaged, or weights that do not make an average."""
+
+
+def merge_weights(weights: Sequence[float] | None, count: int) -> list[float]:
+    """The weights of `count` models: equal when not given; given ones must be finite, >= 0 and sum to 1."""
+    if count < 2:
+        raise MergeError(f"merging needs at least two models, got {count}")
+    if weights is None:
+        return [1.0 / count] * count
+    weights = [float(w) for w in weights]
+    if len(weights) != count:
+        raise MergeError(f"{len(weights)} weights for {count} models: give one weight per model, in their order")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise MergeError(f"weights must be finite and >= 0, got {weights}")
+    if abs(sum(weights) - 1.0) > 1e-6:
+        raise MergeError(f"weights must sum to 1 (an average), got {weights} (sum {sum(weights):g})")
+    return weights
+
+
+def _modules(encoder: ElasticEncoder) -> dict[str, torch.nn.Module]:
+    """What is averaged: the transformer, the pooler head and the exit heads, where the model has them."""
+    parts = {"transformer": encoder.model, "pooler head": encoder.head, "exit heads": encoder.exit_heads}
+    return {name: module for name, module in parts.items() if module is not None}
+
+
+def _heads_layout(encoder: ElasticEncoder) -> tuple | None:
+    heads = encoder.exit_heads
+    if heads is None:
+        return None
+    return heads.kind, tuple(heads.layers), heads.dim_in, heads.dim_out, heads.hidden, heads.inputs
+
+
+def _label(encoder: ElasticEncoder) -> str:
+    return str(encoder.location or encoder.name)
+
+
+def check_mergeable(encoders: Sequence[ElasticEncoder]) -> None:
+    """Raise MergeError naming the model and the part that differs from the first model's."""
+    base = encoders[0]
+    for other in encoders[1:]:
+        a, b = _label(base), _label(other)
+        if set(_modules(other)) != set(_modules(base)):
+            raise MergeError(
+                f"{b} has {', '.join(sorted(_modules(other)))} but {a} has {', '.join(sorted(_modules(base)))}: "
+                "only models with the same parts can be averaged (fit or drop exit heads on both first)"
+            )
+        if _heads_layout(other) != _heads_layout(base):
+            raise MergeError(
+                f"{b} has exit heads {other.exit_heads.describe()} but {a} has {base.exit_heads.describe()}: "
+                "only heads of the same kind, layers and inputs can be averaged"
+            )
+        if other.tokenizer.get_vocab() != base.tokenizer.get_vocab():
+            raise MergeError(f"{b} and {a} have different tokenizer vocabularies: they are not runs of one start")
+        if other.pooling != base.pooling:
+            raise MergeError(f"{b} pools with {other.pooling} but {a} with {base.pooling}")
+        for part, module in _modules(base).items():
+            mine, theirs = module.state_dict(), _modules(other)[part].state_dict()
+            if missing := sorted(set(mine) ^ set(theirs)):
+                raise MergeError(f"{b} and {a} differ in {part} tensors ({', '.join(missing[:3])}, ...)")
+            for key, tensor in mine.items():
+                if theirs[key].shape != tensor.shape:
+                    raise MergeError(
+                        f"{part} tensor {key} has shape {tuple(theirs[key].shape)} in {b} but "
+                        f"{tuple(tensor.shape)} in {a}: not the same architecture"
+                    )
+                if not tensor.is_floating_point() and not torch.equal(theirs[key], tensor):
+                    raise MergeError(f"{part} tensor {key} (not a weight: {tensor.dtype}) differs between {b} and {a}")
+
+
+def merge_encoders(encoders: Sequence[ElasticEncoder], weights: Sequence[float] | None = None) -> ElasticEncoder:
+    """The weighted average of `encoders`, written into the first one (returned); the others are not changed.
+
+    Floating-point tensors are averaged in float32 and stored in their own dtype; integer buffers (position
+    ids) must be equal. The first model gives everything that is not a weight: tokenizer, pooling, config.
+    """
+    weights = merge_weights(weights, len(encoders))
+    check_mergeable(encoders)
+    base = encoders[0]
+    states = [{part: module.state_dict() for part, module in _modules(e).items()} for e in encoders]
+    with torch.no_grad():
+        for part, module in _modules(base).items():
+            averaged = {}
+            for key, tensor in states[0][part].items():
+                if tensor.is_floating_point():
+                    total = sum(
+                        w * state[part][key].to(torch.float32) for w, state in zip(weights, states, strict=True)
+                    )
+                    averaged[key] = total.to(tensor.dtype)
+                else:
+                    averaged[key] = tensor.clone()
+            module.load_state_dict(averaged)
+    return base
+
+
+__all__ = ["MergeError", "check_mergeable", "merge_encoders", "merge_weights"]
