@@ -23,8 +23,9 @@ from matryoshka2d.views import unit_rows
 SMALL_CELLS = ((1, 64), (2, 128), (3, 128))
 
 
-def dev_columns(model: str, pairs) -> list[float]:
-    encoder = ElasticEncoder(model, device="cpu")
+def cell_columns(encoder: ElasticEncoder, pairs) -> dict[str, float]:
+    """Spearman x 100 on `pairs` at (N, D), the shallow average, the small cells and (N-1, D), each cell made by
+    the encoder itself (exit heads on where it has them)."""
     top, full = encoder.num_layers, encoder.hidden_size
     texts = list(dict.fromkeys(pairs.sentences1 + pairs.sentences2))
     row = {t: i for i, t in enumerate(texts)}
@@ -36,8 +37,14 @@ def dev_columns(model: str, pairs) -> list[float]:
         vectors = unit_rows(grid[(layer, dim)])
         return spearman_x100(pairs.gold, (vectors[first] * vectors[second]).sum(1))
 
-    shallow = float(np.mean([score(n, full) for n in range(1, top)]))
-    return [score(top, full), shallow, *(score(n, d) for n, d in SMALL_CELLS)]
+    columns = {f"({top},{full})": score(top, full), "shallow": float(np.mean([score(n, full) for n in range(1, top)]))}
+    columns |= {f"({n},{d})": score(n, d) for n, d in SMALL_CELLS}
+    return columns | {f"({top - 1},{full})": score(top - 1, full)}
+
+
+def dev_columns(encoder: ElasticEncoder, pairs) -> list[float]:
+    """(N, D), the shallow average, (1,64), (2,128), (3,128): the columns that rank runs (their shallow four)."""
+    return list(cell_columns(encoder, pairs).values())[:5]
 
 
 def main() -> None:
@@ -49,7 +56,7 @@ def main() -> None:
     print("| model | (N,D) | shallow | (1,64) | (2,128) | (3,128) | mean of the shallow columns |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for model in args.models:
-        cols = dev_columns(model, pairs)
+        cols = dev_columns(ElasticEncoder(model, device="cpu"), pairs)
         print(f"| {model} | " + " | ".join(f"{c:.2f}" for c in cols) + f" | {np.mean(cols[1:]):.2f} |", flush=True)
 
 
