@@ -595,3 +595,21 @@ def test_the_heap_is_trimmed_when_the_queue_runs_dry_not_after_every_batch(monke
     batches, count, replies = asyncio.run(load())
     assert batches >= 10 and all(r.shape == (1, 4) and r[0, 0] == 2 for r in replies)
     assert count == len(trims) == 1 and Backend.released == 1  # at rest the backend's arenas go back too
+
+
+def test_response_numbers_read_back_as_the_float32_vectors_exactly():
+    from matryoshka2d.deploy.api import encode_rows, reply_bytes
+    from matryoshka2d.views import unit_rows
+
+    vectors = np.random.default_rng(0).standard_normal((5, 48)).astype(np.float32)
+    body = json.loads(reply_bytes({"data": encode_rows(vectors, "float", "float")}))
+    read = np.array([row["embedding"] for row in body["data"]], dtype=np.float32)
+    assert np.array_equal(read, unit_rows(vectors).astype(np.float32))  # shortest float32 decimals, exact
+    assert [row["index"] for row in body["data"]] == list(range(5))
+    as_int8 = json.loads(reply_bytes({"data": encode_rows(vectors, "float", "int8")}))["data"][0]["embedding"]
+    assert all(isinstance(x, int) and -128 <= x <= 127 for x in as_int8)
+    packed = json.loads(reply_bytes({"data": encode_rows(vectors, "base64", "float")}))["data"][0]["embedding"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(packed), "<f4"), read[0])
+    vectors[2, 3] = np.nan
+    with pytest.raises(ValueError, match="not finite"):
+        encode_rows(vectors, "float", "float")
