@@ -6,9 +6,9 @@
 
 Every server runs on 127.0.0.1 pinned to `--server-core` (taskset; one thread for the model), and this process,
 whose `clients` threads send the requests (one keep-alive connection each), is pinned to `--client-core`: the
-throughput is the server's, not the clients'. The same requests (`texts-per-request` distinct STS sentences
-each, base64 vectors asked for) go to every server at every cell; nothing is retried, and a reply that is not
-200 with one vector per text counts as an error.
+throughput is the server's, not the clients'. The same requests (`texts-per-request` distinct STS sentences each,
+base64 vectors asked for unless `--encoding-format float`) go to every server at every cell; nothing is retried,
+and a reply that is not 200 with one vector per text counts as an error.
 
 - Ours: one `matryoshka2d serve` process serves every cell (`layer` in the request); `--backend onnx` with
   `--layers` of the cells, so its sessions load up front.
@@ -144,9 +144,10 @@ class Server:
     def request(self, texts: list[str], layer: int, dim: int) -> tuple[str, str]:
         if self.kind.startswith("infinity"):
             return "/embeddings", json.dumps(
-                {"model": "bench", "input": texts, "dimensions": dim, "encoding_format": "base64"}
+                {"model": "bench", "input": texts, "dimensions": dim, "encoding_format": ARGS.encoding_format}
             )
-        body = {"model": "bench", "input": texts, "layer": layer, "dimensions": dim, "encoding_format": "base64"}
+        body = {"model": "bench", "input": texts, "layer": layer, "dimensions": dim}
+        body["encoding_format"] = ARGS.encoding_format
         return "/v1/embeddings", json.dumps(body)
 
     def vectors(self, texts: list[str], layer: int, dim: int) -> np.ndarray:
@@ -159,6 +160,8 @@ class Server:
         if reply.status != 200:
             raise RuntimeError(f"{self.kind}: {reply.status} {data}")
         rows = sorted(data["data"], key=lambda d: d["index"])
+        if ARGS.encoding_format == "float":
+            return np.array([d["embedding"] for d in rows], dtype=np.float32)
         return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
 
     def rss(self) -> float:
@@ -330,6 +333,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000, help="requests per cell")
     parser.add_argument("--texts-per-request", type=int, default=8)
+    parser.add_argument(
+        "--encoding-format",
+        choices=["base64", "float"],
+        default="base64",
+        help="what the requests ask for: base64 (the openai client's default) or float (JSON numbers, as curl "
+        "and most other clients get them)",
+    )
     parser.add_argument("--cells", nargs="+", default=["6,384", "3,128"], help="layer,dim pairs")
     parser.add_argument("--warmup-requests", type=int, default=100, help="per cell, before RSS is read")
     parser.add_argument("--server-core", type=int, default=0)
