@@ -62,11 +62,13 @@ def _label(encoder: ElasticEncoder) -> str:
 def check_mergeable(encoders: Sequence[ElasticEncoder]) -> None:
     """Raise MergeError naming the model and the part that differs from the first model's."""
     base = encoders[0]
+    base_parts = _modules(base)
     for other in encoders[1:]:
         a, b = _label(base), _label(other)
-        if set(_modules(other)) != set(_modules(base)):
+        other_parts = _modules(other)
+        if set(other_parts) != set(base_parts):
             raise MergeError(
-                f"{b} has {', '.join(sorted(_modules(other)))} but {a} has {', '.join(sorted(_modules(base)))}: "
+                f"{b} has {', '.join(sorted(other_parts))} but {a} has {', '.join(sorted(base_parts))}: "
                 "only models with the same parts can be averaged (fit or drop exit heads on both first)"
             )
         if _heads_layout(other) != _heads_layout(base):
@@ -78,8 +80,8 @@ def check_mergeable(encoders: Sequence[ElasticEncoder]) -> None:
             raise MergeError(f"{b} and {a} have different tokenizer vocabularies: they are not runs of one start")
         if other.pooling != base.pooling:
             raise MergeError(f"{b} pools with {other.pooling} but {a} with {base.pooling}")
-        for part, module in _modules(base).items():
-            mine, theirs = module.state_dict(), _modules(other)[part].state_dict()
+        for part, module in base_parts.items():
+            mine, theirs = module.state_dict(), other_parts[part].state_dict()
             if missing := sorted(set(mine) ^ set(theirs)):
                 raise MergeError(f"{b} and {a} differ in {part} tensors ({', '.join(missing[:3])}, ...)")
             for key, tensor in mine.items():
