@@ -3,6 +3,7 @@ folder (matryoshka2d.models.heads)."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from collections.abc import Iterator
@@ -49,6 +50,40 @@ def read_texts(sources: list[str]) -> Iterator[str]:
             if text.strip() and text not in seen:
                 seen.add(text)
                 yield text
+
+
+class _LeftOut:
+    """Drops the texts whose sentence_key is in `keys`, counting them."""
+
+    def __init__(self, keys: frozenset[str]):
+        from matryoshka2d.evaluate.sts import sentence_key
+
+        self.keys, self.key, self.count = keys, sentence_key, 0
+
+    def filter(self, texts: Iterator[str]) -> Iterator[str]:
+        for text in texts:
+            if self.key(text) in self.keys:
+                self.count += 1
+            else:
+                yield text
+
+
+def _sts_test_filter(wanted: bool | None) -> _LeftOut | None:
+    """The STS test sentences to leave out of a fit: always with --exclude-sts-test (an error if the sets cannot be
+    read), never with --no-exclude-sts-test, and by default wherever the data folder holds them."""
+    if wanted is False:
+        return None
+    from matryoshka2d.evaluate.sts import sts_test_sentence_keys
+    from matryoshka2d.files import DataFormatError
+    from matryoshka2d.paths import data_dir
+
+    try:
+        return _LeftOut(sts_test_sentence_keys(data_dir()))
+    except (FileNotFoundError, DataFormatError) as exc:
+        if wanted:
+            raise FileNotFoundError(f"--exclude-sts-test: cannot read the STS test sets ({exc})") from None
+        _log(f"heads fit: the STS test sets were not found, so STS test sentences are not left out ({exc})")
+        return None
 
 
 def _gain_table(encoder, cells) -> list[str]:
@@ -116,6 +151,9 @@ def cmd_heads_fit(args) -> int:
             dev_file, missing = None, str(exc)
         select, dev = ridge_selection(select, dev_file, missing)
     texts = read_texts(args.data)
+    excluded = _sts_test_filter(args.exclude_sts_test)
+    if excluded is not None:
+        texts = excluded.filter(texts)
     if args.max_sentences is not None:
         texts = itertools.islice(texts, args.max_sentences)
 
@@ -136,6 +174,9 @@ def cmd_heads_fit(args) -> int:
         inputs=args.inputs,
     )
     heads.record["data"] = [str(Path(d).resolve()) for d in args.data]
+    heads.record["sts_test_sentences_left_out"] = excluded.count if excluded is not None else None
+    if excluded is not None:
+        _log(f"heads fit: {excluded.count} sentences of the STS test sets were in --data and were left out")
     encoder.set_exit_heads(heads)
     metadata = folder_metadata(encoder)
     metadata["heads_fit"] = {"from_model": encoder.location or encoder.name, "seconds": report.seconds}
@@ -193,6 +234,13 @@ def register(sub, model_args) -> None:
         "--ridge", type=float, help="a fixed ridge strength as a multiple of the number of sentences (no selection)"
     )
     f.add_argument("--max-sentences", type=int, help="use at most this many distinct sentences (default: all)")
+    f.add_argument(
+        "--exclude-sts-test",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="leave out every sentence of the STS test sets (compared by lower-cased words); default: wherever the "
+        "STS data is found, saying so when it is not (the shared NLI triplets hold 454 such sentences)",
+    )
     f.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     f.add_argument("--quiet", action="store_true", help="no progress lines")
     f.set_defaults(func=cmd_heads_fit)

@@ -143,6 +143,12 @@ def register(sub, model_args) -> None:
         action="store_true",
         help="drop a row that repeats a text already in its batch, as angle-emb's collator does (default off)",
     )
+    p.add_argument(
+        "--exclude-sts-test",
+        action="store_true",
+        help="drop every row holding a sentence of the STS test sets (compared by lower-cased words), so that the "
+        "STS scores are of sentences the run never saw; the data folder is found as eval's is (default off)",
+    )
     run_options(p, "--weight-decay")
     p.add_argument(
         "--weight-decay-exempt",

@@ -7,6 +7,8 @@ sentences are embedded once, for all cells together.
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -124,6 +126,36 @@ def sts_dev_score(encoder, path: str | Path, layer: int, dim: int) -> float:
     pairs = load_pairs(path)
     rows = distinct_rows(pairs)
     return pair_spearman(pairs, encoder.encode(list(rows), layer=layer, dim=dim), rows)
+
+
+_WORD = re.compile(r"\w+")
+
+
+def sentence_key(text: str) -> str:
+    """A sentence as the overlap check compares it: lower-cased words, punctuation and spacing dropped, so that
+    the raw and the SentEval-tokenised copy of a sentence ("A man's dog." / "a man 's dog .") meet."""
+    return " ".join(_WORD.findall(text.lower()))
+
+
+def sts_test_sentence_keys(data_dir: str | Path) -> frozenset[str]:
+    """The keys (sentence_key) of every sentence of the seven STS test sets, raw and tokenised where present: what
+    no fit or training may see. The shared NLI triplets hold 454 such sentences (SICK-R test shares sentences
+    with SICK train and trial, which are in them). Cached per folder: reading the sets takes about two seconds."""
+    return _sts_test_sentence_keys(str(Path(data_dir).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _sts_test_sentence_keys(data_dir: str) -> frozenset[str]:
+    keys: set[str] = set()
+    for name in STS_SETS:
+        paths = {sts_file(Path(data_dir), "raw", name)}  # without it nothing can be checked: an error
+        tokenised = Path(data_dir) / "sts" / "senteval_tok" / f"{name}_test.tsv"
+        if tokenised.is_file():
+            paths.add(tokenised)
+        for path in paths:
+            table = read_tsv(path, required=("sentence1", "sentence2"))
+            keys.update(map(sentence_key, table.strings("sentence1") + table.strings("sentence2")))
+    return frozenset(keys)
 
 
 def distinct_rows(pairs: PairSet) -> dict[str, int]:

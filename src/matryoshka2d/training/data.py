@@ -276,6 +276,19 @@ def _tsv_texts(path: Path):
                 yield text
 
 
+def without_rows_holding(data: TrainingData, keys: frozenset[str], key) -> tuple[TrainingData, int]:
+    """`data` without every row one of whose texts has its `key(text)` in `keys` (e.g. STS test sentences, which
+    no training may see), and how many rows went."""
+    keep = [i for i, row in enumerate(zip(*data.columns, strict=True)) if not any(key(t) in keys for t in row)]
+    if len(keep) == len(data):
+        return data, 0
+    if not keep:
+        raise DataError(f"{', '.join(data.sources)}: every row holds an excluded sentence; nothing is left to train on")
+    columns = [[column[i] for i in keep] for column in data.columns]
+    labels = data.labels[keep] if data.labels is not None else None
+    return TrainingData(data.kind, columns, labels, list(data.sources)), len(data) - len(keep)
+
+
 def without_repeated_texts(data: TrainingData, rows: np.ndarray, tokenizer, max_length: int | None) -> np.ndarray:
     """The batch's rows without those that repeat a text already in the batch: angle-emb's `filter_duplicate`
     (0.6.1 `AngleDataCollator.__call__`, angle_emb/angle.py L124-244; on by default in `AnglE.fit` and in

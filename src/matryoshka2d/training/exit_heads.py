@@ -83,9 +83,8 @@ def fit_at_start(trainer, log=print) -> None:
     cfg, encoder = trainer.config, trainer.encoder
     if cfg.exit_heads != "fit" or trainer.step > 0:
         return
-    from matryoshka2d.training.data import read_sentences
-
-    texts = (t for source in cfg.data for t in read_sentences(source))
+    # the run's own rows, row by row (what exclude_sts_test left of them), each distinct text once
+    texts = (text for row in zip(*trainer.data.columns, strict=True) for text in row if text.strip())
     texts = itertools.islice(dict.fromkeys(texts), cfg.exit_heads_sentences)
     batches = iter(lambda: list(itertools.islice(texts, FIT_BATCH)), [])
     if trainer.processes.main:

@@ -25,15 +25,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from matryoshka2d.evaluate.sts import sts_dev_score
+from matryoshka2d.evaluate.sts import sentence_key, sts_dev_score, sts_test_sentence_keys
+from matryoshka2d.files import DataFormatError
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, Plan, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.paths import sts_dev_file
+from matryoshka2d.paths import data_dir, sts_dev_file
 from matryoshka2d.training import checkpoints, exit_heads, gradcache, surgery
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, check_resumable, eval_cells
-from matryoshka2d.training.data import TrainingData, read_training_data, without_repeated_texts
+from matryoshka2d.training.data import (
+    TrainingData,
+    read_training_data,
+    without_repeated_texts,
+    without_rows_holding,
+)
 from matryoshka2d.training.packing import ColumnBatch, call_overhead, encode_columns, tokenize_columns
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
@@ -119,6 +125,8 @@ class Trainer:
             data = first_read
         else:
             data = read_training_data(self.config.data, sentences=wants_sentences)
+        if self.config.exclude_sts_test:
+            data = self._without_sts_test(data)
         if data.kind == "pairs" and not getattr(self.task_loss, "learns_from_pairs", False):
             raise ValueError(
                 f"{data.sources[0]} holds anchor/positive pairs (no negatives); they train only with a loss that "
@@ -129,6 +137,16 @@ class Trainer:
                 f"{data.sources[0]} holds plain sentences; they train only with a loss that learns from sentences "
                 f"(--loss simcse), not '{self.loss_name}'"
             )
+        return data
+
+    def _without_sts_test(self, data: TrainingData) -> TrainingData:
+        try:
+            keys = sts_test_sentence_keys(data_dir())
+        except (FileNotFoundError, DataFormatError) as exc:
+            raise FileNotFoundError(f"exclude_sts_test: cannot read the STS test sets to exclude ({exc})") from None
+        data, dropped = without_rows_holding(data, keys, sentence_key)
+        if self.processes.main:
+            print(f"exclude_sts_test: {dropped} rows hold an STS test sentence and are left out; {len(data)} remain")
         return data
 
     def _prepare_throughput(self) -> None:
