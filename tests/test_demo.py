@@ -20,8 +20,10 @@ def data_root(root):
     (root / "sts" / "raw").mkdir(parents=True)
     pairs = ["sentence1\tsentence2\tscore"]
     pairs += [f"{WORDS[i]} {WORDS[i + 1]}\t{WORDS[i]} {WORDS[(i * 3) % 15]}\t{i % 5}" for i in range(12)]
-    for name in ("stsb_dev", "stsb_test"):
+    for name in ("stsb_dev", "stsb_test", "sts12_test", "sts13_test", "sts14_test", "sts15_test", "sts16_test"):
         (root / "sts" / "raw" / f"{name}.tsv").write_text("\n".join(pairs) + "\n")
+    leaked = f"{WORDS[0]} {WORDS[1]} {WORDS[2]}\t{WORDS[4]}\t1\n"  # the positive of the first training row
+    (root / "sts" / "raw" / "sickr_test.tsv").write_text("\n".join(pairs) + "\n" + leaked)
     corpus = [{"_id": f"d{i}", "title": "", "text": f"{WORDS[i % 15]} {WORDS[(i * 7) % 15]} {i}"} for i in range(40)]
     queries = [{"_id": f"q{i}", "text": WORDS[i]} for i in range(6)]
     beir(root / "retrieval" / "scifact", corpus, queries, [(f"q{i}", f"d{i}", 1) for i in range(6)], split="train")
@@ -40,6 +42,7 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     assert "recommended cell (" in out and "x faster encoding" in out and "bytes/vector" in out
     assert "affine exit heads at layers 1,2,3" in out and "without heads the same budget would give (" in out
     assert "(ridge strength: STS-B dev Spearman)" in out  # chosen as `heads fit` chooses it
+    assert "exclude_sts_test: 1 rows hold an STS test sentence and are left out; 15 remain" in out
     assert (tmp_path / "run" / "sts-no-heads" / "results.json").is_file()
     chosen = json.loads((tmp_path / "run" / "pick" / "pick.json").read_text())["recommended"]
     export = tmp_path / "run" / f"export-{chosen['layer']}x{chosen['dim']}"

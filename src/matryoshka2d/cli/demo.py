@@ -89,7 +89,8 @@ def fine_tune(args, root: Path) -> Path:
     from matryoshka2d.training.trainer import Trainer
 
     name = Path(args.model).name if os.sep in args.model else args.model
-    out = cache_dir() / "demo" / f"{name}-2dmse-{args.steps}steps-bs{args.batch_size}"
+    # "-nosts": trained without the rows that hold an STS test sentence (the scores below are of unseen sentences)
+    out = cache_dir() / "demo" / f"{name}-2dmse-{args.steps}steps-bs{args.batch_size}-nosts"
     if (out / "matryoshka2d.json").is_file():
         meta = json.loads((out / "matryoshka2d.json").read_text())
         print(f"    reusing the cached fine-tune {out} ({meta.get('steps')} steps; delete it to train again)")
@@ -108,6 +109,8 @@ def fine_tune(args, root: Path) -> Path:
         eval_file=str(root / "sts" / "raw" / "stsb_dev.tsv"),
         save_steps=max(10, args.steps // 3),  # a killed demo resumes from here
         device=args.device,
+        exclude_sts_test=True,
+        sts_data_dir=str(root),
     )
     print(f"    2dmse + AnglE loss, {args.steps} steps of {args.batch_size} triplets from {triplets}")
     return Trainer(config).run(resume=True, progress=not args.quiet)
@@ -119,18 +122,21 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     import itertools
 
     from matryoshka2d.cli.heads import ridge_selection
+    from matryoshka2d.evaluate.sts import sentence_key, sts_test_sentence_keys
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
     from matryoshka2d.training.data import read_sentences
 
     select, dev = ridge_selection("auto", root / "sts" / "raw" / "stsb_dev.tsv")
-    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}")
+    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}-nosts")
     if (out / "matryoshka2d.json").is_file():
         print(f"    reusing the cached heads {out}")
         return out
     encoder = ElasticEncoder(str(model_dir), device=args.device)
-    texts = iter(read_sentences(root / "nli" / "train_triplets.tsv")[: args.head_sentences])
+    unseen = sts_test_sentence_keys(root)  # no fit sees an STS test sentence
+    texts = [t for t in read_sentences(root / "nli" / "train_triplets.tsv") if sentence_key(t) not in unseen]
+    texts = iter(texts[: args.head_sentences])
     heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []), select=select, dev=dev)
     encoder.set_exit_heads(heads)
     meta = json.loads((model_dir / "matryoshka2d.json").read_text())

@@ -100,6 +100,7 @@ class TrainConfig:
     # drop every row holding a sentence of the seven STS test sets (evaluate.sts.sts_test_sentence_keys): the shared NLI
     # triplets hold 454 of them in 403 rows; off by default, as the protocol of record and the peers train on all rows
     exclude_sts_test: bool = False
+    sts_data_dir: str | None = None  # where exclude_sts_test reads the STS sets (default: paths.data_dir())
     padding_free: bool | None = None  # length groups, not per-column padding (training/packing.py); None: on a CPU
     preset: str | None = None  # the --preset the options came from (recorded with the model; training/presets)
 

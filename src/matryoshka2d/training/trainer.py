@@ -141,7 +141,7 @@ class Trainer:
 
     def _without_sts_test(self, data: TrainingData) -> TrainingData:
         try:
-            keys = sts_test_sentence_keys(data_dir())
+            keys = sts_test_sentence_keys(data_dir(self.config.sts_data_dir))
         except (FileNotFoundError, DataFormatError) as exc:
             raise FileNotFoundError(f"exclude_sts_test: cannot read the STS test sets to exclude ({exc})") from None
         data, dropped = without_rows_holding(data, keys, sentence_key)
