@@ -4,7 +4,8 @@
 Each alpha's model is alpha x RUN + (1 - alpha) x START, every weight alike, exit heads included: the average that
 `matryoshka2d merge --models RUN START --weights ALPHA 1-ALPHA` writes (training/merge.py), made here in memory.
 Columns: (N, D), the shallow average (layers 1..N-1 at full width), (1,64), (2,128), (3,128), (N-1, D); dev's
-"mean" is the mean of the four shallow columns, the number `benchmarks/sts_dev_cells.py` ranks runs by.
+"mean" is the mean of the four shallow columns, the number `benchmarks/sts_dev_cells.py` ranks runs by; the last
+line names the alpha with the highest one (`benchmarks/heads_wiseft_recipe.sh` merges there).
 
     python benchmarks/wise_ft_alphas.py --run runs/protocol-r3/RUN --start runs/heads-minilm-stack-affine \
         --alphas 0 0.5 0.6 0.7 0.8 1 --test
@@ -41,7 +42,7 @@ def main() -> None:
     print(header())
     dev = load_pairs(sts_dev_file())
     tests = [load_pairs(sts_file(Path(args.data), "raw", name), name) for name in STS_SETS] if args.test else []
-    first = True
+    first, dev_means = True, {}
     for alpha in args.alphas:
         encoder = averaged(args.run, args.start, alpha)
         on_dev = cell_columns(encoder, dev)
@@ -52,10 +53,13 @@ def main() -> None:
             print("|---:|" + "---:|" * (len(names) + 1 + len(test_names)))
             first = False
         row = [*on_dev.values(), float(np.mean([on_dev[n] for n in names[1:5]]))]
+        dev_means[alpha] = row[-1]
         if tests:
             per_set = [cell_columns(encoder, pairs) for pairs in tests]
             row += [float(np.mean([s[n] for s in per_set])) for n in names]
         print(f"| {alpha:g} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
+    chosen = max(dev_means, key=dev_means.get)  # the first of equals: the order given
+    print(f"dev's choice (highest dev mean of the four shallow columns, {dev_means[chosen]:.4f}): alpha {chosen:g}")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     from matryoshka2d.training.data import read_sentences
 
     select, dev = ridge_selection("auto", root / "sts" / "raw" / "stsb_dev.tsv")
-    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}-nosts")
+    out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}")
     if (out / "matryoshka2d.json").is_file():
         print(f"    reusing the cached heads {out}")
         return out
