@@ -8,7 +8,7 @@
 #      report); the alpha with the best dev mean of the four shallow columns is merged (`matryoshka2d merge`);
 #   4. `eval sts` of the merged folder.
 #
-#   benchmarks/heads_wiseft_recipe.sh [DATA_DIR] [OUT_DIR]      (docs/exit-heads.md; about 40 minutes on 2 cores)
+#   benchmarks/heads_wiseft_recipe.sh [DATA_DIR] [OUT_DIR]      (docs/exit-heads.md; about 50 minutes, one thread)
 #   ALPHAS="0 0.5 0.6 0.7 0.8 1"                                 the grid dev chooses from (this is the default)
 # Every step is skipped when its output is there, and the training run resumes, so a killed run goes on.
 set -euo pipefail
