@@ -122,7 +122,7 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     import itertools
 
     from matryoshka2d.cli.heads import ridge_selection
-    from matryoshka2d.evaluate.sts import sentence_key, sts_test_sentence_keys
+    from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
@@ -134,9 +134,8 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
         print(f"    reusing the cached heads {out}")
         return out
     encoder = ElasticEncoder(str(model_dir), device=args.device)
-    unseen = sts_test_sentence_keys(root)  # no fit sees an STS test sentence
-    texts = [t for t in read_sentences(root / "nli" / "train_triplets.tsv") if sentence_key(t) not in unseen]
-    texts = iter(texts[: args.head_sentences])
+    unseen = LeftOutSentences(sts_test_sentence_keys(root))  # no fit sees an STS test sentence
+    texts = itertools.islice(unseen.filter(read_sentences(root / "nli" / "train_triplets.tsv")), args.head_sentences)
     heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []), select=select, dev=dev)
     encoder.set_exit_heads(heads)
     meta = json.loads((model_dir / "matryoshka2d.json").read_text())

@@ -8,6 +8,10 @@ import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matryoshka2d.evaluate.sts import LeftOutSentences
 
 FIT_BATCH = 512  # texts per encoder call while fitting (the encoder batches them further by --batch-size)
 GAIN_CELLS = ((1, 64), (3, 128), (5, 384))  # cells whose STS-B dev gain the fit prints (clipped to the model)
@@ -52,33 +56,17 @@ def read_texts(sources: list[str]) -> Iterator[str]:
                 yield text
 
 
-class _LeftOut:
-    """Drops the texts whose sentence_key is in `keys`, counting them."""
-
-    def __init__(self, keys: frozenset[str]):
-        from matryoshka2d.evaluate.sts import sentence_key
-
-        self.keys, self.key, self.count = keys, sentence_key, 0
-
-    def filter(self, texts: Iterator[str]) -> Iterator[str]:
-        for text in texts:
-            if self.key(text) in self.keys:
-                self.count += 1
-            else:
-                yield text
-
-
-def _sts_test_filter(wanted: bool | None) -> _LeftOut | None:
+def _sts_test_filter(wanted: bool | None) -> LeftOutSentences | None:
     """The STS test sentences to leave out of a fit: always with --exclude-sts-test (an error if the sets cannot be
     read), never with --no-exclude-sts-test, and by default wherever the data folder holds them."""
     if wanted is False:
         return None
-    from matryoshka2d.evaluate.sts import sts_test_sentence_keys
+    from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
     from matryoshka2d.files import DataFormatError
     from matryoshka2d.paths import data_dir
 
     try:
-        return _LeftOut(sts_test_sentence_keys(data_dir()))
+        return LeftOutSentences(sts_test_sentence_keys(data_dir()))
     except (FileNotFoundError, DataFormatError) as exc:
         if wanted:
             raise FileNotFoundError(f"--exclude-sts-test: cannot read the STS test sets ({exc})") from None

@@ -11,7 +11,7 @@ import functools
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +135,20 @@ def sentence_key(text: str) -> str:
     """A sentence as the overlap check compares it: lower-cased words, punctuation and spacing dropped, so that
     the raw and the SentEval-tokenised copy of a sentence ("A man's dog." / "a man 's dog .") meet."""
     return " ".join(_WORD.findall(text.lower()))
+
+
+class LeftOutSentences:
+    """Passes on the texts whose sentence_key is not in `keys` (e.g. sts_test_sentence_keys), counting the others."""
+
+    def __init__(self, keys: frozenset[str]):
+        self.keys, self.count = keys, 0
+
+    def filter(self, texts: Iterable[str]) -> Iterator[str]:
+        for text in texts:
+            if sentence_key(text) in self.keys:
+                self.count += 1
+            else:
+                yield text
 
 
 def sts_test_sentence_keys(data_dir: str | Path) -> frozenset[str]:
