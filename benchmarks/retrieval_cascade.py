@@ -45,8 +45,18 @@ from common import DEFAULT_DATA, header
 from matryoshka2d.evaluate.retrieval import load_beir, rank_metrics
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.cascade import overlap_at
-from matryoshka2d.retrieval.index import build_index, cell_name, load_shards, parse_cell_list, read_manifest
+from matryoshka2d.retrieval.index import (
+    build_index,
+    cell_name,
+    hnsw_graph,
+    load_shards,
+    make_index,
+    parse_cell_list,
+    read_manifest,
+    searchable,
+)
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors
+from matryoshka2d.retrieval.shards import STORAGES
 from matryoshka2d.views import unit_rows as unit
 
 TEXT_COLUMNS = {"sentence", "sentence1", "sentence2", "anchor", "positive", "negative", "premise", "hypothesis"}
@@ -197,27 +207,17 @@ def child_build(job: dict) -> dict:
 
     vectors = np.load(job["vectors"])
     start = time.perf_counter()
+    if job["kind"] == "ivf":  # a fixed number of inverted lists here (index build's ivf_lists gives 1,824)
+        code = {"float32": "Flat", "float16": "SQfp16", "int8": "SQ8"}[job["storage"]]
+        index = faiss.index_factory(vectors.shape[1], f"IVF{IVF_LISTS},{code}", faiss.METRIC_INNER_PRODUCT)
+        index.train(vectors)
+        index.add(vectors)
+    else:  # what `index build` makes, with this run's efConstruction
+        index = make_index(vectors, job["kind"], job["storage"], ef_construction=job["ef_construction"])
+    seconds = time.perf_counter() - start
     if job["storage"] == "binary":
-        bits = np.packbits(vectors > 0, axis=1)
-        index = faiss.index_binary_factory(8 * bits.shape[1], "BFlat" if job["kind"] == "flat" else f"BHNSW{HNSW_M}")
-        if job["kind"] == "hnsw":
-            index.hnsw.efConstruction = job["ef_construction"]
-        index.add(bits)
-        seconds = time.perf_counter() - start
         faiss.write_index_binary(index, job["out"])
     else:
-        code = {"float32": "Flat", "float16": "SQfp16", "int8": "SQ8"}[job["storage"]]
-        if job["kind"] == "ivf":  # inverted lists over k-means cells, about 4 sqrt(n) of them
-            spec = f"IVF{IVF_LISTS},{code}"
-        else:
-            spec = code if job["kind"] == "flat" else (f"HNSW{HNSW_M}" if code == "Flat" else f"HNSW{HNSW_M}_{code}")
-        index = faiss.index_factory(vectors.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
-        if job["kind"] == "hnsw":
-            faiss.downcast_index(index).hnsw.efConstruction = job["ef_construction"]
-        if not index.is_trained:
-            index.train(vectors)
-        index.add(vectors)
-        seconds = time.perf_counter() - start
         faiss.write_index(index, job["out"])
     return {"build_seconds": seconds, "file_mb": os.path.getsize(job["out"]) / 1e6}
 
@@ -229,10 +229,10 @@ def child_search(job: dict) -> dict:
     queries_small, queries_full = np.load(job["queries_small"]), np.load(job["queries_full"])
     reference = np.load(job["reference"]) if job.get("reference") else None
     before = memory_status()
-    index = faiss.read_index_binary(job["index"]) if job["binary"] else faiss.read_index(job["index"])
+    index = searchable(faiss.read_index_binary(job["index"]) if job["binary"] else faiss.read_index(job["index"]))
     loaded = memory_status()
     rerank = np.load(job["rerank"], mmap_mode="r") if job.get("rerank") else None
-    hnsw = index.hnsw if job["binary"] and job["hnsw"] else (faiss.downcast_index(index).hnsw if job["hnsw"] else None)
+    hnsw = hnsw_graph(index) if job["hnsw"] else None
     ivf = faiss.extract_index_ivf(index) if job.get("ivf") else None
     rows = []
     n = len(queries_full)
@@ -277,12 +277,14 @@ def child_race(job: dict) -> dict:
     import faiss
 
     full_index = faiss.read_index(job["full_index"])
-    faiss.downcast_index(full_index).hnsw.efSearch = job["ef"]
-    small_index = faiss.read_index_binary(job["small_index"]) if job["binary"] else faiss.read_index(job["small_index"])
+    hnsw_graph(full_index).efSearch = job["ef"]
+    small_index = searchable(
+        faiss.read_index_binary(job["small_index"]) if job["binary"] else faiss.read_index(job["small_index"])
+    )
     if job.get("nprobe"):
         faiss.extract_index_ivf(small_index).nprobe = job["nprobe"]
     else:
-        (small_index.hnsw if job["binary"] else faiss.downcast_index(small_index).hnsw).efSearch = job["tier_ef"]
+        hnsw_graph(small_index).efSearch = job["tier_ef"]
     rerank = np.load(job["rerank"], mmap_mode="r")
     qs, qf = np.load(job["queries_small"]), np.load(job["queries_full"])
     n = len(qf)
@@ -353,10 +355,10 @@ def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> 
         cell = parse_cell_list(parts[0], "--tiers")[0]
         storage = parts[1] if len(parts) > 1 else "float32"
         kind = parts[2] if len(parts) > 2 else "hnsw"
-        if storage not in ("float32", "float16", "int8", "binary") or kind not in ("hnsw", "flat", "ivf"):
-            raise SystemExit(f"--tiers {spec!r}: write LAYER:DIM/float32|float16|int8|binary[/flat|/ivf]")
-        if kind == "ivf" and storage == "binary":
-            raise SystemExit(f"--tiers {spec!r}: an IVF tier holds float32 or int8 vectors")
+        if storage not in STORAGES or kind not in ("hnsw", "flat", "ivf"):
+            raise SystemExit(f"--tiers {spec!r}: write LAYER:DIM/float32|float16|int8|int8-direct|binary[/flat|/ivf]")
+        if kind == "ivf" and storage not in ("float32", "float16", "int8"):
+            raise SystemExit(f"--tiers {spec!r}: an IVF tier holds float32, float16 or int8 vectors")
         tiers.append((cell, storage, kind))
     width = encoder.hidden_size
     layers = sorted({full[0], *(c[0] for c, _, _ in tiers)})

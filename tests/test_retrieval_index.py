@@ -8,7 +8,15 @@ import pytest
 
 from matryoshka2d.cli import main
 from matryoshka2d.files import DataFormatError
-from matryoshka2d.retrieval.index import IndexBuildError, build_index, factory_string, make_index
+from matryoshka2d.retrieval.index import (
+    IndexBuildError,
+    ScaledQueryIndex,
+    build_index,
+    factory_string,
+    hnsw_graph,
+    make_index,
+    searchable,
+)
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, stored_vectors
 from matryoshka2d.views import unit_rows
 
@@ -115,7 +123,7 @@ def test_index_kinds_and_storage_find_the_exact_neighbours(kind, storage):
     assert factory_string(kind, storage, 400).startswith({"flat": "", "hnsw": "HNSW", "ivf": "IVF"}[kind])
 
 
-@pytest.mark.parametrize("storage", ["float32", "int8", "binary"])
+@pytest.mark.parametrize("storage", ["float32", "int8", "int8-direct", "binary"])
 def test_hnsw_graphs_are_built_with_the_wider_construction_search(tmp_path, storage):
     """faiss builds HNSW links with efConstruction 40 unless told; ours use HNSW_EF_CONSTRUCTION, which is
     written into the index file with the graph, and the build's manifest says so."""
@@ -130,7 +138,8 @@ def test_hnsw_graphs_are_built_with_the_wider_construction_search(tmp_path, stor
         graph = faiss.read_index_binary(path).hnsw
     else:
         faiss.write_index(index, path)
-        graph = faiss.downcast_index(faiss.read_index(path)).hnsw
+        loaded = faiss.read_index(path)  # owns the graph that hnsw_graph returns a view of
+        graph = hnsw_graph(loaded)
     assert graph.efConstruction == HNSW_EF_CONSTRUCTION == 200
 
 
@@ -290,3 +299,102 @@ def test_binary_storage_builds_and_rescores_with_float16_vectors(tiny_dir, tmp_p
         assert ids == [line.split()[1] for line in exact.splitlines()[1:]]
         if extra[0] == "--shortlist":
             assert "binary (4,32): Hamming shortlist 30, float16 rescoring" in got.err
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
+def test_int8_direct_stores_whole_numbers_under_one_scale_and_ranks_like_cosine(tmp_path, kind):
+    """int8-direct: faiss's direct codec reads a stored byte as the number itself, so the build hands it whole
+    numbers within +-127 (it would truncate fractions and wrap larger ones around), and the file scales each
+    unit query by the same factor: searched with unit vectors, the L2 order is the cosine order."""
+    import faiss
+
+    rng = np.random.default_rng(4)
+    vectors = unit_rows(rng.normal(size=(400, 24)))
+    vectors[0] = np.eye(24)[0]  # one number of 1.0, beyond the 1e-5 quantile: clipped, not wrapped around
+    built = make_index(vectors, kind, "int8-direct")
+    path = str(tmp_path / "cell.faiss")
+    faiss.write_index(built, path)
+    index = faiss.read_index(path)
+    inner = faiss.downcast_index(index.index)
+    if kind == "ivf":
+        faiss.extract_index_ivf(index).nprobe = 64
+    codes = inner.reconstruct_n(0, inner.ntotal)
+    assert np.array_equal(codes, np.rint(codes)) and np.abs(codes).max() == 127
+    assert codes[0, 0] == 127  # clipped at the top, not wrapped to -128 + something
+    scale = faiss.vector_to_array(faiss.downcast_VectorTransform(index.chain.at(0)).A)[0]
+    assert np.allclose(codes[1:] / scale, vectors[1:], atol=0.6 / scale)  # half a step from each number
+    queries = unit_rows(rng.normal(size=(30, 24)))
+    _, ids = index.search(queries, 5)
+    exact = np.argsort(-(queries @ vectors.T), axis=1)[:, :5]
+    assert (ids[:, 0] == exact[:, 0]).mean() >= 0.9
+    # searched as `search` does (the query scaled in numpy), in memory right after the build and from the file
+    for fast in (searchable(built), searchable(index)):
+        assert isinstance(fast, ScaledQueryIndex) and fast.scale == scale
+        if kind == "ivf":
+            faiss.extract_index_ivf(fast.owner).nprobe = 64
+        np.testing.assert_array_equal(fast.search(queries, 5)[1], ids)
+    assert factory_string(kind, "int8-direct", 400).endswith("SQ8_direct_signed")
+
+
+def test_int8_direct_storage_rescores_with_float16_vectors(tiny_dir, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    build = ["index", "build", *common, "--corpus", str(corpus), "--cells", "1:8,4:32", "--index", "hnsw"]
+    assert main([*build, "--output", str(tmp_path / "float"), "--storage", "float32"]) == 0
+    assert main([*build, "--output", str(tmp_path / "int8"), "--storage", "int8-direct"]) == 0
+    built = CellIndex(tmp_path / "int8")
+    rescoring = built.rerank_vectors((4, 32))
+    assert rescoring.dtype == np.float16 and rescoring.shape == (30, 32) and isinstance(rescoring, np.memmap)
+    manifest = json.loads((tmp_path / "int8" / "manifest.json").read_text())
+    assert set(manifest["files"]) >= {"cell-4x32.faiss", "cell-4x32.f16.npy", "cell-1x8.f16.npy"}
+    assert manifest["factory"]["cell-4x32"] == "HNSW32_SQ8_direct_signed"
+    capsys.readouterr()
+    search = [*common, "--query", "document number 3 talks about guitars", "--top-k", "5", "--ef-search", "64"]
+    for extra in (["--shortlist", "30"], ["--cascade", "1:8,4:32", "--shortlist", "30"]):
+        assert main(["search", "--index", str(tmp_path / "float"), *search]) == 0
+        exact = capsys.readouterr().out
+        assert main(["search", "--index", str(tmp_path / "int8"), *search, *extra]) == 0
+        got = capsys.readouterr()
+        # The whole corpus shortlisted and rescored with float16: the float ranking, and scores to 1e-3.
+        assert [line.split()[1] for line in got.out.splitlines()[1:]] == [
+            line.split()[1] for line in exact.splitlines()[1:]
+        ]
+        ours = [float(line.split()[2]) for line in got.out.splitlines()[1:]]
+        theirs = [float(line.split()[2]) for line in exact.splitlines()[1:]]
+        assert np.allclose(ours, theirs, atol=1e-3)
+        if extra[0] == "--shortlist":
+            assert "int8-direct (4,32): int8 shortlist 30, float16 rescoring" in got.err
+
+
+@pytest.mark.parametrize("storage", ["binary", "int8-direct"])
+def test_a_damaged_float16_rescoring_file_is_named_not_read(tiny_dir, tmp_path, capsys, storage):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    common = ["--model", str(tiny_dir), "--pooling", "mean"]
+    out = tmp_path / "idx"
+    assert main(["index", "build", *common, "--corpus", str(corpus), "--cells", "4:32", "--output", str(out),
+                 "--storage", storage]) == 0  # fmt: skip
+    rescoring = out / "cell-4x32.f16.npy"
+    data = bytearray(rescoring.read_bytes())
+    data[-8:] = b"\x00" * 8  # same size, other numbers: only the checksum can tell
+    rescoring.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["search", "--index", str(out), *common, "--query", "cats", "--shortlist", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "cell-4x32.f16.npy: its sha256 differs" in err and "Traceback" not in err
+
+
+def test_an_int8_direct_graph_is_the_float_graph_with_int8_numbers():
+    """The HNSW links of an int8-direct index are those a float32 index of the same vectors gets (built the
+    same way), so the walk is as good as the float graph's and only the numbers it reads are int8; the copied
+    graph must rank smaller L2 distances first, as the file read back does."""
+    import faiss
+
+    vectors = unit_rows(np.random.default_rng(5).normal(size=(600, 16)))
+    int8 = searchable(make_index(vectors, "hnsw", "int8-direct"))
+    floats = faiss.downcast_index(make_index(vectors, "hnsw", "float32"))
+    np.testing.assert_array_equal(
+        faiss.vector_to_array(int8.inner.hnsw.neighbors), faiss.vector_to_array(floats.hnsw.neighbors)
+    )
+    assert not int8.inner.hnsw.is_similarity and floats.hnsw.is_similarity
+    int8.inner.hnsw.efSearch = floats.hnsw.efSearch = 64
+    assert (int8.search(vectors[:50], 1)[1][:, 0] == np.arange(50)).mean() >= 0.95

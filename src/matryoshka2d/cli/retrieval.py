@@ -206,10 +206,11 @@ def register(sub, model_args) -> None:
     b.add_argument("--index", choices=["flat", "hnsw", "ivf"], help="faiss index kind (flat)")
     b.add_argument(
         "--storage",
-        choices=["float32", "float16", "int8", "binary"],
+        choices=["float32", "float16", "int8", "int8-direct", "binary"],
         default="float32",
         help="numbers stored; binary: sign bits searched by Hamming distance, the shortlist rescored with float16 "
-        "vectors from disk",
+        "vectors from disk; int8-direct: int8 under one scale (HNSW walks faster than int8), the shortlist "
+        "rescored the same way",
     )
     b.add_argument("--backend", choices=["faiss", "qdrant"], default="faiss", help="faiss files or a Qdrant collection")
     b.add_argument("--url", help="qdrant: a server or cluster, e.g. http://localhost:6333 (API key: $QDRANT_API_KEY)")

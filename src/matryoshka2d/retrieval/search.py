@@ -7,6 +7,8 @@
   its float16 file (memory-mapped: only the shortlist's rows are read) when the build stored one.
 - binary storage: a cell's index holds sign bits; its search is a Hamming shortlist (`shortlist` long) rescored
   with the float query against the cell's float16 vectors, the same rerank as a cascade's.
+- int8-direct storage: a cell's index holds int8 numbers under one scale; its search too is a shortlist from
+  that index rescored with the cell's float16 vectors, so the scores are the float ones.
 - asymmetric: `query_layer=n` encodes queries with only n layers and compares them with documents encoded at
   the index's (deeper) layers. Only a model trained for it (methods/asymmetric.py) puts layer-n queries in the
   last layer's space; on other models it shows how far apart the spaces are. A query exit deeper than the
@@ -26,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import file_sha256
-from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, read_manifest
+from matryoshka2d.retrieval.index import hnsw_graph, searchable
+from matryoshka2d.retrieval.shards import RESCORED_STORAGES, Cell, IndexBuildError, cell_name, read_manifest
 from matryoshka2d.views import unit_rows
 
 
@@ -52,7 +55,9 @@ def stored_vectors(index, ids: np.ndarray) -> np.ndarray:
     """The vectors a faiss index holds for `ids` (decoded from float16 / int8 storage when it is quantised), or
     the rows of an array of vectors (a memory-mapped float16 file reads only those rows)."""
     if isinstance(index, np.ndarray):
-        rows = np.asarray(index[np.asarray(ids, dtype=np.int64)])
+        # np.memmap's indexing builds a memmap of the rows (6 us a call); a plain view of its pages does not
+        source = index.view(np.ndarray) if isinstance(index, np.memmap) else index
+        rows = source[np.asarray(ids, dtype=np.int64)]
         if rows.dtype == np.float16:
             # numpy widens float16 one number at a time; torch's vectorised conversion gives the same numbers
             # (every float16 is a float32) about 6x faster: for a shortlist of 200 rows of 384 it was most of a
@@ -93,15 +98,22 @@ def cascade_search(
         raise ValueError(f"--shortlist {shortlist} is smaller than --top-k {k}; the rerank can only reorder it")
     extra = 0 if exclude is None else 1
     candidates = shortlist_search(small_index, small_queries, shortlist + extra)
-    valid = candidates >= 0
     q, s = candidates.shape
-    vectors = stored_vectors(full_index, np.where(valid, candidates, 0).ravel()).reshape(q, s, -1)
-    scores = np.matmul(vectors, full_queries.astype(np.float32)[:, :, None])[:, :, 0]  # BLAS, not einsum's loop
-    scores[~valid] = -np.inf
+    # Every numpy call here costs microseconds, as much as the rerank's arithmetic at a short list: the usual
+    # case (a full shortlist, nothing excluded) skips the masking, and rows are picked by plain indexing.
+    valid = candidates >= 0
+    full_list = bool(valid.all())
+    rows = stored_vectors(full_index, (candidates if full_list else np.where(valid, candidates, 0)).ravel())
+    scores = np.matmul(rows.reshape(q, s, -1), full_queries.astype(np.float32)[:, :, None])[:, :, 0]  # BLAS
+    if not full_list:
+        scores[~valid] = -np.inf
     if exclude is not None:
         scores[candidates == exclude[:, None]] = -np.inf
     top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    ids, top_scores = np.take_along_axis(candidates, top, 1), np.take_along_axis(scores, top, 1)
+    picked = np.arange(q)[:, None], top
+    ids, top_scores = candidates[picked], scores[picked]
+    if full_list and exclude is None:
+        return ids, top_scores
     return np.where(np.isneginf(top_scores), -1, ids), top_scores
 
 
@@ -234,6 +246,7 @@ class CellIndex(SearchIndex):
             )
         self.nprobe, self.ef_search = nprobe, ef_search
         self._indexes: dict[Cell, object] = {}
+        self._rescoring: dict[Cell, np.ndarray] = {}
 
     def _checked_file(self, name: str) -> Path:
         """The file, after its size and sha256 matched what the build recorded (indexes built before the
@@ -277,27 +290,33 @@ class CellIndex(SearchIndex):
                     f"cell {cell[0]}:{cell[1]} of this index has {len(self.ids)} of {cell[1]} (a file of another "
                     f"cell or another build); {REBUILD}"
                 )
-            if self.binary:
-                if self.manifest["index"] == "ivf":
+            if self.manifest["index"] == "ivf":
+                if self.binary:
                     index.nprobe = self.nprobe
-                elif self.manifest["index"] == "hnsw":
-                    index.hnsw.efSearch = max(self.ef_search, 1)
-            elif self.manifest["index"] == "ivf":
-                faiss.extract_index_ivf(index).nprobe = self.nprobe
+                else:
+                    faiss.extract_index_ivf(index).nprobe = self.nprobe
             elif self.manifest["index"] == "hnsw":
-                faiss.downcast_index(index).hnsw.efSearch = max(self.ef_search, 1)
-            self._indexes[cell] = index
+                hnsw_graph(index).efSearch = max(self.ef_search, 1)
+            self._indexes[cell] = searchable(index)
         return self._indexes[cell]
 
     @property
     def binary(self) -> bool:
         return self.manifest["storage"] == "binary"
 
+    @property
+    def rescored(self) -> bool:
+        """Whether this build's indexes only shortlist, to be rescored from the float16 files beside them."""
+        return self.manifest["storage"] in RESCORED_STORAGES
+
     def rerank_vectors(self, cell: Cell):
-        """What reranks at `cell`: its float16 vectors memory-mapped (binary builds), else its faiss index."""
-        if not self.binary:
+        """What reranks at `cell`: its float16 vectors memory-mapped (binary and int8-direct builds), else its
+        faiss index."""
+        if not self.rescored:
             return self.index(cell)
-        return np.load(self.directory / f"{cell_name(cell)}.f16.npy", mmap_mode="r")
+        if cell not in self._rescoring:  # checked once, like the faiss files: the sha256 reads the whole file
+            self._rescoring[cell] = np.load(self._checked_file(f"{cell_name(cell)}.f16.npy"), mmap_mode="r")
+        return self._rescoring[cell]
 
     def check_encoder(self, encoder) -> None:
         """The query model must be the index's model: same depth and width, same weights (the manifest's
@@ -339,12 +358,14 @@ class CellIndex(SearchIndex):
                 self.index(small), self.rerank_vectors(full), vectors[small], vectors[full], shortlist, top_k
             )
             what = f"cascade ({small[0]},{small[1]}) shortlist {shortlist} -> ({full[0]},{full[1]})"
-        elif self.binary:
+        elif self.rescored:
             cell = cells[0]
             ids, scores = cascade_search(
                 self.index(cell), self.rerank_vectors(cell), vectors[cell], vectors[cell], shortlist, top_k
             )
-            what = f"binary ({cell[0]},{cell[1]}): Hamming shortlist {shortlist}, float16 rescoring"
+            measure = "Hamming" if self.binary else "int8"
+            what = f"{self.manifest['storage']} ({cell[0]},{cell[1]}): {measure} shortlist {shortlist}, float16 "
+            what += "rescoring"
         else:
             ids, scores = flat_search(self.index(cells[0]), vectors[cells[0]], top_k)
             what = f"flat ({cells[0][0]},{cells[0][1]})"

@@ -22,7 +22,9 @@ from matryoshka2d.files import read_beir, read_json
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
-STORAGES = {"float32": 4, "float16": 2, "int8": 1, "binary": 1 / 8}  # bytes per number
+STORAGES = {"float32": 4, "float16": 2, "int8": 1, "int8-direct": 1, "binary": 1 / 8}  # bytes per number
+# Storages whose index only shortlists: the shortlist is rescored with the float16 vectors kept beside it.
+RESCORED_STORAGES = ("binary", "int8-direct")
 Cell = tuple[int, int]
 
 
