@@ -572,6 +572,7 @@ def test_the_heap_is_trimmed_when_the_queue_runs_dry_not_after_every_batch(monke
 
     trims = []
     monkeypatch.setattr(server, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(server, "REST_AFTER", 0.05)
 
     class Backend:
         released = 0
@@ -595,6 +596,48 @@ def test_the_heap_is_trimmed_when_the_queue_runs_dry_not_after_every_batch(monke
     batches, count, replies = asyncio.run(load())
     assert batches >= 10 and all(r.shape == (1, 4) and r[0, 0] == 2 for r in replies)
     assert count == len(trims) == 1 and Backend.released == 1  # at rest the backend's arenas go back too
+
+
+def test_a_closed_loop_of_clients_is_not_rest_between_batches(monkeypatch):
+    """Clients that each wait for their reply before sending again leave the queue empty between every two
+    batches. That is load, not rest: the backend's arenas are released once the queue stays empty for
+    REST_AFTER seconds, not after each batch."""
+    import asyncio
+
+    from matryoshka2d.deploy import server
+
+    monkeypatch.setattr(server, "trim_heap", lambda: None)
+    monkeypatch.setattr(server, "REST_AFTER", 0.2)
+
+    class Backend:
+        released = 0
+
+        def pooled(self, texts, layer, encoded=None):
+            return np.full((len(texts), 4), layer, dtype=np.float32)
+
+        def release_memory(self):
+            Backend.released += 1
+
+    async def closed_loop():
+        batcher = server.MicroBatcher(Backend(), max_batch=8, max_wait=0.0)
+        batcher.start()
+        try:
+
+            async def client(i):
+                for round_ in range(10):
+                    (reply,) = await batcher.encode([f"client {i} round {round_}"], 3)
+                    assert reply[0] == 3
+
+            await asyncio.gather(*(client(i) for i in range(4)))
+            busy = batcher.batches, Backend.released
+            await asyncio.sleep(0.5)  # now the queue stays empty: rest
+            return busy, Backend.released
+        finally:
+            await batcher.stop()
+
+    (batches, released_under_load), released_at_rest = asyncio.run(closed_loop())
+    assert batches >= 10 and released_under_load == 0
+    assert released_at_rest == 1
 
 
 def test_response_numbers_read_back_as_the_float32_vectors_exactly():

@@ -72,6 +72,10 @@ class ServerLimits:
 # pages it gives back are faulted in again by the next batch. Trimmed at most this often under load, and
 # whenever the queue runs dry, so a server at rest holds no more than after its warm-up.
 TRIM_INTERVAL = 5.0  # seconds
+# The queue is empty between every two batches of a closed loop of clients (all of them wait for their replies,
+# then send again), so an empty queue alone is not rest: trimming there released onnxruntime's arenas after
+# every batch, to be grown again by the next. The server is at rest after this long without a request.
+REST_AFTER = 0.5  # seconds
 
 
 @dataclass
@@ -110,8 +114,8 @@ class MicroBatcher:
         await self.queue.put(_Job(texts, layer, future, encoded))
         return await future
 
-    async def _collect(self) -> list[_Job]:
-        jobs = [await self.queue.get()]
+    async def _collect(self, first: _Job | None = None) -> list[_Job]:
+        jobs = [first if first is not None else await self.queue.get()]
         count = len(jobs[0].texts)
         deadline = asyncio.get_running_loop().time() + self.max_wait
         while count < self.max_batch:
@@ -132,9 +136,13 @@ class MicroBatcher:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if self._untrimmed and self.queue.empty():  # at rest: give the heap's free pages back
-                await loop.run_in_executor(self.executor, self._trim, True)
-            jobs = await self._collect()
+            first = None
+            if self._untrimmed and self.queue.empty():
+                try:
+                    first = await asyncio.wait_for(self.queue.get(), REST_AFTER)
+                except TimeoutError:  # at rest: give the heap's free pages back
+                    await loop.run_in_executor(self.executor, self._trim, True)
+            jobs = await self._collect(first)
             jobs = [j for j in jobs if not j.future.done()]  # a client that went away
             by_layer: dict[int, list[_Job]] = {}
             for job in jobs:
