@@ -22,11 +22,13 @@ the wall clock measures the share the scheduler gave the server, and the CPU fig
 it. The offline reference is given both ways too.
 
 For each server: RSS after start-up, after an uncounted warm-up load (`--warmup-requests` per cell) and after
-the measured load; the vectors of a few check sentences at each cell, re-normalised (infinity does not
-normalise a slice), against `ElasticEncoder.encode(..., normalize=True)`. The offline reference is that encode
-call on the same texts, in this process moved to the server's core with one thread. `--pause-training` stops
-the machine's training runs (SIGSTOP to processes whose command line holds "matryoshka2d" then "train") for each
-timed span only, and always continues them (SIGCONT) after it, also on errors and interrupts.
+the measured load, both read once the server has been idle `--settle` seconds (our server gives memory back
+after REST_AFTER idle; the RSS at the last reply is printed too); the vectors of a few check sentences at each
+cell, re-normalised (infinity does not normalise a slice), against `ElasticEncoder.encode(..., normalize=True)`.
+The offline reference is that encode call on the same texts, in this process moved to the server's core with one
+thread. `--pause-training` stops the machine's training runs (SIGSTOP to processes whose command line holds
+"matryoshka2d" then "train") for each timed span only, and always continues them (SIGCONT) after it, also on
+errors and interrupts.
 """
 
 from __future__ import annotations
@@ -302,6 +304,7 @@ def measure(server: Server, cells, batches, references, check_texts) -> list[dic
             print(f"  {server.kind}: resident memory per onnxruntime session (MB, by layer): {sessions}")
     for layer, dim in cells:
         run_load(server, batches[: ARGS.warmup_requests], layer, dim, ARGS.clients)
+    time.sleep(ARGS.settle)  # our server gives memory back once idle for REST_AFTER (deploy/server.py)
     rss_warm = server.rss()
     for layer, dim in cells:
         diff, cosine = agreement(server.vectors(check_texts, layer, dim), references[(layer, dim)])
@@ -318,8 +321,10 @@ def measure(server: Server, cells, batches, references, check_texts) -> list[dic
             f"(load average before: {load})" + (f"; first error: {result['first_error']}" if result["errors"] else ""),
             flush=True,
         )
+    at_once = server.rss()
+    time.sleep(ARGS.settle)
     for row in rows:
-        row["rss_after"] = server.rss()
+        row["rss_after_at_once"], row["rss_after"] = at_once, server.rss()
     if ARGS.results:  # one JSON line per measured run, so that a benchmark cut short keeps what it measured
         with open(ARGS.results, "a") as f:
             f.writelines(json.dumps({**row, "cell": list(row["cell"])}) + "\n" for row in rows)
@@ -342,6 +347,13 @@ def main() -> None:
     )
     parser.add_argument("--cells", nargs="+", default=["6,384", "3,128"], help="layer,dim pairs")
     parser.add_argument("--warmup-requests", type=int, default=100, help="per cell, before RSS is read")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds idle before RSS is read after warm-up and after the runs (the RSS right after the last "
+        "reply is printed too); longer than the server's REST_AFTER",
+    )
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--pause-training", action="store_true", help="SIGSTOP training runs during timed spans")
@@ -404,7 +416,8 @@ def main() -> None:
 
     print(
         "\n| server | cell | requests | errors | requests/s | texts/s | served/offline | requests per server CPU s "
-        "| served/offline per CPU s | p50 ms | p99 ms | RSS MB started / warm-up / after | after - warm-up "
+        "| served/offline per CPU s | p50 ms | p99 ms | RSS MB started / warm-up / at the last reply / after "
+        "| after - warm-up "
         "| vs encode: max diff, min cos |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
@@ -416,7 +429,7 @@ def main() -> None:
             f"| {r['server']} | ({layer},{dim}) | {r['requests']} | {r['errors']} | {r['requests_per_s']:.1f} "
             f"| {r['texts_per_s']:.0f} | {r['texts_per_s'] / wall:.0%} | {r['requests_per_cpu_s']:.1f} "
             f"| {r['texts'] / r['cpu_s'] / per_cpu:.0%} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} "
-            f"| {r['rss_start']:.0f} / {r['rss_warm']:.0f} / {r['rss_after']:.0f} "
+            f"| {r['rss_start']:.0f} / {r['rss_warm']:.0f} / {r['rss_after_at_once']:.0f} / {r['rss_after']:.0f} "
             f"| {r['rss_after'] - r['rss_warm']:+.0f} "
             f"| {r['max_diff']:.1e}, {r['min_cos']:.4f} |"
         )
