@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, run as a real uvicorn process on 127.0.0.1 and called over HTTP."""
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -563,6 +564,29 @@ def test_pooled_states_from_given_token_ids_equal_its_own(tiny_local):
         tiny_local.pooled_states(texts[:3], [1], encoded=encoded)
 
 
+@contextlib.asynccontextmanager
+async def started(batcher):
+    """A MicroBatcher running for the block, stopped after it."""
+    batcher.start()
+    try:
+        yield batcher
+    finally:
+        await batcher.stop()
+
+
+class ReleasingBackend:
+    """A model backend that answers each text with its layer and counts how often its memory was released."""
+
+    def __init__(self):
+        self.released = 0
+
+    def pooled(self, texts, layer, encoded=None):
+        return np.full((len(texts), 4), layer, dtype=np.float32)
+
+    def release_memory(self):
+        self.released += 1
+
+
 def test_the_heap_is_trimmed_when_the_queue_runs_dry_not_after_every_batch(monkeypatch):
     """malloc_trim after every batch cost 6% of a small cell's model time; under load it runs at most every
     TRIM_INTERVAL seconds, and once the queue is empty, so memory at rest is given back all the same."""
@@ -573,29 +597,17 @@ def test_the_heap_is_trimmed_when_the_queue_runs_dry_not_after_every_batch(monke
     trims = []
     monkeypatch.setattr(server, "trim_heap", lambda: trims.append(1))
     monkeypatch.setattr(server, "REST_AFTER", 0.05)
-
-    class Backend:
-        released = 0
-
-        def pooled(self, texts, layer, encoded=None):
-            return np.full((len(texts), 4), layer, dtype=np.float32)
-
-        def release_memory(self):
-            Backend.released += 1
+    backend = ReleasingBackend()
 
     async def load():
-        batcher = server.MicroBatcher(Backend(), max_batch=4, max_wait=0.0)
-        batcher.start()
-        try:
+        async with started(server.MicroBatcher(backend, max_batch=4, max_wait=0.0)) as batcher:
             replies = await asyncio.gather(*(batcher.encode([f"text {i}"], 2) for i in range(40)))
             await asyncio.sleep(0.2)  # the queue is dry: one trim
             return batcher.batches, batcher.trims, replies
-        finally:
-            await batcher.stop()
 
     batches, count, replies = asyncio.run(load())
     assert batches >= 10 and all(r.shape == (1, 4) and r[0, 0] == 2 for r in replies)
-    assert count == len(trims) == 1 and Backend.released == 1  # at rest the backend's arenas go back too
+    assert count == len(trims) == 1 and backend.released == 1  # at rest the backend's arenas go back too
 
 
 def test_a_closed_loop_of_clients_is_not_rest_between_batches(monkeypatch):
@@ -608,20 +620,10 @@ def test_a_closed_loop_of_clients_is_not_rest_between_batches(monkeypatch):
 
     monkeypatch.setattr(server, "trim_heap", lambda: None)
     monkeypatch.setattr(server, "REST_AFTER", 0.2)
-
-    class Backend:
-        released = 0
-
-        def pooled(self, texts, layer, encoded=None):
-            return np.full((len(texts), 4), layer, dtype=np.float32)
-
-        def release_memory(self):
-            Backend.released += 1
+    backend = ReleasingBackend()
 
     async def closed_loop():
-        batcher = server.MicroBatcher(Backend(), max_batch=8, max_wait=0.0)
-        batcher.start()
-        try:
+        async with started(server.MicroBatcher(backend, max_batch=8, max_wait=0.0)) as batcher:
 
             async def client(i):
                 for round_ in range(10):
@@ -629,11 +631,9 @@ def test_a_closed_loop_of_clients_is_not_rest_between_batches(monkeypatch):
                     assert reply[0] == 3
 
             await asyncio.gather(*(client(i) for i in range(4)))
-            busy = batcher.batches, Backend.released
+            busy = batcher.batches, backend.released
             await asyncio.sleep(0.5)  # now the queue stays empty: rest
-            return busy, Backend.released
-        finally:
-            await batcher.stop()
+            return busy, backend.released
 
     (batches, released_under_load), released_at_rest = asyncio.run(closed_loop())
     assert batches >= 10 and released_under_load == 0
