@@ -48,6 +48,7 @@ from matryoshka2d.retrieval.cascade import overlap_at
 from matryoshka2d.retrieval.index import (
     build_index,
     cell_name,
+    factory_string,
     hnsw_graph,
     load_shards,
     make_index,
@@ -208,7 +209,7 @@ def child_build(job: dict) -> dict:
     vectors = np.load(job["vectors"])
     start = time.perf_counter()
     if job["kind"] == "ivf":  # a fixed number of inverted lists here (index build's ivf_lists gives 1,824)
-        code = {"float32": "Flat", "float16": "SQfp16", "int8": "SQ8"}[job["storage"]]
+        code = factory_string("flat", job["storage"], len(vectors))  # the storage's faiss code: Flat, SQ8, ...
         index = faiss.index_factory(vectors.shape[1], f"IVF{IVF_LISTS},{code}", faiss.METRIC_INNER_PRODUCT)
         index.train(vectors)
         index.add(vectors)

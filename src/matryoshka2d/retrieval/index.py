@@ -189,14 +189,13 @@ class ScaledQueryIndex:
     product (BLAS) per query, which on 384 numbers cost 0.04 ms and more with BLAS's threads: more than the
     whole HNSW walk it saves time on (0.12 ms at efSearch 64; docs/benchmarks.md, issue 20)."""
 
-    def __init__(self, owner):
+    def __init__(self, owner, scale: float):
         import faiss
 
         self.owner = owner  # the Python object that owns the C++ index: the views below die with it
         wrapped = faiss.downcast_index(owner)
         self.inner = faiss.downcast_index(wrapped.index)
-        matrix = faiss.vector_to_array(faiss.downcast_VectorTransform(wrapped.chain.at(0)).A)
-        self.scale = float(matrix[0])
+        self.scale = scale
         self.d, self.ntotal, self.metric_type = wrapped.d, wrapped.ntotal, wrapped.metric_type
 
     def search(self, queries: np.ndarray, k: int):
@@ -211,22 +210,24 @@ def searchable(index):
     if isinstance(index, faiss.IndexBinary):
         return index
     view = faiss.downcast_index(index)
-    if isinstance(view, faiss.IndexPreTransform) and is_one_scale(view):
-        return ScaledQueryIndex(index)
-    return index
+    scale = one_scale(view) if isinstance(view, faiss.IndexPreTransform) else None
+    return index if scale is None else ScaledQueryIndex(index, scale)
 
 
-def is_one_scale(index) -> bool:
-    """Whether an IndexPreTransform's only step multiplies every number by one scale (int8-direct's)."""
+def one_scale(index) -> float | None:
+    """The scale by which an IndexPreTransform's only step multiplies every number (int8-direct's), or None
+    where its steps do anything else."""
     import faiss
 
     if index.chain.size() != 1:
-        return False
+        return None
     step = faiss.downcast_VectorTransform(index.chain.at(0))
     if not isinstance(step, faiss.LinearTransform) or step.d_in != step.d_out:
-        return False
+        return None
     matrix = faiss.vector_to_array(step.A).reshape(step.d_out, step.d_in)
-    return bool(np.array_equal(matrix, matrix[0, 0] * np.eye(step.d_in, dtype=matrix.dtype)))
+    if not np.array_equal(matrix, matrix[0, 0] * np.eye(step.d_in, dtype=matrix.dtype)):
+        return None
+    return float(matrix[0, 0])
 
 
 def hnsw_graph(index):

@@ -363,9 +363,9 @@ class CellIndex(SearchIndex):
             ids, scores = cascade_search(
                 self.index(cell), self.rerank_vectors(cell), vectors[cell], vectors[cell], shortlist, top_k
             )
-            measure = "Hamming" if self.binary else "int8"
-            what = f"{self.manifest['storage']} ({cell[0]},{cell[1]}): {measure} shortlist {shortlist}, float16 "
-            what += "rescoring"
+            shortlist_by = "Hamming" if self.binary else "int8"
+            what = f"{self.manifest['storage']} ({cell[0]},{cell[1]}): {shortlist_by} shortlist {shortlist}, "
+            what += "float16 rescoring"
         else:
             ids, scores = flat_search(self.index(cells[0]), vectors[cells[0]], top_k)
             what = f"flat ({cells[0][0]},{cells[0][1]})"
