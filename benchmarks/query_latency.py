@@ -1,6 +1,10 @@
 """One query, one call: `encoder.encode([query], layer=n)` latency at every exit, against the ideal N/n.
 
     python benchmarks/query_latency.py [--model minilm-l6] [--calls 300] [--rounds 3] [--threads 1]
+        [--query-models STUDENT ...]
+
+`--query-models`: query encoders distilled from the model (`matryoshka2d distill --mode query`), each timed at its
+own last layer in the same rounds as the model's exits, and compared with the model's layer N.
 
 Each exit encodes each of a few short STS-B sentences one at a time, as a search front end does; a call's
 latency is its wall time, and the CPU time of the process over the same calls is printed next to it (on a
@@ -51,6 +55,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a serving process)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--query-models", nargs="*", default=[], help="query encoder folders (distill --mode query)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(header())
@@ -62,10 +67,13 @@ def main() -> None:
         f"{int(np.median(lengths))}), one per call; {args.calls} calls per exit and round, {args.rounds} rounds"
     )
     layers = list(range(1, enc.num_layers + 1))
-    best = {n: (float("inf"), float("inf")) for n in layers}
+    students = {path: ElasticEncoder(path, device="cpu") for path in args.query_models}
+    timed = [*layers, *students]  # an exit of the model, or a query encoder's folder
+    best = {n: (float("inf"), float("inf")) for n in timed}
     for r in range(args.rounds):
-        for n in layers if r % 2 == 0 else layers[::-1]:
-            wall, cpu = time_calls(lambda q, n=n: enc.encode([q], layer=n), queries, args.calls)
+        for n in timed if r % 2 == 0 else timed[::-1]:
+            call = (lambda q, n=n: enc.encode([q], layer=n)) if n in layers else students[n].encode
+            wall, cpu = time_calls(lambda q, call=call: call([q]), queries, args.calls)
             best[n] = (min(best[n][0], wall), min(best[n][1], cpu))
     full = enc.num_layers
     print(f"\nmodel {args.model}: {full} layers x {enc.hidden_size}, {args.threads} torch thread(s)")
@@ -84,6 +92,14 @@ def main() -> None:
         f"\nlayer 1 vs layer {full}: {best[full][0] / best[1][0]:.2f}x by wall time, "
         f"{best[full][1] / best[1][1]:.2f}x by CPU time (ideal {full}x)"
     )
+    if students:
+        print(
+            f"\n| query encoder | layers | ms per query (median wall) | CPU ms | vs {args.model} layer {full} (wall) |"
+        )
+        print("|---|---:|---:|---:|---:|")
+        for path, student in students.items():
+            wall, cpu = best[path]
+            print(f"| {path} | {student.num_layers} | {wall:.2f} | {cpu:.2f} | {best[full][0] / wall:.2f}x faster |")
 
     # Where a layer-1 call goes: each stage on its own, over the same queries.
     if pad_rows is None:

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "matryoshka2d.cli.train",  # train, merge
     "matryoshka2d.cli.compress",  # two-step, pretrain
     "matryoshka2d.cli.heads",  # heads fit
+    "matryoshka2d.cli.distill",  # distill
     "matryoshka2d.cli.deploy",  # export, serve
     "matryoshka2d.cli.retrieval",  # index, search, pick
     "matryoshka2d.cli.demo",  # demo

@@ -131,7 +131,7 @@ def cmd_retrieval(args) -> int:
         raise ValueError(f"the dataset folders would use different splits ({', '.join(sorted(splits))}); pass --split")
     split = splits.pop()
     _log(f"retrieval split: {split}")
-    if args.cascade or args.query_layer:
+    if args.cascade or args.query_layer or args.query_model:
         return _cascade(args, dirs, split)
     return _evaluate(args, lambda cells: evaluate_retrieval(cells, dirs, split=split, log=_log), _embedder(args))
 
@@ -156,6 +156,10 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
         _log,
         not args.quiet,
         args.doc_cache,
+        [
+            load_encoder(args, model=m, pooling=None, max_length=args.max_length, log=_log)
+            for m in args.query_model or ()
+        ],
     )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +260,12 @@ def register(sub, model_args) -> None:
         nargs="+",
         help="also encode queries with only this many layers against full-depth documents; several (1,3,5) give "
         "a row each from one document pass",
+    )
+    p.add_argument(
+        "--query-model",
+        nargs="+",
+        help="query encoders distilled from --model (`distill --mode query`): each a row of its own queries "
+        "against the model's full-depth documents",
     )
     p.add_argument(
         "--doc-cache",

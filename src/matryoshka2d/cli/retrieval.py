@@ -145,8 +145,13 @@ def cmd_search(args) -> int:
         # The folder the build loaded, if this machine has it (a collection may have been built elsewhere).
         here = recorded["location"] and Path(recorded["location"]).exists()
         model = args.model or (recorded["location"] if here else recorded["model"])
-        # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
-        encoder = load_encoder(args, model=model, pooling=args.pooling or recorded.get("pooling"))
+        if args.query_model:  # a student distilled for the index's model: its own pooling, checked against it
+            if args.model:
+                raise ValueError("give --model (the index's model) or --query-model (a query encoder), not both")
+            encoder = load_encoder(args, model=args.query_model, pooling=args.pooling)
+        else:
+            # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
+            encoder = load_encoder(args, model=model, pooling=args.pooling or recorded.get("pooling"))
         cell = parse_cell_list(args.cell, "--cell")[0] if args.cell else None
         hits = index.search(
             encoder,
@@ -254,6 +259,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--shortlist", type=int, default=100, help="candidates taken from the small cell (100)")
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--query-layer", type=int, help="encode queries with only this many layers (asymmetric search)")
+    p.add_argument(
+        "--query-model",
+        help="encode queries with a query encoder distilled from the index's model (`distill --mode query`); "
+        "it is accepted only against documents of its teacher",
+    )
     p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
     p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes; qdrant's hnsw_ef)")
     p.add_argument(

@@ -58,6 +58,7 @@ def evaluate_cascade(
     log: Callable[[str], None] | None = None,
     show_progress: bool = True,
     doc_cache: str | Path | None = None,
+    query_encoders: Sequence = (),
 ) -> dict:
     """Flat search at the full cell next to a cascade (small cell shortlist, full cell rerank) and/or queries
     encoded at shallow layers (`query_layers`: one or several, each its own rows) against full-depth documents,
@@ -66,7 +67,8 @@ def evaluate_cascade(
     Each row reports nDCG@10, recall@10, how much of flat full-cell search's top 10 it finds, and per-query
     latency split into query encoding (one query at a time is not what a server does, so the whole query set
     is encoded in batches and divided) and search (one query at a time, as a server would). `doc_cache`: a
-    folder for the documents' pooled states (see the module docstring).
+    folder for the documents' pooled states (see the module docstring). `query_encoders`: students distilled
+    from `encoder` with `distill --mode query`, each a row of its own queries against the full cell's documents.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     full = cascade[1] if cascade else (encoder.num_layers, encoder.hidden_size)
@@ -80,6 +82,7 @@ def evaluate_cascade(
             f"--query-layer {query_layers[-1]} is deeper than the documents of the full cell {full[0]}:{full[1]}: "
             f"queries exit at most at the documents' layer; use --query-layer {full[0]} or less"
         )
+    _check_query_encoders(encoder, query_encoders, full)
     if cascade and shortlist < 10:
         raise ValueError(f"--shortlist {shortlist} is below the 10 results nDCG@10 needs")
     sets = [load_beir(d, split) for d in directories]
@@ -87,7 +90,17 @@ def evaluate_cascade(
     rows = []
     for ds in sets:
         rows += _cascade_rows(
-            encoder, ds, cascade, full, shortlist, query_layers, batch_size, log, show_progress, doc_cache
+            encoder,
+            ds,
+            cascade,
+            full,
+            shortlist,
+            query_layers,
+            batch_size,
+            log,
+            show_progress,
+            doc_cache,
+            query_encoders,
         )
     result = {
         "task": "retrieval-cascade",
@@ -95,6 +108,7 @@ def evaluate_cascade(
         "cascade": [list(c) for c in cascade] if cascade else None,
         "shortlist": shortlist if cascade else None,
         "query_layers": query_layers,
+        "query_encoders": [model_record(e) for e in query_encoders],
         "rows": rows,
         "model": model_record(encoder),
         "settings": {
@@ -146,8 +160,37 @@ def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_
     return encoder.cells_from_pooled(pooled, layers, encoder.use_heads), path
 
 
+def _check_query_encoders(encoder, students: Sequence, full) -> None:
+    """Each query encoder must be distilled from `encoder` (the documents' model), for its last layer."""
+    if not students:
+        return
+    from matryoshka2d.models.identity import check_query_cells, check_query_encoder, query_encoder_record
+    from matryoshka2d.models.identity import weights_sha256 as sha
+
+    documents = {"model": encoder.name, "weights_sha256": sha(encoder), "pooling": encoder.pooling}
+    for student in students:
+        record = query_encoder_record(student)
+        if record is None:
+            raise ValueError(
+                f"--query-model {student.name}: not a query encoder (its folder has no `distill` record of "
+                "--mode query); make one with `matryoshka2d distill --mode query`"
+            )
+        check_query_encoder(record, student.name, documents, "--query-model")
+        check_query_cells(record, student.name, [full], "--query-model")
+
+
 def _cascade_rows(
-    encoder, ds: BeirSet, cascade, full, shortlist, query_layers, batch_size, log, progress, doc_cache
+    encoder,
+    ds: BeirSet,
+    cascade,
+    full,
+    shortlist,
+    query_layers,
+    batch_size,
+    log,
+    progress,
+    doc_cache,
+    query_encoders=(),
 ) -> list[dict]:
     """The rows of one dataset: documents encoded once at every layer any mode needs."""
     doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *query_layers})
@@ -202,6 +245,14 @@ def _cascade_rows(
         sym = (query_layer, full[1])
         ranking, sec = one_by_one(flat_one(sym, qa))
         modes.append((f"flat ({sym[0]},{sym[1]}) (queries and docs at layer {query_layer})", ranking, enc, sec))
+    for student in query_encoders:
+        t = time.perf_counter()
+        top = student.num_layers
+        qa = unit_rows(student.pooled_states(ds.query_texts, [top], batch_size)[top][:, : full[1]])
+        enc = (time.perf_counter() - t) / n_queries
+        ranking, sec = one_by_one(flat_one(full, qa))
+        name = f"query encoder {student.name} ({top} layers) -> docs ({full[0]},{full[1]})"
+        modes.append((name, ranking, enc, sec))
     rows = []
     for name, ranking, enc, sec in modes:
         metrics = rank_metrics(ranking, ds.qrels)

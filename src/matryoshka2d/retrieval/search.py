@@ -117,8 +117,21 @@ def cascade_search(
     return np.where(np.isneginf(top_scores), -1, ids), top_scores
 
 
-def query_vectors(encoder, texts: Sequence[str], cells: Sequence[Cell], query_layer: int | None = None, batch_size=64):
-    """Unit query vectors per cell from one encoder pass (to the deepest layer needed, or to `query_layer`)."""
+def query_vectors(
+    encoder,
+    texts: Sequence[str],
+    cells: Sequence[Cell],
+    query_layer: int | None = None,
+    batch_size=64,
+    query_encoder: bool = False,
+):
+    """Unit query vectors per cell from one encoder pass (to the deepest layer needed, or to `query_layer`). A
+    distilled query encoder (`query_encoder`) runs all of its own layers; a cell (N, d) of its teacher's documents
+    takes the first d numbers of its output."""
+    if query_encoder:
+        top = encoder.num_layers
+        pooled = encoder.pooled_states(list(texts), [top], batch_size)[top]
+        return {(n, d): unit_rows(pooled[:, :d]) for n, d in cells}
     layers = {query_layer or n for n, _ in cells}
     pooled = encoder.pooled_states(list(texts), sorted(layers), batch_size)
     return {(n, d): unit_rows(pooled[query_layer or n][:, :d]) for n, d in cells}
@@ -203,13 +216,23 @@ class SearchIndex:
         top_k: int = 10,
         query_layer: int | None = None,
     ) -> Hits:
-        self.check_encoder(encoder)
+        from matryoshka2d.models.identity import check_query_cells, check_query_encoder, query_encoder_record
+
+        student = query_encoder_record(encoder)  # a query encoder distilled for the documents' model, or None
+        if student is None:
+            self.check_encoder(encoder)
+        else:
+            if query_layer is not None:
+                raise ValueError(f"--query-layer: {encoder.name} is a query encoder; it always runs all its layers")
+            check_query_encoder(student, encoder.name, self.manifest["model"], str(self.directory))
         if top_k < 1 or shortlist < 1:
             raise ValueError(f"--top-k and --shortlist must be at least 1 (got {top_k}, {shortlist})")
         cells = list(cascade) if cascade else [cell or self.full_cell]
+        if student is not None:
+            check_query_cells(student, encoder.name, cells, str(self.directory))
         self.check_search(encoder, cells, cascade, shortlist, top_k, query_layer)
         t0 = time.perf_counter()
-        vectors = query_vectors(encoder, texts, cells, query_layer)
+        vectors = query_vectors(encoder, texts, cells, query_layer, query_encoder=student is not None)
         t1 = time.perf_counter()
         ids, scores, what = self.run_search(vectors, cells, cascade, shortlist, top_k)
         t2 = time.perf_counter()

@@ -16,7 +16,7 @@ from matryoshka2d.models.heads import ExitHeads, fit_heads
 
 STARTS = ("fit", "identity", "keep")
 # Methods whose steps train a shallow view: only they give heads a gradient (plain and mrl train layer N only).
-SHALLOW_METHODS = ("2dmse", "ese", "starbucks", "separate", "asymmetric")
+SHALLOW_METHODS = ("2dmse", "ese", "starbucks", "separate", "asymmetric", "distill")
 FIT_BATCH = 512
 
 
@@ -49,7 +49,7 @@ def prepare(trainer) -> None:
                 f"'{encoder.exit_heads.inputs}'; keep trains them as they are (use fit or identity for other inputs)"
             )
     else:
-        layers = range(1, encoder.num_layers)
+        layers = getattr(trainer, "head_layers", None) or range(1, encoder.num_layers)  # distill's query mode: one
         inputs = cfg.exit_heads_inputs or "exit"
         encoder.set_exit_heads(ExitHeads.identity(layers, encoder.transformer_size, encoder.hidden_size, inputs=inputs))
     for p in encoder.exit_heads.parameters():
@@ -89,7 +89,7 @@ def fit_at_start(trainer, log=print) -> None:
     batches = iter(lambda: list(itertools.islice(texts, FIT_BATCH)), [])
     if trainer.processes.main:
         log(f"exit heads: fitting in closed form on up to {cfg.exit_heads_sentences} training sentences")
-    fitted, report = fit_heads(encoder, batches, inputs=encoder.exit_heads.inputs)
+    fitted, report = fit_heads(encoder, batches, layers=encoder.exit_heads.layers, inputs=encoder.exit_heads.inputs)
     state = {k: v.to(encoder.device) for k, v in fitted.state_dict().items()}
     encoder.exit_heads.load_state_dict(state)  # in place: the optimizer holds these parameters
     encoder.exit_heads.record = {**fitted.record, "then": f"trained with the backbone ({cfg.method})"}

@@ -421,6 +421,10 @@ class Trainer:
             log.write(json.dumps(record) + "\n")
         bar.set_postfix(loss=f"{records[-1]['loss']:.4f}")
 
+    def extra_metadata(self) -> dict:
+        """What a subclass records with the model beside the run's record (distillation: its teacher)."""
+        return {}
+
     def save_model(self, seconds: float, steps_run: int) -> Path:
         """The final evaluation, then the model with what the run recorded (matryoshka2d.json), atomically."""
         from matryoshka2d.models.lora import save_and_merge_lora
@@ -442,6 +446,7 @@ class Trainer:
             "processes": self.processes.world,
             "final_eval": final_evals[0],  # the first --eval-cell (or the full model)
             "final_evals": final_evals,  # every --eval-cell
+            **self.extra_metadata(),
         }
         self.encoder.eval()
         keep = getattr(self.method, "keep_layers", None)

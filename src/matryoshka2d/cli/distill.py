@@ -1,0 +1,114 @@
+"""`matryoshka2d distill`: exits (or a query encoder) trained towards the teacher's own vectors on unlabelled text
+(matryoshka2d.training.distill)."""
+
+from __future__ import annotations
+
+import argparse
+
+from matryoshka2d.cli.args import POOLING_CHOICES, add_safety_flags, run_options, run_training, training_options
+from matryoshka2d.views import parse_cells
+
+# The recipe's defaults (docs/distill.md says what they were measured with); every one can be given.
+DEFAULTS = {"epochs": 1.0, "batch_size": 64, "lr": 1e-4, "warmup_ratio": 0.05, "save_steps": 100}
+
+
+def cmd_distill(args) -> int:
+    from matryoshka2d.training.distill import distill
+
+    values = {**DEFAULTS, **training_options(args, but=("eval_cell", "exclude_sts_test", "loss"))}
+    values.update(
+        model=args.teacher,
+        method="distill",
+        loss=args.loss,
+        exclude_sts_test=args.exclude_sts_test,
+        exit_heads=args.exit_heads,
+    )
+    options: dict = {"mode": args.mode}
+    if args.layer is not None:
+        options["layer"] = args.layer
+    if args.widths:
+        options["widths"] = [int(w) for w in args.widths.split(",")]
+    if args.temperature is not None:
+        options["temperature"] = args.temperature
+    values["method_options"] = options
+    if args.eval_cell:
+        cells = [list(c) for c in parse_cells(args.eval_cell)]
+        values["eval_cell"] = cells[0] if len(cells) == 1 else cells
+    out = run_training(distill, values, args)
+    print(f"student saved to {out}")
+    return 0
+
+
+def register(sub, model_args) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="train exits (or a query encoder) towards the full model's own vectors on unlabelled text",
+        description="The student starts as a copy of the teacher; the teacher's last-layer vectors (unit length) "
+        "of every text are computed once into the run folder, and the student's exits learn to land on them. "
+        "--mode shared trains every exit and its head and ties the last layer to the teacher: one 2D model. "
+        "--mode query --layer n trains the first n layers and a head: a query encoder whose vectors live in the "
+        "teacher's space, so an index the teacher built stays valid (search --query-model).",
+    )
+    p.add_argument("--teacher", default="minilm-l6", help="the full model: short name or folder (default minilm-l6)")
+    p.add_argument("--pooling", choices=POOLING_CHOICES, help="the teacher's pooling, if its folder does not say")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="training files (their texts, no labels), plain text files, or BEIR corpora (documents cut into "
+        "passages of at most --max-length tokens); duplicates are dropped",
+    )
+    p.add_argument("--output", required=True, help="folder for the student, its log, checkpoints and the targets")
+    p.add_argument("--mode", choices=["shared", "query"], default="shared", help="one 2D model, or a query encoder")
+    p.add_argument("--layer", type=int, help="query mode: the student keeps this many of the teacher's layers")
+    p.add_argument(
+        "--loss",
+        choices=["cos", "mse", "relational"],
+        default="cos",
+        help="1 - cos (default), squared distance to the teacher's unit vector, or KL between in-batch "
+        "similarity distributions; each on nested prefixes of --widths",
+    )
+    p.add_argument("--widths", help="nested prefixes the loss covers, e.g. 64,128,256,384 (default: the model's)")
+    p.add_argument("--temperature", type=float, help="relational: the softmax temperature (default 0.05)")
+    p.add_argument(
+        "--exit-heads",
+        choices=["fit", "identity", "keep"],
+        help="how the heads start: closed-form fit on the texts, identity, or the teacher's own (default: keep "
+        "when the teacher has heads, else fit)",
+    )
+    p.add_argument("--exit-heads-lr", type=float, help="learning rate of the heads (default: --lr)")
+    p.add_argument("--exit-heads-inputs", choices=["exit", "stack"], help="shared mode: what a head reads")
+    p.add_argument("--exit-heads-sentences", type=int, help="texts the closed-form start is fitted on (default 20000)")
+    run_options(
+        p,
+        "--steps",
+        "--epochs",
+        "--batch-size",
+        "--lr",
+        "--warmup-ratio",
+        "--lr-schedule",
+        "--weight-decay",
+        "--seed",
+        "--max-length",
+        "--save-steps",
+        "--eval-steps",
+        "--eval-file",
+        epochs="passes over the texts (default 1)",
+        batch_size="texts per step (default 64)",
+        lr="learning rate (default 1e-4)",
+        warmup_ratio="share of the steps with a rising learning rate (default 0.05)",
+        max_length="tokens per text; BEIR documents are cut into passages of this many (default: the model's)",
+        save_steps="checkpoint every N steps (default 100)",
+        eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
+    )
+    p.add_argument("--eval-cell", help="layer:dim to evaluate on STS-B dev, or several: 3:128,6:384")
+    p.add_argument(
+        "--exclude-sts-test",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave out every sentence of the STS test sets (compared by lower-cased words; default on)",
+    )
+    run_options(p, "--resume", "--quiet")
+    add_safety_flags(p)
+    p.set_defaults(func=cmd_distill)

@@ -1,0 +1,347 @@
+"""Distilled exits (`matryoshka2d distill`): every exit, or one query encoder, learns to land on the full model's
+own last-layer vectors, from unlabelled text.
+
+A closed-form exit head (matryoshka2d.models.heads) is a linear student of the last layer with the backbone frozen.
+Here the exit's layers learn too: the student starts as a copy of the teacher (heads fitted in closed form, or the
+teacher's own), and every step pulls its vectors at the trained exits towards the teacher's unit vectors of the same
+texts, which are computed once (matryoshka2d.training.targets). No labels, no negatives: the recipe of LEAF
+(arXiv 2509.12539), whose students are trained on their teacher's vectors alone and inherit its Matryoshka widths.
+
+Two shapes:
+- mode "shared" (one 2D model): the loss sits on every exit 1..N-1 through its head and on the last layer, which
+  is tied to the teacher by the same term so that it does not drift while the layers below it change. The result is
+  an ordinary model folder with exit heads.
+- mode "query" (a query encoder for an existing index): only the first n layers and the head of layer n learn; the
+  folder is the student cut to n layers with its head as a Dense module. Its vectors live in the teacher's space, so
+  documents indexed by the teacher stay valid; the folder records the teacher's weights checksum (`distill` in
+  matryoshka2d.json), which search checks when the two meet (models.identity.query_model_teacher).
+
+The loss, per trained layer, averaged over nested prefixes of the widths the cells use (64/128/256/384 for minilm-l6):
+- "cos" (default): 1 - cos(student[:w], teacher[:w]);
+- "mse": the squared distance between the student's prefix and the teacher unit vector's prefix;
+- "relational": KL between the in-batch cosine-similarity distributions of teacher and student at temperature T,
+  the alignment 2DMSE and Starbucks put between a shallow and the last layer (losses.align.similarity_kl).
+Layers are weighted equally. `train --distill-from T` adds the same term to any training method (issue 34,
+item 1): not wired yet; see docs/distill.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from matryoshka2d.files import DataFormatError
+from matryoshka2d.losses.align import similarity_kl
+from matryoshka2d.losses.batch import EmbeddedBatch
+from matryoshka2d.models.heads import backbone_sha256
+from matryoshka2d.models.identity import weights_sha256
+from matryoshka2d.training.data import TrainingData, read_sentences
+from matryoshka2d.training.packing import encode_columns, tokenize_columns
+from matryoshka2d.training.rundir import RunDir
+from matryoshka2d.training.targets import TeacherTargets
+from matryoshka2d.training.throughput import autocast
+from matryoshka2d.training.trainer import Trainer
+
+MODES = ("shared", "query")
+LOSSES = ("cos", "mse", "relational")
+RECORD_KEY = "distill"  # in matryoshka2d.json
+TEMPERATURE = 0.05  # relational: cosine / 0.05, the scale of in-batch contrastive losses (InfoNCE's 20)
+
+
+class DistillError(ValueError):
+    """A distillation that cannot run as asked; the message names the option or file."""
+
+
+# ---- the texts: training files, plain text, BEIR corpora split into passages ---------------------------------
+
+
+def _beir_corpus(path: Path) -> Path | None:
+    """The corpus file of a BEIR folder (corpus.jsonl[.gz]), or the path itself if it is one; else None."""
+    if path.is_dir():
+        for name in ("corpus.jsonl", "corpus.jsonl.gz"):
+            if (path / name).is_file():
+                return path / name
+        return None
+    return path if path.name in ("corpus.jsonl", "corpus.jsonl.gz") else None
+
+
+def passages(text: str, tokenizer, max_tokens: int) -> list[str]:
+    """`text` cut into pieces of at most `max_tokens` tokens each, special tokens included (so each piece is
+    encoded whole), at whitespace between words where the window has any (a word longer than a window is cut inside);
+    pieces are slices of the original text, casing and spacing kept."""
+    room = max(1, max_tokens - tokenizer.num_special_tokens_to_add())
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)[
+            "offset_mapping"
+        ]
+    except NotImplementedError:  # a slow tokenizer has no offsets: keep the text whole (it is truncated later)
+        return [text]
+    if len(offsets) <= room:
+        return [text]
+    out, begin = [], 0
+    while begin < len(offsets):
+        end = min(begin + room, len(offsets))  # tokens begin..end-1
+        if end < len(offsets):
+            # the last token of the window after which whitespace follows: a word is not split
+            gaps = [k for k in range(end - 1, begin, -1) if offsets[k + 1][0] > offsets[k][1]]
+            end = gaps[0] + 1 if gaps else end
+        piece = text[offsets[begin][0] : offsets[end - 1][1]].strip()
+        if piece:
+            out.append(piece)
+        begin = end
+    return out
+
+
+def read_texts(sources: Iterable[str], tokenizer=None, max_tokens: int | None = None) -> Iterator[str]:
+    """Distinct texts of every source in order: training data of any kind (TSV or JSONL of triplets, NLI or scored
+    pairs), plain text files (one sentence per line), or a BEIR corpus (a folder holding corpus.jsonl, or the file):
+    its documents' title and text, split into passages of at most `max_tokens` tokens when a tokenizer is given."""
+    from matryoshka2d.files import read_beir
+
+    seen: set[str] = set()
+    for source in sources:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"--data {source}: no such file or folder")
+        corpus = _beir_corpus(path)
+        if corpus is not None:
+            documents = (text for _, _, text in read_beir(corpus, titles=True))
+            if tokenizer is not None and max_tokens:
+                texts: Iterator[str] = (p for text in documents for p in passages(text, tokenizer, max_tokens))
+            else:
+                texts = documents
+        elif path.is_dir():
+            raise ValueError(f"--data {source}: a folder, but not a BEIR corpus (no corpus.jsonl in it)")
+        else:
+            texts = iter(read_sentences(path))
+        for text in texts:
+            if text.strip() and text not in seen:
+                seen.add(text)
+                yield text
+
+
+def default_widths(width: int, trained: Iterable[int] | None = None) -> list[int]:
+    """The nested prefixes the loss covers: the widths a model was trained for (its folder's record), else the
+    powers of two from 64 below its width, and the width itself (64/128/256/384 for minilm-l6)."""
+    chosen = {int(w) for w in trained or () if 1 <= int(w) <= width}
+    if not chosen:
+        chosen = {2**k for k in range(6, int(math.log2(width)) + 1) if 2**k < width}
+    return sorted(chosen | {width})
+
+
+# ---- the objective ----------------------------------------------------------------------------------------
+
+
+class DistillObjective(nn.Module):
+    """Which layers learn and how their vectors are compared with the teacher's; no parameters of its own."""
+
+    name = "distill"
+
+    def __init__(
+        self,
+        num_layers: int,
+        width: int,
+        mode: str = "shared",
+        layer: int | None = None,
+        loss: str = "cos",
+        widths: Iterable[int] | None = None,
+        temperature: float = TEMPERATURE,
+    ):
+        super().__init__()
+        if mode not in MODES:
+            raise DistillError(f"--mode {mode}: choose one of {', '.join(MODES)}")
+        if loss not in LOSSES:
+            raise DistillError(f"--loss {loss}: choose one of {', '.join(LOSSES)}")
+        if num_layers < 2:
+            raise DistillError(f"the teacher has {num_layers} layer: there is no exit below its last layer to distill")
+        if mode == "query":
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < num_layers:
+                raise DistillError(
+                    f"--mode query --layer {layer}: the query encoder keeps the teacher's first n layers, "
+                    f"n in 1..{num_layers - 1} (the teacher has {num_layers})"
+                )
+        elif layer is not None:
+            raise DistillError("--layer is for --mode query (the shared mode trains every exit)")
+        widths = sorted({int(w) for w in widths}) if widths else default_widths(width)
+        if bad := [w for w in widths if not 1 <= w <= width]:
+            raise DistillError(f"--widths {bad}: the model's vectors have {width} numbers")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise DistillError(f"--temperature must be a number above 0, got {temperature!r}")
+        self.mode, self.layer, self.loss_name = mode, layer, loss
+        self.widths_list, self.temperature = widths, float(temperature)
+        self.layers = [layer] if mode == "query" else list(range(1, num_layers + 1))
+        self.keep_layers = layer if mode == "query" else None  # the trainer saves a query encoder cut to n layers
+
+    def loss(self, vectors: dict[int, torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The mean over the trained layers of each layer's term (itself the mean over the widths)."""
+        parts, total = {}, None
+        for n in self.layers:
+            term = self.term(vectors[n].float(), targets)
+            parts[f"layer{n}"] = term.detach()
+            total = term if total is None else total + term
+        return total / len(self.layers), parts
+
+    def term(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        terms = []
+        for w in self.widths_list:
+            s, t = student[:, :w], teacher[:, :w]
+            if self.loss_name == "cos":
+                terms.append(1 - F.cosine_similarity(s, t, dim=-1).mean())
+            elif self.loss_name == "mse":
+                terms.append((s - t).pow(2).sum(-1).mean())
+            else:
+                # each row's cosine distribution over the batch (the diagonal included), teacher's detached
+                student_batch, teacher_batch = EmbeddedBatch([s, s], "sentences"), EmbeddedBatch([t, t], "sentences")
+                terms.append(similarity_kl(student_batch, teacher_batch, self.temperature))
+        return torch.stack(terms).mean()
+
+    def widths(self) -> set[int]:
+        return set(self.widths_list)
+
+    def config(self) -> dict:
+        return {
+            "method": self.name,
+            "mode": self.mode,
+            "layer": self.layer,
+            "loss": self.loss_name,
+            "widths": self.widths_list,
+            "temperature": self.temperature,
+            "trained_layers": self.layers,
+        }
+
+
+# ---- the run: the Trainer's loop, checkpoints and exact resume, with the teacher's targets ---------------------
+
+
+class DistillTrainer(Trainer):
+    """A Trainer whose data are texts and whose step compares the student's exits with the cached teacher targets.
+    `config.model` is the teacher (the student starts as its copy), `config.loss` the distillation loss and
+    `config.method_options` the mode, layer, widths and temperature."""
+
+    supports_processes = False  # one process: the targets are indexed by the step's rows, not gathered
+
+    def build_method(self) -> DistillObjective:
+        cfg = self.config
+        if cfg.gradient_accumulation != 1:
+            raise DistillError("distill: --gradient-accumulation is not supported; lower --batch-size for memory")
+        options = dict(cfg.method_options)
+        trained = _folder_record(self.encoder).get("trained_widths")
+        if "widths" not in options:
+            options["widths"] = default_widths(self.encoder.hidden_size, trained)
+        objective = DistillObjective(self.encoder.num_layers, self.encoder.hidden_size, loss=cfg.loss, **options)
+        if objective.mode == "query":  # only the head that the query encoder keeps
+            self.head_layers = [objective.layer]
+        return objective
+
+    def build_task_loss(self) -> nn.Module:
+        return nn.Module()  # the objective holds the only term
+
+    def read_data(self, first_read=None) -> TrainingData:
+        """The distinct texts of --data (BEIR documents as passages of at most max_length tokens), STS test
+        sentences left out unless the run says otherwise; the teacher's identity is taken here, before any
+        weight changes."""
+        from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
+        from matryoshka2d.paths import data_dir
+
+        cfg, encoder = self.config, self.encoder
+        texts: Iterable[str] = read_texts(cfg.data, encoder.tokenizer, encoder.max_length)
+        self.left_out = None
+        if cfg.exclude_sts_test:
+            try:
+                self.left_out = LeftOutSentences(sts_test_sentence_keys(data_dir(cfg.sts_data_dir)))
+            except (FileNotFoundError, DataFormatError) as exc:
+                raise FileNotFoundError(
+                    f"distill leaves STS test sentences out by default, but cannot read the STS test sets ({exc}); "
+                    "set MATRYOSHKA2D_DATA, or pass --no-exclude-sts-test"
+                ) from None
+            texts = self.left_out.filter(texts)
+        texts = list(texts)
+        if not texts:
+            raise DistillError(f"--data {' '.join(cfg.data)}: no texts to distill on (the files hold no text)")
+        if self.left_out is not None and self.processes.main:
+            print(f"distill: {len(texts)} distinct texts; {self.left_out.count} STS test sentences left out")
+        self.teacher_sha = weights_sha256(encoder)
+        self.teacher_backbone = backbone_sha256(encoder)
+        if cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
+            own = encoder.exit_heads
+            usable = own is not None and (
+                self.method.mode == "shared" or (own.has(self.method.layer) and own.inputs == "exit")
+            )
+            cfg.exit_heads = "keep" if usable else "fit"
+        return TrainingData("sentences", [texts], None, [str(d) for d in cfg.data])
+
+    def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
+        """The Trainer's preparation, then the teacher's targets: computed on a new run (the student is still the
+        teacher then), checked and read back on a resumed one."""
+        super().prepare_run(resume, overwrite, allow_pickle)
+        targets, texts = TeacherTargets(self.out), self.data.columns[0]
+        if not resume:
+            targets.remove()
+        if self.step == 0 and not targets.exists():
+            self.targets = targets.compute(self.encoder, texts, self.teacher_sha, log=print, progress=self.progress)
+        else:
+            self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size)
+
+    def run(self, resume=False, progress=True, overwrite=False, allow_pickle=False) -> Path:
+        self.progress = progress
+        return super().run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
+
+    def prepare_batch(self, step: int):
+        rows = self.batch_indices(step)
+        texts = [self.data.columns[0][i] for i in rows]
+        enc = self.encoder
+        batch = tokenize_columns(self._tokenizer, [texts], enc.max_length, enc._input_names, self._overhead, self._pin)
+        targets = torch.from_numpy(np.asarray(self.targets[rows], dtype=np.float32))
+        return [(batch, targets, len(rows))]
+
+    def compute_loss(self, step: int, micro_batch=None):
+        torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer seeds it
+        batch, targets, _ = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
+        with autocast(self.precision, self.encoder.device):
+            vectors = encode_columns(self.encoder, batch, self.method.layers)[0]
+        return self.method.loss(vectors, targets.to(self.encoder.device))
+
+    def extra_metadata(self) -> dict:
+        record = TeacherTargets(self.out).record_path
+        targets = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
+        return {
+            RECORD_KEY: {
+                "mode": self.method.mode,
+                "layer": self.method.layer,
+                "teacher": targets.get("teacher") or self.config.model,
+                "teacher_weights_sha256": self.teacher_sha,
+                "teacher_backbone_sha256": self.teacher_backbone,
+                "teacher_pooling": self.encoder.pooling,
+                "teacher_layers": self.encoder.num_layers,
+                "loss": self.method.loss_name,
+                "widths": self.method.widths_list,
+                "texts": len(self.data),
+                "targets_sha256": targets.get("sha256"),
+                "targets_seconds": targets.get("seconds"),
+                "sts_test_sentences_left_out": self.left_out.count if self.left_out is not None else None,
+                "data": [str(Path(d).resolve()) for d in self.config.data],
+            }
+        }
+
+
+def _folder_record(encoder) -> dict:
+    """The teacher folder's matryoshka2d.json, or {} (a short name or a folder without one)."""
+    path = Path(encoder.location or "") / "matryoshka2d.json"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8")) if encoder.location and path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def distill(config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False):
+    """Train the student of `config` (a TrainConfig with method "distill"); returns the saved folder."""
+    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the teacher loads
+    return DistillTrainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)

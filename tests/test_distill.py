@@ -1,0 +1,327 @@
+"""Distilled exits and query encoders (issue 34): `matryoshka2d distill` on tiny models built in code."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from matryoshka2d.cli import main
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.distill import DistillError, DistillTrainer, default_widths, passages, read_texts
+from matryoshka2d.training.targets import TargetsError, TeacherTargets
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def text_file(tokenizer, tmp_path_factory):
+    """160 distinct short 'sentences' of real word pieces (more than a tiny head's 33 inputs)."""
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:400]
+    rng = np.random.default_rng(3)
+    texts = list(dict.fromkeys(" ".join(rng.choice(words, rng.integers(3, 9))) for _ in range(180)))[:160]
+    path = tmp_path_factory.mktemp("distill-text") / "sentences.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tokenizer, tmp_path_factory):
+    """A tiny random BERT without dropout whose layers differ (weights ~ N(0, 0.2): at BERT's 0.02 every layer of a
+    random model pools to nearly the same vector, and there would be nothing to distill)."""
+    import transformers as tf
+
+    from conftest import TINY
+
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.2,
+        **TINY,
+    )
+    path = tmp_path_factory.mktemp("distill-teacher")
+    tf.AutoModel.from_config(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def config(teacher, data, out, dev, **changes) -> TrainConfig:
+    options = dict(
+        model=str(teacher),
+        pooling="mean",
+        method="distill",
+        loss="cos",
+        data=[str(data)],
+        output=str(out),
+        batch_size=16,
+        steps=6,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        save_steps=0,
+        eval_file=str(dev),
+        exit_heads="identity",
+        method_options={"mode": "shared"},
+    )
+    return TrainConfig(**{**options, **changes})
+
+
+def distance_to_teacher(encoder, teacher, texts, layer) -> float:
+    """Mean 1 - cos between the student's cell (layer, full width) and the teacher's last layer."""
+    s = encoder.encode(texts, layer=layer, normalize=True)
+    t = teacher.encode(texts, normalize=True)
+    return float(1 - (s * t).sum(1).mean())
+
+
+def test_a_shared_student_moves_every_exit_towards_its_teacher(teacher_dir, text_file, sts_dev, tmp_path):
+    texts = text_file.read_text().split("\n")[:40]
+    teacher = ElasticEncoder(str(teacher_dir), pooling="mean", device="cpu")
+    before = {n: distance_to_teacher(teacher, teacher, texts, n) for n in (1, 2, 3)}
+    out = DistillTrainer(config(teacher_dir, text_file, tmp_path / "run", sts_dev, steps=12)).run(progress=False)
+    student = ElasticEncoder(str(out), device="cpu")
+    assert student.exit_heads.layers == [1, 2, 3]
+    after = {n: distance_to_teacher(student, teacher, texts, n) for n in (1, 2, 3)}
+    assert all(after[n] < before[n] for n in (1, 2, 3)), (before, after)
+    assert distance_to_teacher(student, teacher, texts, 4) < 0.05  # the last layer is tied to the teacher
+    record = json.loads((out / "matryoshka2d.json").read_text())["distill"]
+    assert record["mode"] == "shared" and record["texts"] == 160 and record["widths"] == [32]
+    targets = TeacherTargets(out)
+    assert targets.vectors_path.stat().st_size == 160 * 32 * 2  # float16, one row per distinct text
+    np.testing.assert_allclose(
+        targets.load(text_file.read_text().split("\n")[:160], record["teacher_weights_sha256"], 32)[:3],
+        teacher.encode(texts[:3], normalize=True),
+        atol=2e-3,
+    )
+
+
+def test_resume_is_bitwise_and_reuses_the_targets(teacher_dir, text_file, sts_dev, tmp_path, monkeypatch):
+    whole = DistillTrainer(config(teacher_dir, text_file, tmp_path / "whole", sts_dev, save_steps=3))
+    whole.run(progress=False)
+    original = DistillTrainer.train_step
+
+    def dying(self):
+        if self.step == 4:
+            raise KeyboardInterrupt  # the last checkpoint is step 3
+        return original(self)
+
+    monkeypatch.setattr(DistillTrainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        DistillTrainer(config(teacher_dir, text_file, tmp_path / "cut", sts_dev, save_steps=3)).run(progress=False)
+    monkeypatch.setattr(DistillTrainer, "train_step", original)
+    made = TeacherTargets(tmp_path / "cut").vectors_path.stat().st_mtime_ns
+    computed = []
+    monkeypatch.setattr(TeacherTargets, "compute", lambda *a, **k: computed.append(1))
+    resumed = DistillTrainer(config(teacher_dir, text_file, tmp_path / "cut", sts_dev, save_steps=3))
+    resumed.run(resume=True, progress=False)
+    assert not computed and TeacherTargets(tmp_path / "cut").vectors_path.stat().st_mtime_ns == made
+    for key, value in whole.encoder.state_dict().items():
+        assert torch.equal(value, resumed.encoder.state_dict()[key]), key
+
+
+def _killed_run(teacher, text_file, dev, out):
+    """A run killed after its first checkpoint (step 3 of 6), as kill -9 leaves it."""
+    trainer = DistillTrainer(config(teacher, text_file, out, dev, save_steps=3))
+    original = trainer.train_step
+
+    def dying():
+        if trainer.step == 4:
+            raise KeyboardInterrupt
+        return original()
+
+    trainer.train_step = dying
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(progress=False)
+    return out
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", ["deleted", "damaged", "record deleted"])
+def test_resume_refuses_missing_or_damaged_targets_and_changes_nothing(
+    damage, teacher_dir, text_file, sts_dev, tmp_path
+):
+    out = _killed_run(teacher_dir, text_file, sts_dev, tmp_path / "run")
+    targets = TeacherTargets(out)
+    if damage == "deleted":
+        targets.vectors_path.unlink()
+    elif damage == "damaged":
+        data = bytearray(targets.vectors_path.read_bytes())
+        data[10] ^= 0xFF
+        targets.vectors_path.write_bytes(bytes(data))
+    else:
+        targets.record_path.unlink()
+    before = _files(out)
+    with pytest.raises(TargetsError, match="teacher-targets") as err:
+        DistillTrainer(config(teacher_dir, text_file, out, sts_dev, save_steps=3)).run(resume=True, progress=False)
+    assert ("missing" if damage != "damaged" else "damaged") in str(err.value) and "--overwrite" in str(err.value)
+    assert _files(out) == before
+
+
+def test_resume_refuses_a_teacher_whose_weights_changed(tiny_dir, text_file, sts_dev, tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_dir, teacher)
+    out = _killed_run(teacher, text_file, sts_dev, tmp_path / "run")
+    model = ElasticEncoder(str(teacher), pooling="mean", device="cpu").model
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight[5] += 1.0
+    model.save_pretrained(teacher)
+    before = _files(out)
+    with pytest.raises(TargetsError, match="the teacher changed since the run started"):
+        DistillTrainer(config(teacher, text_file, out, sts_dev, save_steps=3)).run(resume=True, progress=False)
+    assert _files(out) == before
+
+
+def test_a_query_encoder_keeps_n_layers_and_a_head_and_meets_only_its_teachers_index(
+    teacher_dir, tiny_dir, text_file, sts_dev, tmp_path, capsys
+):
+    options = {"mode": "query", "layer": 2}
+    run = config(teacher_dir, text_file, tmp_path / "q2", sts_dev, method_options=options, exit_heads="fit")
+    out = DistillTrainer(run).run(progress=False)
+    student = ElasticEncoder(str(out), device="cpu")
+    assert student.num_layers == 2 and student.head is not None and student.exit_heads is None
+    record = json.loads((out / "matryoshka2d.json").read_text())["distill"]
+    assert record["mode"] == "query" and record["layer"] == 2 and record["teacher_layers"] == 4
+    corpus = tmp_path / "corpus.jsonl"
+    lines = text_file.read_text().split("\n")[:30]
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(lines)))
+    teacher_index, other_index = tmp_path / "idx", tmp_path / "idx-other"
+    for model, index in ((teacher_dir, teacher_index), (tiny_dir, other_index)):
+        build = ["index", "build", "--model", str(model), "--pooling", "mean", "--corpus", str(corpus)]
+        assert main([*build, "--cells", "2:16,4:16,4:32", "--output", str(index)]) == 0
+    search = ["search", "--query", lines[3], "--query-model", str(out), "--top-k", "3"]
+    capsys.readouterr()
+    assert main([*search, "--index", str(teacher_index), "--cell", "4:16"]) == 0
+    assert "d3" in capsys.readouterr().out  # the query's own document among the top 3
+    assert main([*search, "--index", str(other_index), "--cell", "4:32"]) == 2
+    err = capsys.readouterr().err
+    assert "was distilled from" in err and "other weights" not in err
+    assert main([*search, "--index", str(teacher_index), "--cell", "2:16"]) == 2
+    assert "shallow layer" in capsys.readouterr().err
+
+
+def test_eval_retrieval_scores_a_query_encoder_next_to_its_teacher(teacher_dir, text_file, sts_dev, tmp_path):
+    from matryoshka2d.retrieval.cascade import evaluate_cascade
+
+    options = {"mode": "query", "layer": 1}
+    run = config(teacher_dir, text_file, tmp_path / "q1", sts_dev, method_options=options, steps=2)
+    student = ElasticEncoder(str(DistillTrainer(run).run(progress=False)), device="cpu")
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    lines = text_file.read_text().split("\n")[:20]
+    (beir / "corpus.jsonl").write_text(
+        "".join(json.dumps({"_id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(lines))
+    )
+    (beir / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": lines[i]}) + "\n" for i in range(5))
+    )
+    (beir / "qrels/test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    teacher = ElasticEncoder(str(teacher_dir), pooling="mean", device="cpu")
+    result = evaluate_cascade(teacher, [beir], "test", None, query_encoders=[student], show_progress=False)
+    assert [r["mode"].split(" (")[0] for r in result["rows"]] == ["flat", f"query encoder {student.name}"]
+    assert result["query_encoders"][0]["model"] == student.name
+    other = ElasticEncoder(str(teacher_dir), pooling="cls", device="cpu")
+    with pytest.raises(ValueError, match="pooled with cls"):
+        evaluate_cascade(other, [beir], "test", None, query_encoders=[student], show_progress=False)
+
+
+def test_bad_input_is_named_and_nothing_is_written(teacher_dir, text_file, sts_dev, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    base = [
+        "distill",
+        "--teacher",
+        str(teacher_dir),
+        "--pooling",
+        "mean",
+        "--no-exclude-sts-test",
+        "--quiet",
+        "--eval-file",
+        str(sts_dev),
+    ]
+    assert main([*base, "--data", str(empty), "--output", str(tmp_path / "a")]) == 2
+    assert "no sentences" in capsys.readouterr().err
+    for layer in ("0", "4"):
+        assert (
+            main(
+                [*base, "--data", str(text_file), "--output", str(tmp_path / "b"), "--mode", "query", "--layer", layer]
+            )
+            == 2
+        )
+        assert "n in 1..3" in capsys.readouterr().err
+    assert main([*base, "--data", str(text_file), "--output", str(tmp_path / "c"), "--mode", "query"]) == 2
+    assert "--layer None" in capsys.readouterr().err
+    assert main([*base, "--data", str(text_file), "--output", str(tmp_path / "d"), "--layer", "2"]) == 2
+    assert "--layer is for --mode query" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "abcd")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "config.json").write_text("{}")
+    assert main([*base, "--data", str(text_file), "--output", str(taken)]) == 2
+    assert "already holds a model or a run" in capsys.readouterr().err
+    assert (taken / "config.json").read_text() == "{}"
+
+
+def test_the_default_leaves_sts_test_sentences_out(teacher_dir, sts_dev, tmp_path, capsys):
+    from matryoshka2d.evaluate.sts import sts_test_sentence_keys
+    from matryoshka2d.paths import data_dir
+
+    try:
+        keys = sts_test_sentence_keys(data_dir())
+    except FileNotFoundError:
+        pytest.skip("no shared STS data here")
+    data = tmp_path / "mixed.txt"
+    from matryoshka2d.evaluate.sts import sentence_key
+
+    sts = "A girl is styling her hair."  # an STS-B test sentence
+    assert sentence_key(sts) in keys
+    data.write_text("\n".join([sts, *(f"word{i} sentence number {i}" for i in range(50))]) + "\n")
+    args = [
+        "distill",
+        "--teacher",
+        str(teacher_dir),
+        "--pooling",
+        "mean",
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    assert main([*args, "--steps", "1", "--quiet", "--eval-file", str(sts_dev), "--exit-heads", "identity"]) == 0
+    record = json.loads((tmp_path / "o" / "matryoshka2d.json").read_text())["distill"]
+    assert record["sts_test_sentences_left_out"] == 1 and record["texts"] == 50
+
+
+def test_beir_documents_become_passages_of_at_most_max_length_tokens(tokenizer, tmp_path):
+    long = " ".join(f"word{i}" for i in range(300))
+    pieces = passages(long, tokenizer, 32)
+    assert len(pieces) > 5 and all(len(tokenizer(p)["input_ids"]) <= 32 for p in pieces)
+    assert " ".join(pieces) == long  # cut at token boundaries, nothing lost
+    folder = tmp_path / "beir"
+    folder.mkdir()
+    docs = [
+        {"_id": "a", "title": "T", "text": long},
+        {"_id": "b", "text": "short one"},
+        {"_id": "c", "text": "short one"},
+    ]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    texts = list(read_texts([str(folder)], tokenizer, 32))
+    assert texts[-1] == "short one" and len(texts) == len(pieces) + 1  # the duplicate document dropped
+    assert default_widths(384) == [64, 128, 256, 384] and default_widths(768) == [64, 128, 256, 512, 768]
+    with pytest.raises(DistillError, match="widths"):
+        from matryoshka2d.training.distill import DistillObjective
+
+        DistillObjective(4, 32, widths=[64])
+    with pytest.raises(DistillError, match="no exit below"):
+        DistillObjective(1, 32)
+
+
+def test_the_relational_and_mse_losses_train_too(teacher_dir, text_file, sts_dev, tmp_path):
+    for loss in ("relational", "mse"):
+        trainer = DistillTrainer(config(teacher_dir, text_file, tmp_path / loss, sts_dev, loss=loss, steps=2))
+        trainer.run(progress=False)
+        assert np.isfinite(trainer.history[-1]["loss"]) and trainer.history[-1]["loss"] > 0
