@@ -325,3 +325,19 @@ def test_the_relational_and_mse_losses_train_too(teacher_dir, text_file, sts_dev
         trainer = DistillTrainer(config(teacher_dir, text_file, tmp_path / loss, sts_dev, loss=loss, steps=2))
         trainer.run(progress=False)
         assert np.isfinite(trainer.history[-1]["loss"]) and trainer.history[-1]["loss"] > 0
+
+
+def test_train_distill_from_adds_the_term_to_any_method(teacher_dir, triplets, sts_dev, tmp_path):
+    from matryoshka2d.training.trainer import Trainer
+
+    run = config(teacher_dir, triplets, tmp_path / "t", sts_dev, method="2dmse", loss=None, exit_heads=None)
+    run.method_options, run.distill_from, run.distill_weight, run.steps = {}, str(teacher_dir), 2.0, 3
+    trainer = Trainer(run)
+    assert trainer.teacher_term.widths == sorted(trainer.method.widths() | {32})
+    trainer.run(progress=False)
+    records = [json.loads(line) for line in (tmp_path / "t" / "train_log.jsonl").read_text().splitlines()]
+    assert all(r["distill"] > 0 for r in records if "loss" in r)
+    assert not any(p.requires_grad for p in trainer.teacher_term.teacher.parameters())  # the teacher stays frozen
+    run.distill_weight = 0
+    with pytest.raises(ValueError, match="--distill-weight must be greater than 0"):
+        Trainer(run)

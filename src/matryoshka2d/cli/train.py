@@ -178,6 +178,15 @@ def register(sub, model_args) -> None:
         help="keep the transformer's weights as they are and train only the heads (or a pooler head): e.g. a "
         "query head for asymmetric search against documents already indexed at the last layer",
     )
+    teach = p.add_argument_group("distillation (the term of `matryoshka2d distill`, added to the method's loss)")
+    teach.add_argument(
+        "--distill-from",
+        metavar="TEACHER",
+        help="a frozen teacher (same tokenizer and width) whose unit vectors of each step's texts pull every view the "
+        "method trains towards them",
+    )
+    teach.add_argument("--distill-weight", type=float, help="weight of the term next to the method's loss (default 1)")
+    teach.add_argument("--distill-loss", choices=["cos", "mse", "relational"], help="the comparison (default cos)")
     decoder = p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)")
     decoder.add_argument(
         "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"

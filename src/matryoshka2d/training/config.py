@@ -102,6 +102,11 @@ class TrainConfig:
     exclude_sts_test: bool = False
     sts_data_dir: str | None = None  # where exclude_sts_test reads the STS sets (default: paths.data_dir())
     padding_free: bool | None = None  # length groups, not per-column padding (training/packing.py); None: on a CPU
+    # train --distill-from T: a frozen teacher's unit vectors of each step's texts pull every trained view towards
+    # them (training.teacher.TeacherTerm), weight distill_weight, comparison distill_loss (cos | mse | relational)
+    distill_from: str | None = None
+    distill_weight: float = 1.0
+    distill_loss: str = "cos"
     preset: str | None = None  # the --preset the options came from (recorded with the model; training/presets)
 
     @classmethod
@@ -181,6 +186,12 @@ def check_config(config: TrainConfig) -> None:
             raise ValueError(f"{name} must be true or false, got {getattr(config, name)!r}")
     if config.lr_schedule not in ("linear", "cosine"):
         raise ValueError(f"lr_schedule must be 'linear' or 'cosine', got '{config.lr_schedule}'")
+    if config.distill_from is not None:
+        _number(config, "distill_weight", (int, float), 0, low_open=True)
+        if config.distill_loss not in ("cos", "mse", "relational"):
+            raise ValueError(f"--distill-loss must be cos, mse or relational, got {config.distill_loss!r}")
+        if config.gradient_accumulation != 1:
+            raise ValueError("--distill-from runs the teacher on each whole step; it needs --gradient-accumulation 1")
     check_device(config.device)
 
 

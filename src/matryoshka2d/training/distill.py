@@ -16,43 +16,34 @@ Two shapes:
   documents indexed by the teacher stay valid; the folder records the teacher's weights checksum (`distill` in
   matryoshka2d.json), which search checks when the two meet (models.identity.query_model_teacher).
 
-The loss, per trained layer, averaged over nested prefixes of the widths the cells use (64/128/256/384 for minilm-l6):
-- "cos" (default): 1 - cos(student[:w], teacher[:w]);
-- "mse": the squared distance between the student's prefix and the teacher unit vector's prefix;
-- "relational": KL between the in-batch cosine-similarity distributions of teacher and student at temperature T,
-  the alignment 2DMSE and Starbucks put between a shallow and the last layer (losses.align.similarity_kl).
-Layers are weighted equally. `train --distill-from T` adds the same term to any training method (issue 34,
-item 1): not wired yet; see docs/distill.md.
+The loss, per trained layer, is matryoshka2d.training.teacher.distill_term ("cos" by default: 1 - cos on nested
+prefixes of the widths the cells use, 64/128/256/384 for minilm-l6; "mse"; "relational"); layers are weighted
+equally. `train --distill-from T --distill-weight W` adds the same term to any method (training.teacher).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.files import DataFormatError
-from matryoshka2d.losses.align import similarity_kl
-from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.models.heads import backbone_sha256
 from matryoshka2d.models.identity import weights_sha256
 from matryoshka2d.training.data import TrainingData, read_sentences
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.targets import TeacherTargets
+from matryoshka2d.training.teacher import LOSSES, TEMPERATURE, default_widths, distill_term
 from matryoshka2d.training.throughput import autocast
 from matryoshka2d.training.trainer import Trainer
 
 MODES = ("shared", "query")
-LOSSES = ("cos", "mse", "relational")
 RECORD_KEY = "distill"  # in matryoshka2d.json
-TEMPERATURE = 0.05  # relational: cosine / 0.05, the scale of in-batch contrastive losses (InfoNCE's 20)
 
 
 class DistillError(ValueError):
@@ -127,15 +118,6 @@ def read_texts(sources: Iterable[str], tokenizer=None, max_tokens: int | None = 
                 yield text
 
 
-def default_widths(width: int, trained: Iterable[int] | None = None) -> list[int]:
-    """The nested prefixes the loss covers: the widths a model was trained for (its folder's record), else the
-    powers of two from 64 below its width, and the width itself (64/128/256/384 for minilm-l6)."""
-    chosen = {int(w) for w in trained or () if 1 <= int(w) <= width}
-    if not chosen:
-        chosen = {2**k for k in range(6, int(math.log2(width)) + 1) if 2**k < width}
-    return sorted(chosen | {width})
-
-
 # ---- the objective ----------------------------------------------------------------------------------------
 
 
@@ -183,24 +165,10 @@ class DistillObjective(nn.Module):
         """The mean over the trained layers of each layer's term (itself the mean over the widths)."""
         parts, total = {}, None
         for n in self.layers:
-            term = self.term(vectors[n].float(), targets)
+            term = distill_term(vectors[n].float(), targets, self.widths_list, self.loss_name, self.temperature)
             parts[f"layer{n}"] = term.detach()
             total = term if total is None else total + term
         return total / len(self.layers), parts
-
-    def term(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        terms = []
-        for w in self.widths_list:
-            s, t = student[:, :w], teacher[:, :w]
-            if self.loss_name == "cos":
-                terms.append(1 - F.cosine_similarity(s, t, dim=-1).mean())
-            elif self.loss_name == "mse":
-                terms.append((s - t).pow(2).sum(-1).mean())
-            else:
-                # each row's cosine distribution over the batch (the diagonal included), teacher's detached
-                student_batch, teacher_batch = EmbeddedBatch([s, s], "sentences"), EmbeddedBatch([t, t], "sentences")
-                terms.append(similarity_kl(student_batch, teacher_batch, self.temperature))
-        return torch.stack(terms).mean()
 
     def widths(self) -> set[int]:
         return set(self.widths_list)

@@ -43,6 +43,7 @@ from matryoshka2d.training.data import (
 from matryoshka2d.training.packing import ColumnBatch, call_overhead, encode_columns, tokenize_columns
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.rundir import RunDir
+from matryoshka2d.training.teacher import teacher_term
 from matryoshka2d.training.throughput import (
     Prefetcher,
     adamw,
@@ -76,6 +77,7 @@ class Trainer:
         for layer, dim in eval_cells(config) or []:
             self.encoder.check_layer(layer), self.encoder.check_dim(dim)
         self.method = self.build_method()
+        self.teacher_term = teacher_term(self)  # train --distill-from T (training.teacher), or None
         first_read = None if config.loss else read_training_data(config.data)  # its kind picks the loss
         self.loss_name = config.loss or self.default_loss(first_read.kind)
         self.task_loss = self.build_task_loss()
@@ -200,7 +202,12 @@ class Trainer:
         """The loss of one step (or of one micro-batch of it), on the device, and its parts."""
         plan = self.start_step(step)
         features, labels, rows = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
-        return self.objective(plan, self.gather(plan, self.embed(features, plan), rows), labels)
+        per_column = self.gather(plan, self.embed(features, plan), rows)
+        loss, parts = self.objective(plan, per_column, labels)
+        if self.teacher_term is not None:
+            weighted, term = self.teacher_term(features, per_column, plan.layers)
+            loss, parts["distill"] = loss + weighted, term
+        return loss, parts
 
     def start_step(self, step: int) -> Plan:
         """Seed the step's dropout and draw its plan (layers, widths) from the step's own generator."""
