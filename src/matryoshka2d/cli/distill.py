@@ -28,6 +28,8 @@ def cmd_distill(args) -> int:
         options["layer"] = args.layer
     if args.widths:
         options["widths"] = [int(w) for w in args.widths.split(",")]
+    if args.max_texts is not None:
+        options["max_texts"] = args.max_texts
     if args.temperature is not None:
         options["temperature"] = args.temperature
     values["method_options"] = options
@@ -59,6 +61,7 @@ def register(sub, model_args) -> None:
         help="training files (their texts, no labels), plain text files, or BEIR corpora (documents cut into "
         "passages of at most --max-length tokens); duplicates are dropped",
     )
+    p.add_argument("--max-texts", type=int, help="use the first N distinct texts of --data (default: all)")
     p.add_argument("--output", required=True, help="folder for the student, its log, checkpoints and the targets")
     p.add_argument("--mode", choices=["shared", "query"], default="shared", help="one 2D model, or a query encoder")
     p.add_argument("--layer", type=int, help="query mode: the student keeps this many of the teacher's layers")

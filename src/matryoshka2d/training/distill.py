@@ -23,6 +23,7 @@ equally. `train --distill-from T --distill-weight W` adds the same term to any m
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -200,6 +201,11 @@ class DistillTrainer(Trainer):
         if cfg.gradient_accumulation != 1:
             raise DistillError("distill: --gradient-accumulation is not supported; lower --batch-size for memory")
         options = dict(cfg.method_options)
+        self.max_texts = options.pop("max_texts", None)  # read_data keeps the first N distinct texts
+        if self.max_texts is not None and (
+            isinstance(self.max_texts, bool) or not isinstance(self.max_texts, int) or self.max_texts < 1
+        ):
+            raise DistillError(f"--max-texts must be a whole number of at least 1, got {self.max_texts!r}")
         trained = _folder_record(self.encoder).get("trained_widths")
         if "widths" not in options:
             options["widths"] = default_widths(self.encoder.hidden_size, trained)
@@ -230,7 +236,7 @@ class DistillTrainer(Trainer):
                     "set MATRYOSHKA2D_DATA, or pass --no-exclude-sts-test"
                 ) from None
             texts = self.left_out.filter(texts)
-        texts = list(texts)
+        texts = list(itertools.islice(texts, self.max_texts))
         if not texts:
             raise DistillError(f"--data {' '.join(cfg.data)}: no texts to distill on (the files hold no text)")
         if self.left_out is not None and self.processes.main:
