@@ -341,3 +341,35 @@ def test_train_distill_from_adds_the_term_to_any_method(teacher_dir, triplets, s
     run.distill_weight = 0
     with pytest.raises(ValueError, match="--distill-weight must be greater than 0"):
         Trainer(run)
+
+
+def test_serve_runs_a_query_encoder_next_to_its_teacher(teacher_dir, tiny_dir, text_file, sts_dev, tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from matryoshka2d.deploy.server import create_app
+
+    options = {"mode": "query", "layer": 2}
+    out = DistillTrainer(config(teacher_dir, text_file, tmp_path / "q", sts_dev, method_options=options, steps=2)).run(
+        progress=False
+    )
+    teacher = ElasticEncoder(str(teacher_dir), pooling="mean", device="cpu")
+    student = ElasticEncoder(str(out), device="cpu")
+    app = create_app(teacher, "teacher", query_models={"teacher-query": student})
+    with TestClient(app) as client:
+        listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert listed["teacher-query"]["query_encoder_of"] == "teacher" and listed["teacher-query"]["layers"] == [2]
+        reply = client.post("/v1/embeddings", json={"model": "teacher-query", "input": ["red cat"], "dimensions": 16})
+        assert reply.status_code == 200 and reply.json()["model"] == "teacher-query"
+        expected = student.encode(["red cat"], dim=16, normalize=True)[0]
+        np.testing.assert_allclose(reply.json()["data"][0]["embedding"], expected, atol=1e-5)
+        documents = client.post("/v1/embeddings", json={"model": "teacher", "input": ["red cat"]}).json()
+        np.testing.assert_allclose(
+            documents["data"][0]["embedding"], teacher.encode("red cat", normalize=True), atol=1e-5
+        )
+        wrong = client.post("/v1/embeddings", json={"model": "teacher-query", "input": ["a"], "layer": 4})
+        assert wrong.status_code == 400 and "query encoder of 2 layers" in wrong.json()["error"]["message"]
+    serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "1"]
+    assert main([*serve, "--query-model", str(out)]) == 2
+    assert "was distilled from" in capsys.readouterr().err
+    assert main([*serve, "--query-model", str(tiny_dir)]) == 2
+    assert "not a query encoder" in capsys.readouterr().err

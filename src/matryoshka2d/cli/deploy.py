@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from matryoshka2d.cli.args import command
 
@@ -80,6 +81,7 @@ def cmd_serve(args) -> int:
                 check(value)
             except ValueError as exc:
                 raise ValueError(f"{flag} {value}: {exc}") from None
+    students = query_models(args, encoder)  # name -> query encoder, each checked against this model
     model = encoder
     if args.backend == "onnx":
         from matryoshka2d.deploy.backends import OnnxBackend
@@ -92,6 +94,10 @@ def cmd_serve(args) -> int:
                     f"--layers: {n} is out of range for {encoder.name}, which has {encoder.num_layers} layers"
                 )
         model = OnnxBackend(encoder, args.quantize, layers, args.onnx_cache, batch_size=args.batch_size)
+        students = {
+            name: OnnxBackend(q, args.quantize, [q.num_layers], args.onnx_cache, batch_size=args.batch_size)
+            for name, q in students.items()
+        }
         del encoder  # the graphs are built: onnxruntime serves from here on, the torch weights can go
         import gc
 
@@ -100,6 +106,8 @@ def cmd_serve(args) -> int:
         gc.collect()
         trim_heap()
         model.load()
+        for q in students.values():
+            q.load()
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,
@@ -124,8 +132,33 @@ def cmd_serve(args) -> int:
         log_level=args.log_level,
         default_layer=args.default_layer,
         default_dimensions=args.default_dimensions,
+        query_models=students,
     )
     return 0
+
+
+def query_models(args, encoder) -> dict:
+    """--query-model [NAME=]FOLDER ...: query encoders distilled from the served model, by the name clients send
+    (default: the folder's name); one distilled from another model is refused before the server starts."""
+    from matryoshka2d.cli.args import load_encoder
+    from matryoshka2d.models.identity import check_query_encoder, query_encoder_record_at, weights_sha256
+
+    out = {}
+    documents = {"model": encoder.name, "weights_sha256": weights_sha256(encoder), "pooling": encoder.pooling}
+    for item in args.query_model or ():
+        name, _, folder = item.rpartition("=") if "=" in item else ("", "", item)
+        record = query_encoder_record_at(folder)
+        if record is None:
+            raise ValueError(f"--query-model {folder}: not a query encoder (make one with `distill --mode query`)")
+        check_query_encoder(record, folder, documents, "--query-model")
+        student = load_encoder(
+            args, model=folder, pooling=None, device="cpu" if args.backend == "onnx" else args.device
+        )
+        name = name or Path(folder).name
+        if name in out or name == (args.served_name or args.model):
+            raise ValueError(f"--query-model {item}: the name '{name}' is taken; give another as NAME=FOLDER")
+        out[name] = student
+    return out
 
 
 def parse_layers(text: str) -> list[int]:
@@ -195,6 +228,13 @@ def register(sub, model_args) -> None:
         "beside the model (extra [onnx])",
     )
     p.add_argument("--quantize", choices=["int8"], help="onnx backend: dynamic int8 graphs")
+    p.add_argument(
+        "--query-model",
+        action="append",
+        metavar="[NAME=]FOLDER",
+        help="also serve a query encoder distilled from --model (`distill --mode query`) under its own name "
+        "(default: the folder's name), at its own layers; repeat for several",
+    )
     p.add_argument(
         "--layers",
         help="onnx backend: serve only these layers, their sessions loaded up front, e.g. 1,3,6 (default: every "

@@ -199,21 +199,44 @@ def cell_names(model_id: str, num_layers: int, hidden_size: int) -> list[tuple[s
     ]
 
 
+@dataclass
+class _Served:
+    """One model the server runs: its backend, its own micro-batcher and a tokenizer that counts its tokens."""
+
+    name: str
+    backend: object
+    batcher: MicroBatcher
+    counter: object  # a copy of the backend's tokenizer, used in the event loop apart from the model thread
+
+    @classmethod
+    def of(cls, name: str, model, limits: ServerLimits) -> _Served:
+        backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
+        batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait)
+        return cls(name, backend, batcher, copy.deepcopy(backend.tokenizer))
+
+
 def create_app(
     model,
     model_id: str,
     limits: ServerLimits | None = None,
     default_layer: int | None = None,
     default_dimensions: int | None = None,
+    query_models: dict | None = None,
 ):
     """The FastAPI app: one model (an ElasticEncoder, run by torch, or a backend from deploy/backends.py), every
-    cell; a request naming no cell gets the defaults (else the deepest layer served, at full width)."""
+    cell; a request naming no cell gets the defaults (else the deepest layer served, at full width).
+    `query_models`: name -> query encoder distilled from the model (`distill --mode query`), each served under its
+    own name at its own last layer, next to the model (documents by the model, queries by the student)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
-    backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
+    main = _Served.of(model_id, model, limits)
+    backend = main.backend
+    queries = {name: _Served.of(name, q, limits) for name, q in (query_models or {}).items()}
+    if model_id in queries:
+        raise ValueError(f"a query encoder is named '{model_id}', the name of the model it serves beside")
     num_layers, hidden_size, max_length = backend.num_layers, backend.hidden_size, backend.max_length
     served = list(backend.layers)
     if default_layer is not None and default_layer not in served:
@@ -223,15 +246,16 @@ def create_app(
     default_layer = default_layer if default_layer is not None else served[-1]
     default_dimensions = default_dimensions if default_dimensions is not None else hidden_size
     alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
-    counter = copy.deepcopy(backend.tokenizer)  # tokenizing in the event loop, apart from the model thread
     created = int(time.time())
-    batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait)
+    batcher = main.batcher
 
     @asynccontextmanager
     async def lifespan(_app):
-        batcher.start()
+        for served in (main, *queries.values()):
+            served.batcher.start()
         yield
-        await batcher.stop()
+        for served in (main, *queries.values()):
+            await served.batcher.stop()
 
     app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan)
     app.state.batcher = batcher
@@ -302,13 +326,31 @@ def create_app(
     async def health():
         return {"status": "ok", "model": model_id, "queued_requests": batcher.queue.qsize()}
 
+    def describe_query_model(served: _Served) -> dict:
+        q = served.backend
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "matryoshka2d",
+            "query_encoder_of": model_id,
+            "layers": [q.num_layers],
+            "dimensions": q.hidden_size,
+            "max_input_tokens": q.max_length,
+            "pooling": q.pooling,
+            "normalized": True,
+            **q.describe(),
+        }
+
     @app.get("/v1/models")
     async def models():
         cells = [describe_cell(*cell) for cell in cell_names(model_id, num_layers, hidden_size)]
-        return {"object": "list", "data": [describe_model(), *cells]}
+        return {"object": "list", "data": [describe_model(), *cells, *map(describe_query_model, queries.values())]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
+        if name in queries:
+            return describe_query_model(queries[name])
         layer, dim = resolve(name)
         return describe_model() if layer is None else describe_cell(name, layer, dim)
 
@@ -336,7 +378,8 @@ def create_app(
             raise ApiError(400, f"The request body is not valid JSON ({exc})", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
-        texts, layer, dim, encoding, embedding_type = validate(body)
+        served, texts, layer, dim, encoding, embedding_type = validate(body)
+        counter, max_length = served.counter, served.backend.max_length
         # One tokenizer call counts the tokens and gives the model its input (the backend does not tokenize again).
         encoded = dict(counter(texts, add_special_tokens=True, verbose=False))
         lengths = [len(ids) for ids in encoded["input_ids"]]
@@ -356,12 +399,12 @@ def create_app(
                 for k in encoded:
                     encoded[k][i] = cut[k][row]
         used = [min(n, max_length) for n in lengths]
-        vectors = (await batcher.encode(texts, layer, encoded))[:, :dim]
+        vectors = (await served.batcher.encode(texts, layer, encoded))[:, :dim]
         data = encode_rows(vectors, encoding, embedding_type)
         reply = {
             "object": "list",
             "data": data,
-            "model": model_id,
+            "model": served.name,
             "usage": {"prompt_tokens": sum(used), "total_tokens": sum(used)},
             "layer": layer,
             "dimensions": dim,
@@ -372,11 +415,25 @@ def create_app(
         # every vector in Python (most of a small cell's request time).
         return Response(reply_bytes(reply), media_type="application/json")
 
-    def validate(body: dict) -> tuple[list[str], int, int, str, str]:
+    def validate_query_model(served: _Served, body: dict) -> tuple[_Served, list[str], int, int, str, str]:
+        """A request to a query encoder: its own last layer, any width."""
+        q = served.backend
+        texts = check_texts(body, limits.max_inputs)
+        what = f"{served.name} is a query encoder of {q.num_layers} layers (it runs all of them); layer"
+        layer = check_int(body, "layer", q.num_layers, q.num_layers, what)
+        dim = check_int(
+            body, "dimensions", 1, q.hidden_size, f"{served.name} has {q.hidden_size} dimensions; dimensions"
+        )
+        encoding, embedding_type = check_formats(body)
+        return served, texts, layer or q.num_layers, dim or q.hidden_size, encoding, embedding_type
+
+    def validate(body: dict) -> tuple[_Served, list[str], int, int, str, str]:
         if "model" not in body:
             raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
         if not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", "model", "invalid_type")
+        if body["model"] in queries:
+            return validate_query_model(queries[body["model"]], body)
         named_layer, named_dim = resolve(body["model"])
         texts = check_texts(body, limits.max_inputs)
         layer = check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
@@ -409,7 +466,7 @@ def create_app(
                 "model",
                 "invalid_value",
             )
-        return texts, layer, dim, encoding, embedding_type
+        return main, texts, layer, dim, encoding, embedding_type
 
     return app
 
@@ -423,9 +480,17 @@ def serve(
     log_level: str = "info",
     default_layer: int | None = None,
     default_dimensions: int | None = None,
+    query_models: dict | None = None,
 ) -> None:
-    """Run the app in one uvicorn worker (one model in memory)."""
+    """Run the app in one uvicorn worker (the model, and any query encoders beside it, in memory)."""
     import uvicorn
 
-    app = create_app(model, model_id, limits, default_layer=default_layer, default_dimensions=default_dimensions)
+    app = create_app(
+        model,
+        model_id,
+        limits,
+        default_layer=default_layer,
+        default_dimensions=default_dimensions,
+        query_models=query_models,
+    )
     uvicorn.run(app, host=host, port=port, workers=1, log_level=log_level)

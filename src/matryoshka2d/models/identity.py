@@ -41,12 +41,16 @@ class IdentityError(ValueError):
 def query_encoder_record(encoder) -> dict | None:
     """The `distill` record of a query encoder's folder (a student trained with --mode query to land on its
     teacher's vectors), or None for any other model."""
+    location = getattr(encoder, "location", None)
+    return query_encoder_record_at(location) if location else None
+
+
+def query_encoder_record_at(folder) -> dict | None:
+    """query_encoder_record of a model folder, read before the model is loaded."""
     import json
     from pathlib import Path
 
-    if not getattr(encoder, "location", None):
-        return None
-    path = Path(encoder.location) / "matryoshka2d.json"
+    path = Path(folder) / "matryoshka2d.json"
     try:
         meta = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
