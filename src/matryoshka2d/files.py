@@ -34,6 +34,19 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def inside(folder: str | Path, name, what: str) -> Path:
+    """`folder / name` for a file name that a record or manifest inside `folder` gives, refused (ValueError, before
+    anything is opened) when it is not a plain relative name that stays inside the folder: an absolute path, `..`,
+    or a link out would let a planted folder read, or test the contents of, any file of the machine."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or "\0" in name:
+        raise ValueError(f"{what} names {name!r}: only a file inside {folder} may be named there")
+    path = folder / name
+    if ".." in Path(name).parts or not path.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(f"{what} names {name!r}, which leaves {folder}: only a file inside the folder may be named")
+    return path
+
+
 def where(path: Path, line: int | None = None) -> str:
     return f"{path} line {line}" if line is not None else str(path)
 

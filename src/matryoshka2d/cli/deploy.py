@@ -59,14 +59,18 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
-    if args.backend == "torch" and (args.quantize or args.layers or args.onnx_cache):
+    if args.backend == "torch" and (args.quantize or args.layers is not None or args.onnx_cache):
         used = [
             f
-            for f, v in (("--quantize", args.quantize), ("--layers", args.layers), ("--onnx-cache", args.onnx_cache))
+            for f, v in (
+                ("--quantize", args.quantize),
+                ("--layers", args.layers is not None),
+                ("--onnx-cache", args.onnx_cache),
+            )
             if v
         ]
         raise ValueError(f"{', '.join(used)} apply to --backend onnx; the torch backend serves every layer in fp32")
-    layers = parse_layers(args.layers) if args.layers else None
+    layers = parse_layers(args.layers) if args.layers is not None else None
     if args.backend == "onnx" and args.device not in (None, "cpu"):
         raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
     check_listen(args.host, args.port)
@@ -162,7 +166,9 @@ def query_models(args, encoder) -> dict:
 
 
 def parse_layers(text: str) -> list[int]:
-    """--layers 1,3,6: distinct positive integers."""
+    """--layers 1,3,6: distinct positive integers (an empty list is refused, not read as every layer)."""
+    if not text.strip():
+        raise ValueError("--layers is empty: give the layers to serve, such as 1,3,6, or leave --layers out for all")
     try:
         layers = [int(part) for part in text.split(",")]
     except ValueError:

@@ -89,6 +89,19 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise ExportError(f"--output {output} is not empty; pass --overwrite to replace its contents")
 
 
+def check_not_overlapping(output: Path, encoder: ElasticEncoder) -> None:
+    """The export must not replace the model it reads (its heads and the rest of the folder would be gone), nor
+    be written inside it, nor around it."""
+    if not encoder.location:
+        return
+    source, target = Path(encoder.location).resolve(), output.resolve()
+    if target == source or target.is_relative_to(source) or source.is_relative_to(target):
+        raise ExportError(
+            f"--output {output} {'is' if target == source else 'overlaps'} the folder of the model it exports "
+            f"({encoder.location}); --overwrite would replace that model: write the cell to a folder apart from it"
+        )
+
+
 def export_cell(
     model: str | ElasticEncoder,
     layer: int,
@@ -112,6 +125,7 @@ def export_cell(
     output = Path(output)
     check_output(output, overwrite)
     encoder = model if isinstance(model, ElasticEncoder) else ElasticEncoder(model, device="cpu")
+    check_not_overlapping(output, encoder)
     layer, dim = encoder.check_layer(layer), encoder.check_dim(dim)
     normalize = encoder.normalize_output if normalize is None else normalize
     metadata = _source_metadata(encoder)

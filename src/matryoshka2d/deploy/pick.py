@@ -21,6 +21,7 @@ is strictly better in one). Every cell the picker recommends is on the frontier.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -310,6 +311,13 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
     if missing:
         raise ValueError(f"the results have layers {missing} that the timed model does not (it has {len(latency)})")
     per_number = STORAGES[args.storage]
+    unscored = sorted(cell for cell, s in quality.items() if not math.isfinite(s))
+    if unscored:  # a NaN would compare false with everything: named, and left out of the frontier
+        named = ", ".join(f"({n},{d})" for n, d in unscored)
+        log(f"pick: {len(unscored)} cells have no finite score (NaN or inf) and are left out: {named}")
+        quality = {cell: s for cell, s in quality.items() if math.isfinite(s)}
+        if not quality:
+            raise ValueError(f"{', '.join(args.results)}: no cell has a finite score (every score is NaN or inf)")
     points = [Point(n, d, s, latency[n], d * per_number) for (n, d), s in sorted(quality.items())]
     mark_frontier(points)
     chosen, reason = recommend(points, args.max_latency_ms, args.max_bytes, args.min_score)

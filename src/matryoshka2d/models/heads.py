@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.files import file_sha256
+from matryoshka2d.files import file_sha256, inside
 from matryoshka2d.models.backbones import BackboneError
 
 HEADS_FILE = "exit_heads.safetensors"
@@ -244,10 +244,13 @@ def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
         kind, layers = record["kind"], [int(n) for n in record["layers"]]
         dim_in, dim_out = int(record["dim_in"]), int(record["dim_out"])
         inputs = record.get("inputs", "exit")  # records written before stacked heads read the exit's layer
-        path = folder / record["file"]
-        expected_sha, backbone = record["sha256"], record["backbone_sha256"]
+        name, expected_sha, backbone = record["file"], record["sha256"], record["backbone_sha256"]
     except (KeyError, TypeError, ValueError) as exc:
         raise HeadsError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
+    try:
+        path = inside(folder, name, where)  # before anything is opened or hashed
+    except ValueError as exc:
+        raise HeadsError(str(exc)) from None
     if not path.is_file():
         raise HeadsError(f"{where} names {path.name}, which is missing from {folder}")
     if file_sha256(path) != expected_sha:
@@ -271,6 +274,10 @@ def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
     heads = ExitHeads(layers, dim_in, dim_out, kind, record.get("hidden"), inputs)
     try:
         tensors = load_file(str(path))
+        for key, tensor in tensors.items():  # a cast would hide an integer file; NaN would reach every vector
+            what = "not a float tensor" if not tensor.is_floating_point() else "NaN or inf"
+            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+                raise HeadsError(f"{path}: {key} holds {what}; fit the heads again with `matryoshka2d heads fit`")
         state = {
             f"{n}.{name}": tensors.pop(f"layer{n}.{name}") for n in layers for name in heads.heads[str(n)].state_dict()
         }

@@ -154,6 +154,16 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "exit_heads_sentences", int, 1)
     if config.exit_heads is not None and config.exit_heads not in ("fit", "identity", "keep"):
         raise ValueError(f"--exit-heads must be fit, identity or keep, got {config.exit_heads!r}")
+    if config.exit_heads is None and config.method != "distill":  # distill: None picks keep or fit
+        given = [
+            f
+            for f, v in (("--exit-heads-lr", config.exit_heads_lr), ("--exit-heads-inputs", config.exit_heads_inputs))
+            if v is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} set how exit heads train; they need --exit-heads (fit, identity or keep)"
+            )
     if config.exit_heads_inputs is not None and config.exit_heads_inputs not in ("exit", "stack"):
         raise ValueError(f"--exit-heads-inputs must be exit or stack, got {config.exit_heads_inputs!r}")
     _number(config, "log_every", int, 1)

@@ -1,0 +1,121 @@
+"""Issue 32, the third hardening pass: no file outside a model folder is read, no model is replaced by its own export,
+no NaN is passed on, and flags that would be ignored are refused (docs/reliability.md, section 9)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_transformer
+from matryoshka2d.cli import main
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.heads import HEADS_FILE, HeadsError, fit_heads
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def heads_folder(tokenizer, tmp_path_factory):
+    """A tiny model with closed-form exit heads, saved; tests copy it before they plant anything."""
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:300]
+    rng = np.random.default_rng(5)
+    texts = list(dict.fromkeys(" ".join(rng.choice(words, rng.integers(3, 8))) for _ in range(120)))
+    encoder = ElasticEncoder.from_modules(
+        tiny_transformer("bert", tokenizer.vocab_size), tokenizer, pooling="mean", device="cpu"
+    )
+    heads, _ = fit_heads(encoder, [texts])
+    encoder.set_exit_heads(heads)
+    return encoder.save(tmp_path_factory.mktemp("with-heads"))
+
+
+@pytest.fixture
+def planted(heads_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(heads_folder, folder)
+    return folder
+
+
+def _set_record(folder, **changes):
+    meta_path = folder / "matryoshka2d.json"
+    meta = json.loads(meta_path.read_text())
+    meta["exit_heads"].update(changes)
+    meta_path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("name", ["../../x/exit_heads.safetensors", "/etc/passwd", "ABSOLUTE"])
+def test_a_heads_record_naming_a_file_outside_the_folder_is_refused_before_it_is_opened(
+    planted, tmp_path, monkeypatch, name
+):
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((planted / HEADS_FILE).read_bytes())  # a real heads file, just not the folder's
+    name = str(outside) if name == "ABSOLUTE" else name
+    _set_record(planted, file=name)
+    opened = []
+    monkeypatch.setattr("matryoshka2d.models.heads.file_sha256", lambda p: opened.append(p) or "x")
+    with pytest.raises(HeadsError, match="only a file inside"):
+        ElasticEncoder(str(planted), device="cpu")
+    assert not opened  # not even hashed: a planted folder cannot test a local file's contents
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "int"])
+def test_heads_holding_nan_inf_or_integers_are_refused_even_with_the_checksum_rerecorded(planted, kind):
+    from safetensors.torch import load_file, save_file
+
+    from matryoshka2d.files import file_sha256
+
+    path = planted / HEADS_FILE
+    tensors = load_file(str(path))
+    key = sorted(tensors)[0]
+    if kind == "int":
+        tensors[key] = tensors[key].round().to(torch.int32)
+    else:
+        tensors[key].view(-1)[0] = float("nan") if kind == "nan" else float("inf")
+    save_file(tensors, str(path))
+    _set_record(planted, sha256=file_sha256(path))
+    with pytest.raises(HeadsError, match="not a float tensor" if kind == "int" else "NaN or inf"):
+        ElasticEncoder(str(planted), device="cpu")
+
+
+def test_export_never_replaces_the_model_it_reads(planted, capsys):
+    before = {p.name: p.read_bytes() for p in planted.iterdir() if p.is_file()}
+    for output in (planted, planted / "cell", planted.parent):
+        args = ["export", "--model", str(planted), "--layer", "2", "--dim", "16", "--output", str(output)]
+        assert main([*args, "--overwrite"]) == 2
+        assert "the folder of the model it exports" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in planted.iterdir() if p.is_file()} == before
+    assert not (planted / "cell").exists()
+
+
+def test_exit_head_options_without_exit_heads_are_refused(tiny_dir, triplets, tmp_path, capsys):
+    base = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
+    for flag, value in (("--exit-heads-lr", "1e-3"), ("--exit-heads-inputs", "stack")):
+        assert main([*base, "--output", str(tmp_path / flag), flag, value]) == 2
+        assert f"{flag} set how exit heads train; they need --exit-heads" in capsys.readouterr().err
+        assert not (tmp_path / flag).exists()
+
+
+def test_serve_refuses_an_empty_layers_list(tiny_dir, capsys):
+    args = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--backend", "onnx", "--layers", ""]
+    assert main(args) == 2
+    assert "--layers is empty" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_dir), "--pooling", "mean", "--layers", " "]) == 2
+    assert "apply to --backend onnx" in capsys.readouterr().err
+
+
+def test_pick_names_cells_with_nan_scores_and_picks_among_the_others(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    rows = [{"layer": n, "dim": d, "spearman": 40 + 5 * n + d / 8} for n in (1, 2, 4) for d in (8, 32)]
+    rows[0]["spearman"] = rows[5]["spearman"] = float("nan")
+    model = {"model": "tiny", "location": str(tiny_dir), "layers": 4, "hidden_size": 32, "pooling": "mean"}
+    result = {"task": "sts", "metric": "spearman", "metrics": ["spearman"], "datasets": ["stsb"], "layers": [1, 2, 4]}
+    result.update(dims=[8, 32], average=rows, model=model)
+    (tmp_path / "sts").mkdir()
+    (tmp_path / "sts" / "results.json").write_text(json.dumps(result))
+    assert main(["pick", "--results", str(tmp_path / "sts")]) == 0
+    out = capsys.readouterr()
+    assert "2 cells have no finite score (NaN or inf) and are left out: (1,8), (4,32)" in out.err
+    chosen = json.loads((tmp_path / "sts" / "pick.json").read_text())["recommended"]
+    assert (chosen["layer"], chosen["dim"]) != (4, 32) and np.isfinite(chosen["score"])
