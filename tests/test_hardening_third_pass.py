@@ -119,3 +119,23 @@ def test_pick_names_cells_with_nan_scores_and_picks_among_the_others(tiny_dir, t
     assert "2 cells have no finite score (NaN or inf) and are left out: (1,8), (4,32)" in out.err
     chosen = json.loads((tmp_path / "sts" / "pick.json").read_text())["recommended"]
     assert (chosen["layer"], chosen["dim"]) != (4, 32) and np.isfinite(chosen["score"])
+
+
+def test_a_run_stops_at_the_first_non_finite_loss_and_keeps_the_last_good_checkpoint(
+    tiny_dir, triplets, sts_dev, tmp_path, monkeypatch
+):
+    from conftest import tiny_run
+    from matryoshka2d.training.trainer import Trainer
+
+    trainer = Trainer(tiny_run(tiny_dir, triplets, sts_dev, tmp_path / "run", steps=6, save_steps=2, log_every=1))
+    original = trainer.objective
+
+    def poisoned(plan, per_column, labels):
+        loss, parts = original(plan, per_column, labels)
+        return (loss * float("nan") if trainer.step == 2 else loss), parts  # the third step's loss
+
+    monkeypatch.setattr(trainer, "objective", poisoned)
+    with pytest.raises(ValueError, match=r"step 3: the loss is nan .*last checkpoint \(step-0000002\) is kept"):
+        trainer.run(progress=False)
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-0000002"]
+    assert not (tmp_path / "run" / "matryoshka2d.json").exists()  # no NaN model saved

@@ -424,6 +424,14 @@ class Trainer:
     def write_records(self, records: list[dict], log, bar) -> None:
         for record in records:
             record.update(host_values(record))
+            if not math.isfinite(record["loss"]):  # before any checkpoint or model holds what it did to the weights
+                kept = checkpoints.candidates(self.run_dir.checkpoints)
+                raise ValueError(
+                    f"step {record['step']}: the loss is {record['loss']} (not finite); the run stops there, and "
+                    + (f"its last checkpoint ({kept[0].name}) is kept: " if kept else "no model is saved: ")
+                    + "lower --lr, check the data and the start model, then train again (--resume goes on from the "
+                    "last checkpoint)"
+                )
             self.history.append({"step": record["step"], "loss": record["loss"]})
             log.write(json.dumps(record) + "\n")
         bar.set_postfix(loss=f"{records[-1]['loss']:.4f}")
