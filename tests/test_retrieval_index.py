@@ -214,6 +214,14 @@ def test_index_build_and_search_commands(tiny_dir, tmp_path, capsys):
     )
     rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["query"] for r in rows] == ["cats", "dogs"] and len(rows[0]["ids"]) == 10
+    assert [r["query_id"] for r in rows] == ["1", "3"]  # line numbers of a text file (issue 32, case 16)
+    beir = tmp_path / "q.jsonl"
+    beir.write_text('{"_id": "q7", "text": "cats"}\n{"_id": "q9", "text": "dogs"}\n')
+    assert (
+        main(["search", "--index", str(out), *common, "--queries", str(beir), "--output", str(tmp_path / "b.jsonl")])
+        == 0
+    )
+    assert [json.loads(x)["query_id"] for x in (tmp_path / "b.jsonl").read_text().splitlines()] == ["q7", "q9"]
 
 
 def test_errors_name_what_was_wrong(tiny_dir, tmp_path, capsys):

@@ -89,20 +89,23 @@ def cmd_index_build(args) -> int:
     return 0
 
 
-def read_queries(path: str) -> list[str]:
-    """One query per line of a text file, or the `text` of each line of a JSON-lines file (BEIR queries)."""
+def read_queries(path: str) -> tuple[list[str], list[str]]:
+    """(ids, texts): one query per line of a text file (its id: the line number), or the `_id` and `text` of each
+    line of a JSON-lines file (BEIR queries; a line without `_id` gets its line number)."""
     from matryoshka2d.files import read_jsonl
 
     if path.endswith((".jsonl", ".jsonl.gz")):
-        out = []
+        ids, out = [], []
         for line, obj in read_jsonl(path):
             if not isinstance(obj.get("text"), str):
                 raise ValueError(f"{path} line {line}: no 'text' string field")
+            ids.append(str(obj.get("_id", line)))
             out.append(obj["text"])
-        return out
+        return ids, out
     from matryoshka2d.files import read_lines
 
-    return [q for q in read_lines(path) if q.strip()]
+    numbered = [(str(n), q) for n, q in enumerate(read_lines(path), start=1) if q.strip()]
+    return [n for n, _ in numbered], [q for _, q in numbered]
 
 
 def open_index(args):
@@ -136,7 +139,7 @@ def cmd_search(args) -> int:
 
     if (args.query is None) == (args.queries is None):
         raise ValueError("give either --query TEXT or --queries FILE")
-    texts = [args.query] if args.query is not None else read_queries(args.queries)
+    query_ids, texts = (["1"], [args.query]) if args.query is not None else read_queries(args.queries)
     if not texts:
         raise ValueError(f"--queries {args.queries}: no queries in the file")
     index = open_index(args)
@@ -167,9 +170,10 @@ def cmd_search(args) -> int:
             index.close()  # a local-mode Qdrant folder stays locked while its client is open
     out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115 - closed below
     try:
-        for text, ids, scores in zip(texts, hits.ids, hits.scores, strict=True):
+        for query_id, text, ids, scores in zip(query_ids, texts, hits.ids, hits.scores, strict=True):
             if out:
-                out.write(json.dumps({"query": text, "ids": ids, "scores": scores}, ensure_ascii=False) + "\n")
+                row = {"query_id": query_id, "query": text, "ids": ids, "scores": scores}
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
             elif len(texts) <= 20:
                 print(f"query: {text}")
                 for rank, (doc, score) in enumerate(zip(ids, scores, strict=True), start=1):
