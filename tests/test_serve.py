@@ -257,6 +257,8 @@ BAD_REQUESTS = [
     ({"model": "tiny@5x16", "input": "x"}, 404, "model", "model_not_found", r"no such cell.*layer 1\.\.4"),
     ({"model": "tiny@2x33", "input": "x"}, 404, "model", "model_not_found", r"dimensions 1\.\.32"),
     ({"model": "tiny@2", "input": "x"}, 404, "model", "model_not_found", r"tiny@<layer>x<dimensions>"),
+    ({"model": "tiny@" + "9" * 5000 + "x16", "input": "x"}, 404, "model", "model_not_found", "no such cell"),
+    ({"model": "tiny", "input": ["ok", "a\ud800b"]}, 400, "input", "invalid_value", r"input\[1\].*surrogate"),
     ({"model": "other@2x16", "input": "x"}, 404, "model", "model_not_found", "'other@2x16' does not exist"),
     ({"model": "tiny@2x16", "input": "x", "layer": 3}, 400, "layer", "invalid_value", "names layer 2.*is 3"),
     ({"model": "tiny@2x16", "input": "x", "dimensions": 8}, 400, "dimensions", "invalid_value", "names dimensions"),

@@ -88,6 +88,16 @@ def check_texts(body: dict, max_inputs: int) -> list[str]:
             )
         if text == "":
             raise ApiError(400, f"input[{i}] is empty; every input must contain text", "input", "empty_input")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800") is no text the tokenizer can read
+            raise ApiError(
+                400,
+                f"input[{i}] holds a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
+                "which is not text; send valid Unicode",
+                "input",
+                "invalid_value",
+            ) from None
     return texts
 
 

@@ -317,7 +317,8 @@ def create_app(
         match = alias.fullmatch(name)
         if match is None:
             raise ApiError(404, f"The model '{name}' does not exist; {where}", "model", "model_not_found")
-        layer, dim = int(match[1]), int(match[2])
+        # a number of more than 9 digits is out of range anyway: not given to int() (Python refuses 4,300+ digits)
+        layer, dim = (int(g) if len(g) <= 9 else -1 for g in (match[1], match[2]))
         if not (1 <= layer <= num_layers and 1 <= dim <= hidden_size):
             raise ApiError(404, f"The model '{name}' does not exist: no such cell; {where}", "model", "model_not_found")
         return layer, dim
