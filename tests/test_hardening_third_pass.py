@@ -139,3 +139,13 @@ def test_a_run_stops_at_the_first_non_finite_loss_and_keeps_the_last_good_checkp
         trainer.run(progress=False)
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-0000002"]
     assert not (tmp_path / "run" / "matryoshka2d.json").exists()  # no NaN model saved
+
+
+@pytest.mark.parametrize("bad_id", ["doc\n2", "doc\r2", "doc\u20282"])
+def test_a_corpus_id_with_a_line_break_is_refused_naming_the_line(tiny_dir, tmp_path, capsys, bad_id):
+    corpus = tmp_path / "corpus.jsonl"
+    docs = [{"_id": "d1", "text": "a red cat"}, {"_id": bad_id, "text": "a blue dog"}]
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    args = ["index", "build", "--model", str(tiny_dir), "--pooling", "mean", "--corpus", str(corpus)]
+    assert main([*args, "--cells", "4:32", "--output", str(tmp_path / "idx")]) == 2
+    assert f"{corpus}:2: _id {bad_id!r} holds a line break" in capsys.readouterr().err

@@ -38,7 +38,12 @@ def cell_name(cell: Cell) -> str:
 
 def read_corpus(path: str | Path) -> Iterator[tuple[str, str]]:
     """(id, text) per document of a JSON-lines corpus (.jsonl or .jsonl.gz); a bad line names file and line."""
-    for _, key, text in read_beir(path, titles=True):
+    for line, key, text in read_beir(path, titles=True):
+        if len(f"{key}x".splitlines()) != 1:  # ids.txt holds one id a line: a line break in an id would shift them
+            raise IndexBuildError(
+                f"{path}:{line}: _id {key!r} holds a line break (newline, CR, U+2028 or another); an index stores one "
+                "id per line, so such an id would shift every id after it: give the document another _id"
+            )
         yield key, text
 
 
