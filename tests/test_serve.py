@@ -658,3 +658,25 @@ def test_response_numbers_read_back_as_the_float32_vectors_exactly():
     vectors[2, 3] = np.nan
     with pytest.raises(ValueError, match="not finite"):
         encode_rows(vectors, "float", "float")
+
+
+def test_a_lone_request_never_waits_for_company_but_queued_ones_are_batched():
+    """Issue 32, case 18: the micro-batch wait doubled a lone request's latency. With a wait of an hour, a lone
+    request is still answered (nothing else is queued); requests already queued are batched together."""
+    import asyncio
+
+    from matryoshka2d.deploy import server
+
+    backend = ReleasingBackend()
+
+    async def run():
+        async with started(server.MicroBatcher(backend, max_batch=64, max_wait=3600.0)) as batcher:
+            (alone,) = await asyncio.wait_for(batcher.encode(["just me"], 1), timeout=30)
+            before = batcher.batches
+            together = await asyncio.wait_for(
+                asyncio.gather(*(batcher.encode([f"t{i}"], 1) for i in range(64))), timeout=30
+            )  # 64 texts fill the batch: the wait ends with a full batch, not the hour
+            return alone, batcher.batches - before, together
+
+    alone, batches, together = asyncio.run(run())
+    assert alone[0] == 1 and len(together) == 64 and batches <= 2

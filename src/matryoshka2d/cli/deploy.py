@@ -212,6 +212,7 @@ def register(sub, model_args) -> None:
         description="POST /v1/embeddings (OpenAI's request plus optional 'layer' and 'embedding_type'), GET "
         "/v1/models, GET /health. A model name MODEL@LAYERxDIMS (e.g. minilm-l6@3x128) asks for that cell. "
         "Concurrent requests are micro-batched in one model worker.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows every default
     )
     model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
@@ -221,7 +222,12 @@ def register(sub, model_args) -> None:
     p.add_argument("--default-dimensions", type=int, help="width for requests that name none (default: the full width)")
     p.add_argument("--max-batch", type=int, default=256, help="texts collected from requests for one model call")
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass within a model call")
-    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=5.0,
+        help="how long a batch waits for more requests when others are already queued (a lone request never waits)",
+    )
     p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")

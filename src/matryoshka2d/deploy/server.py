@@ -117,6 +117,8 @@ class MicroBatcher:
     async def _collect(self, first: _Job | None = None) -> list[_Job]:
         jobs = [first if first is not None else await self.queue.get()]
         count = len(jobs[0].texts)
+        if self.queue.empty():  # a lone request: waiting for company would only add max_wait to its latency
+            return jobs
         deadline = asyncio.get_running_loop().time() + self.max_wait
         while count < self.max_batch:
             try:
