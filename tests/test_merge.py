@@ -49,6 +49,7 @@ def start_and_run(tokenizer, tmp_path):
     _encoder(tokenizer).save(start, metadata={"method": {"name": "plain"}})
     run = tmp_path / "run"
     meta = {"method": {"name": "starbucks"}, "final_eval": {"spearman": 1.0}, "final_evals": []}
+    meta["training"] = {"model": str(start)}  # what a run records of its start
     _moved(_encoder(tokenizer), seed=1).save(run, metadata=meta)
     return start, run
 
@@ -164,3 +165,22 @@ def test_merge_command_refuses_bad_input_and_writes_nothing(start_and_run, tmp_p
     assert "is the folder of a model it reads" in capsys.readouterr().err
     assert main(["merge", "--models", str(run), str(tmp_path / "missing"), "--output", str(out)]) == 2
     assert "missing" in capsys.readouterr().err and not out.exists()
+
+
+def test_merge_refuses_other_starts_and_non_finite_weights(start_and_run, tokenizer, tmp_path, capsys):
+    """Issue 32, case 5: runs whose records name different starts, unrelated models of one shape and models with NaN
+    weights are refused; --allow-different-starts averages the first two anyway."""
+    start, run = start_and_run
+    other = tmp_path / "other-start"
+    _moved(_encoder(tokenizer), seed=7).save(other, metadata={"method": {"name": "plain"}})
+    out = tmp_path / "out"
+    assert main(["merge", "--models", str(run), str(other), "--output", str(out)]) == 2
+    assert "not runs of one start" in capsys.readouterr().err and not out.exists()
+    assert main(["merge", "--models", str(start), str(other), "--output", str(out)]) == 2  # two unrelated models
+    assert "--allow-different-starts" in capsys.readouterr().err
+    assert main(["merge", "--models", str(run), str(other), "--output", str(out), "--allow-different-starts"]) == 0
+    broken = _encoder(tokenizer)
+    with torch.no_grad():
+        next(broken.model.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(MergeError, match="holds NaN or inf"):
+        merge_encoders([broken, _encoder(tokenizer)])

@@ -239,7 +239,7 @@ def cmd_merge(args) -> int:
         "weights": weights,
         "rule": "weighted average of every weight (transformer, pooler head, exit heads); WiSE-FT / model soups",
     }
-    merged = merge_encoders(encoders, weights)
+    merged = merge_encoders(encoders, weights, allow_different_starts=args.allow_different_starts)
     saved = save_model_atomically(lambda folder: merged.save(folder, metadata=metadata), out)
     parts = " + ".join(f"{w:g} x {m}" for w, m in zip(weights, args.models, strict=True))
     print(f"merged {parts} -> {saved}")
@@ -264,5 +264,10 @@ def register_merge(sub) -> None:
     )
     p.add_argument("--output", required=True, help="folder for the averaged model")
     p.add_argument("--device", default="cpu", help="where the average is computed (default: cpu)")
+    p.add_argument(
+        "--allow-different-starts",
+        action="store_true",
+        help="average models that are not runs of one start (their records name other start models)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     p.set_defaults(func=cmd_merge)

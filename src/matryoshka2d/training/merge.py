@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -59,10 +60,37 @@ def _label(encoder: ElasticEncoder) -> str:
     return str(encoder.location or encoder.name)
 
 
-def check_mergeable(encoders: Sequence[ElasticEncoder]) -> None:
+def start_of(encoder: ElasticEncoder) -> str:
+    """The model a folder's run started from (its record's training.model), else the model itself: the start that
+    WiSE-FT pairs a run with, and that the runs of a soup share. Paths are compared resolved."""
+    import json
+
+    start = None
+    if encoder.location:
+        meta_path = Path(encoder.location) / "matryoshka2d.json"
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+            start = (meta.get("training") or {}).get("model") if isinstance(meta, dict) else None
+        except (OSError, ValueError, AttributeError):
+            start = None
+    start = str(start or encoder.location or encoder.name)
+    return str(Path(start).resolve()) if Path(start).exists() else start
+
+
+def check_finite(encoders: Sequence[ElasticEncoder]) -> None:
+    """An average with a NaN or inf weight is NaN there: refused, naming the model and the tensor."""
+    for encoder in encoders:
+        for part, module in _modules(encoder).items():
+            for key, tensor in module.state_dict().items():
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise MergeError(f"{_label(encoder)}: {part} tensor {key} holds NaN or inf; it cannot be averaged")
+
+
+def check_mergeable(encoders: Sequence[ElasticEncoder], allow_different_starts: bool = False) -> None:
     """Raise MergeError naming the model and the part that differs from the first model's."""
     base = encoders[0]
     base_parts = _modules(base)
+    check_finite(encoders)
     for other in encoders[1:]:
         a, b = _label(base), _label(other)
         other_parts = _modules(other)
@@ -92,16 +120,35 @@ def check_mergeable(encoders: Sequence[ElasticEncoder]) -> None:
                     )
                 if not tensor.is_floating_point() and not torch.equal(theirs[key], tensor):
                     raise MergeError(f"{part} tensor {key} (not a weight: {tensor.dtype}) differs between {b} and {a}")
+    check_same_start(encoders, allow_different_starts)
 
 
-def merge_encoders(encoders: Sequence[ElasticEncoder], weights: Sequence[float] | None = None) -> ElasticEncoder:
+def check_same_start(encoders: Sequence[ElasticEncoder], allow_different_starts: bool = False) -> None:
+    """WiSE-FT averages a run with the model it started from, a soup runs of one start: models whose records name
+    other starts (or unrelated models of one shape) are refused unless allowed. Models built in memory (no
+    folder) have no record to compare and are not checked."""
+    saved = [e for e in encoders if e.location]
+    if allow_different_starts or len(saved) < 2:
+        return
+    starts = [start_of(e) for e in saved]
+    if len(set(starts)) > 1:  # a start itself counts as its own start, so (run, its start) passes
+        named = "; ".join(f"{_label(e)} from {s}" for e, s in zip(saved, starts, strict=True))
+        raise MergeError(
+            f"the models are not runs of one start ({named}): their average is no WiSE-FT or soup of anything; "
+            "pass --allow-different-starts to average them anyway"
+        )
+
+
+def merge_encoders(
+    encoders: Sequence[ElasticEncoder], weights: Sequence[float] | None = None, allow_different_starts: bool = False
+) -> ElasticEncoder:
     """The weighted average of `encoders`, written into the first one (returned); the others are not changed.
 
     Floating-point tensors are averaged in float32 and stored in their own dtype; integer buffers (position
     ids) must be equal. The first model gives everything that is not a weight: tokenizer, pooling, config.
     """
     weights = merge_weights(weights, len(encoders))
-    check_mergeable(encoders)
+    check_mergeable(encoders, allow_different_starts)
     base = encoders[0]
     states = [{part: module.state_dict() for part, module in _modules(e).items()} for e in encoders]
     with torch.no_grad():
