@@ -71,6 +71,8 @@ def start_of(encoder: ElasticEncoder) -> str:
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
             start = (meta.get("training") or {}).get("model") if isinstance(meta, dict) else None
+            if isinstance(meta, dict) and ("heads_fit" in meta or "merge" in meta):
+                start = None  # heads fitted or weights averaged after the run: the folder is a start of its own
         except (OSError, ValueError, AttributeError):
             start = None
     start = str(start or encoder.location or encoder.name)
