@@ -149,3 +149,24 @@ def test_a_corpus_id_with_a_line_break_is_refused_naming_the_line(tiny_dir, tmp_
     args = ["index", "build", "--model", str(tiny_dir), "--pooling", "mean", "--corpus", str(corpus)]
     assert main([*args, "--cells", "4:32", "--output", str(tmp_path / "idx")]) == 2
     assert f"{corpus}:2: _id {bad_id!r} holds a line break" in capsys.readouterr().err
+
+
+def test_an_index_records_where_its_model_is_so_search_works_from_another_directory(
+    tiny_dir, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_dir, tmp_path / "runs" / "model")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "text": f"text number {i}"}) + "\n" for i in range(12)))
+    build = ["index", "build", "--model", "runs/model", "--pooling", "mean", "--corpus", str(corpus)]
+    assert main([*build, "--cells", "4:32", "--output", "idx"]) == 0
+    recorded = json.loads((tmp_path / "idx" / "manifest.json").read_text())["model"]["location"]
+    assert recorded == str((tmp_path / "runs" / "model").resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["search", "--index", str(tmp_path / "idx"), "--query", "text number 3", "--top-k", "1"]) == 0
+    assert "d3" in capsys.readouterr().out

@@ -146,8 +146,11 @@ def cmd_search(args) -> int:
     try:
         recorded = index.manifest["model"]
         # The folder the build loaded, if this machine has it (a collection may have been built elsewhere).
-        here = recorded["location"] and Path(recorded["location"]).exists()
-        model = args.model or (recorded["location"] if here else recorded["model"])
+        location = recorded["location"]
+        if location and not Path(location).exists() and args.index and (Path(args.index) / location).exists():
+            location = str(Path(args.index) / location)  # a relative location, as builds before issue 32 wrote it
+        here = location and Path(location).exists()
+        model = args.model or (location if here else recorded["model"])
         if args.query_model:  # a student distilled for the index's model: its own pooling, checked against it
             if args.model:
                 raise ValueError("give --model (the index's model) or --query-model (a query encoder), not both")

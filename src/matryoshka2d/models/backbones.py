@@ -151,7 +151,8 @@ def resolve(name_or_path: str) -> tuple[str, str]:
     if path.exists():
         if not path.is_dir():
             raise BackboneError(f"Model path {path} is a file; expected a model directory with config.json")
-        return str(path), name_or_path
+        # resolved: an index or a result file records where the model is, and is used from other directories
+        return str(path.resolve()), name_or_path
     if "/" not in name_or_path:
         # Not a short name, not a path, and not of the hub's owner/name form: most likely a typo.
         raise BackboneError(
