@@ -65,3 +65,20 @@ def test_query_layer_out_of_range_is_refused(tiny_dir, tmp_path, capsys):
     assert main([*args, "--query-layer", "1,7", "--output", str(tmp_path / "o")]) == 2
     assert "layer 7 is out of range" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_retrieval_reads_corpus_queries_and_qrels_files_wherever_they_are(tiny_dir, tmp_path, capsys):
+    """Issue 32, case 17: three files instead of one BEIR folder; the same numbers as the folder gives."""
+    queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
+    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    (tmp_path / "apart").mkdir()
+    qrels = tmp_path / "apart" / "judged.tsv"
+    qrels.write_text((root / "qrels" / "train.tsv").read_text())
+    args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--layers", "4", "--dims", "32"]
+    assert main([*args, "--dataset-dir", str(root), "--output", str(tmp_path / "a")]) == 0
+    files = ["--corpus", str(root / "corpus.jsonl"), "--queries", str(root / "queries.jsonl"), "--qrels", str(qrels)]
+    assert main([*args, *files, "--output", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / x / "results.json").read_text()) for x in "ab")
+    assert a["average"] == b["average"] and b["settings"]["split"] == "judged"
+    assert main([*args, *files[:4], "--output", str(tmp_path / "c")]) == 2
+    assert "--qrels missing" in capsys.readouterr().err

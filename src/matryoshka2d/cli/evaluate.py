@@ -125,6 +125,8 @@ def cmd_retrieval(args) -> int:
     from matryoshka2d.evaluate.retrieval import evaluate_retrieval
     from matryoshka2d.paths import data_dir
 
+    if any((args.corpus, args.queries, args.qrels)):
+        return _from_files(args)
     dirs = [Path(d) for d in args.dataset_dir] if args.dataset_dir else [data_dir(args.data_dir) / "retrieval/scifact"]
     splits = {pick_split(d, args.split) for d in dirs}
     if len(splits) > 1:
@@ -134,6 +136,34 @@ def cmd_retrieval(args) -> int:
     if args.cascade or args.query_layer or args.query_model:
         return _cascade(args, dirs, split)
     return _evaluate(args, lambda cells: evaluate_retrieval(cells, dirs, split=split, log=_log), _embedder(args))
+
+
+def _from_files(args) -> int:
+    """--corpus, --queries and --qrels: the three files of one data set wherever they are, read as a BEIR folder (a
+    temporary one of links, named after the corpus's folder; the split is the qrels file's name)."""
+    import tempfile
+
+    given = {"--corpus": args.corpus, "--queries": args.queries, "--qrels": args.qrels}
+    if missing := [flag for flag, value in given.items() if not value]:
+        raise ValueError(f"--corpus, --queries and --qrels go together: {' and '.join(missing)} missing")
+    if args.dataset_dir:
+        raise ValueError("give --dataset-dir or --corpus/--queries/--qrels, not both")
+    for flag, value in given.items():
+        if not Path(value).is_file():
+            raise FileNotFoundError(f"{flag} {value}: no such file")
+    if not args.queries.endswith(".jsonl"):
+        raise ValueError(f"--queries {args.queries}: give the queries as an uncompressed .jsonl file")
+    corpus, qrels = Path(args.corpus).resolve(), Path(args.qrels).resolve()
+    split = args.split or qrels.stem
+    with tempfile.TemporaryDirectory(prefix="matryoshka2d-beir-") as tmp:
+        folder = Path(tmp) / (corpus.parent.name or "dataset")
+        (folder / "qrels").mkdir(parents=True)
+        (folder / ("corpus.jsonl.gz" if corpus.name.endswith(".gz") else "corpus.jsonl")).symlink_to(corpus)
+        (folder / "queries.jsonl").symlink_to(Path(args.queries).resolve())
+        (folder / "qrels" / f"{split}.tsv").symlink_to(qrels)
+        args.corpus = args.queries = args.qrels = None
+        args.dataset_dir, args.split = [str(folder)], split
+        return cmd_retrieval(args)
 
 
 def _cascade(args, dirs: list[Path], split: str) -> int:
@@ -249,6 +279,9 @@ def register(sub, model_args) -> None:
     _common(p, model_args)
     p.add_argument("--dataset-dir", nargs="+", help="BEIR folders (default: DATA/retrieval/scifact)")
     p.add_argument("--split", help="qrels/<split>.tsv (default: test, or the folder's only split)")
+    p.add_argument("--corpus", help="a BEIR corpus file (JSON lines: _id, text, title), with --queries and --qrels")
+    p.add_argument("--queries", help="a BEIR queries file (JSON lines: _id, text)")
+    p.add_argument("--qrels", help="a qrels TSV (query-id, corpus-id, score); the split is its name")
     p.add_argument(
         "--cascade",
         help="small:full cells, e.g. 2:128,6:384: compare a cascade (shortlist from the small cell, rerank with the "
