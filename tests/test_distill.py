@@ -373,3 +373,16 @@ def test_serve_runs_a_query_encoder_next_to_its_teacher(teacher_dir, tiny_dir, t
     assert "was distilled from" in capsys.readouterr().err
     assert main([*serve, "--query-model", str(tiny_dir)]) == 2
     assert "not a query encoder" in capsys.readouterr().err
+
+
+def test_the_targets_computed_on_ray_are_the_local_ones(teacher_dir, text_file, sts_dev, tmp_path):
+    pytest.importorskip("ray", reason="ray (the [ray] extra, in dev) is not installed")
+    base = ["distill", "--teacher", str(teacher_dir), "--pooling", "mean", "--data", str(text_file), "--quiet"]
+    base += ["--no-exclude-sts-test", "--eval-file", str(sts_dev), "--steps", "1", "--exit-heads", "identity"]
+    assert main([*base, "--output", str(tmp_path / "local")]) == 0
+    assert main([*base, "--output", str(tmp_path / "ray"), "--engine", "ray", "--workers", "1"]) == 0
+    here, there = (TeacherTargets(tmp_path / name) for name in ("local", "ray"))
+    assert json.loads(there.record_path.read_text())["engine"] == "ray"
+    a = np.fromfile(here.vectors_path, dtype=np.float16).astype(np.float32)
+    b = np.fromfile(there.vectors_path, dtype=np.float16).astype(np.float32)
+    np.testing.assert_allclose(a, b, atol=2e-3)

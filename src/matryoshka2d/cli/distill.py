@@ -36,9 +36,52 @@ def cmd_distill(args) -> int:
     if args.eval_cell:
         cells = [list(c) for c in parse_cells(args.eval_cell)]
         values["eval_cell"] = cells[0] if len(cells) == 1 else cells
-    out = run_training(distill, values, args)
+    entry = distill
+    if args.engine == "ray":
+        engine = ray_targets(args, values)
+        entry = lambda config, **kw: distill(config, targets_engine=engine, **kw)  # noqa: E731
+    elif args.address or args.workers:
+        raise ValueError("--address and --workers are for --engine ray")
+    out = run_training(entry, values, args)
     print(f"student saved to {out}")
     return 0
+
+
+def ray_targets(args, values: dict):
+    """teacher -> engine(texts, chunk): the teacher's unit last-layer vectors computed on Ray, one model per actor,
+    as `index build --engine ray` encodes a corpus (retrieval.ray_engine); chunks come back in order."""
+    from matryoshka2d.retrieval.ray_engine import encode_on_ray, require_ray
+
+    require_ray(local=args.address is None)
+
+    def make(teacher_name: str):
+        def engine(texts, chunk: int):
+            from matryoshka2d.models.encoder import ElasticEncoder
+
+            teacher = ElasticEncoder(
+                teacher_name, pooling=values.get("pooling"), max_length=values.get("max_length"), device="cpu"
+            )  # as loaded from its folder: the model every worker loads
+            top, width = teacher.num_layers, teacher.hidden_size
+            blocks = [
+                (n, [(str(b + i), t) for i, t in enumerate(texts[b : b + chunk])])
+                for n, b in enumerate(range(0, len(texts), chunk))
+            ]
+            done: dict[int, object] = {}
+            encode_on_ray(
+                teacher,
+                blocks,
+                [(top, width)],
+                values.get("batch_size", 64),
+                lambda number, _ids, _texts, arrays: done.__setitem__(number, arrays[f"cell-{top}x{width}"]),
+                address=args.address,
+                workers=args.workers,
+            )
+            for n in range(len(blocks)):
+                yield done[n]
+
+        return engine
+
+    return make
 
 
 def register(sub, model_args) -> None:
@@ -112,6 +155,14 @@ def register(sub, model_args) -> None:
         default=True,
         help="leave out every sentence of the STS test sets (compared by lower-cased words; default on)",
     )
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="where the teacher's targets are computed: here, or on Ray (one model per actor, as index build does)",
+    )
+    p.add_argument("--address", help="--engine ray: a Ray cluster's HEAD:6379 (default: a local Ray)")
+    p.add_argument("--workers", type=int, help="--engine ray: actors (default: the cluster's CPUs)")
     run_options(p, "--resume", "--quiet")
     add_safety_flags(p)
     p.set_defaults(func=cmd_distill)

@@ -195,6 +195,8 @@ class DistillTrainer(Trainer):
     `config.method_options` the mode, layer, widths and temperature."""
 
     supports_processes = False  # one process: the targets are indexed by the step's rows, not gathered
+    # teacher -> engine(texts, chunk) for the targets' encoder pass elsewhere (the CLI's --engine ray); None: here
+    targets_engine = None
 
     def build_method(self) -> DistillObjective:
         cfg = self.config
@@ -259,7 +261,10 @@ class DistillTrainer(Trainer):
         if not resume:
             targets.remove()
         if self.step == 0 and not targets.exists():
-            self.targets = targets.compute(self.encoder, texts, self.teacher_sha, log=print, progress=self.progress)
+            engine = self.targets_engine(self.config.model) if self.targets_engine is not None else None
+            self.targets = targets.compute(
+                self.encoder, texts, self.teacher_sha, log=print, progress=self.progress, engine=engine
+            )
         else:
             self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size)
 
@@ -315,7 +320,17 @@ def _folder_record(encoder) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def distill(config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False):
-    """Train the student of `config` (a TrainConfig with method "distill"); returns the saved folder."""
+def distill(
+    config,
+    resume: bool = False,
+    progress: bool = True,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    targets_engine=None,
+):
+    """Train the student of `config` (a TrainConfig with method "distill"); returns the saved folder.
+    `targets_engine`: teacher name -> engine(texts, chunk) computing the targets elsewhere (Ray)."""
     RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the teacher loads
-    return DistillTrainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
+    trainer = DistillTrainer(config)
+    trainer.targets_engine = targets_engine
+    return trainer.run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)

@@ -85,9 +85,11 @@ class TeacherTargets:
         teacher_sha: str,
         log: Callable[[str], None] | None = None,
         progress: bool = True,
+        engine: Callable | None = None,
     ) -> np.ndarray:
         """Encode `texts` with the teacher chunk by chunk into the float16 file (written under a temporary name,
-        renamed when complete), record it, and return it memory-mapped."""
+        renamed when complete), record it, and return it memory-mapped. `engine(texts, chunk)`: another encoder
+        pass (`distill --engine ray`), yielding the unit vectors of each chunk of `chunk` texts in order."""
         from tqdm.auto import tqdm
 
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -96,15 +98,21 @@ class TeacherTargets:
         start = time.perf_counter()
         bar = tqdm(total=len(texts), desc="teacher targets", unit="text", disable=not progress)
         try:
+            chunks = (
+                engine(texts, CHUNK)
+                if engine is not None
+                else (unit_targets(teacher, texts[b : b + CHUNK]) for b in range(0, len(texts), CHUNK))
+            )
             with tmp.open("wb") as f:
-                for begin in range(0, len(texts), CHUNK):
-                    chunk = texts[begin : begin + CHUNK]
-                    f.write(unit_targets(teacher, chunk).astype(np.float16).tobytes())
-                    bar.update(len(chunk))
+                for vectors in chunks:
+                    f.write(np.asarray(vectors, dtype=np.float32).astype(np.float16).tobytes())
+                    bar.update(len(vectors))
                 f.flush()
                 os.fsync(f.fileno())
         finally:
             bar.close()
+        if tmp.stat().st_size != len(texts) * dim * 2:
+            raise TargetsError(f"{tmp}: the encoder pass gave {tmp.stat().st_size // (dim * 2)} of {len(texts)} rows")
         os.replace(tmp, self.vectors_path)
         seconds = round(time.perf_counter() - start, 1)
         record = {
@@ -117,6 +125,7 @@ class TeacherTargets:
             "teacher_weights_sha256": teacher_sha,
             "what": "the teacher's last-layer vectors, unit length",
             "seconds": seconds,
+            "engine": "ray" if engine is not None else "local",
         }
         self.record_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         if log:
