@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,41 +18,6 @@ GAIN_CELLS = ((1, 64), (3, 128), (5, 384))  # cells whose STS-B dev gain the fit
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr)
-
-
-def _beir_corpus(path: Path) -> Path | None:
-    """The corpus file of a BEIR folder (corpus.jsonl[.gz]), or the path itself if it is one; else None."""
-    if path.is_dir():
-        for name in ("corpus.jsonl", "corpus.jsonl.gz"):
-            if (path / name).is_file():
-                return path / name
-        return None
-    return path if path.name in ("corpus.jsonl", "corpus.jsonl.gz") else None
-
-
-def read_texts(sources: list[str]) -> Iterator[str]:
-    """Distinct texts of every source in order: training data of any kind (TSV or JSONL of triplets, NLI or
-    scored pairs), plain text files (one sentence per line), or a BEIR corpus (a folder holding corpus.jsonl, or
-    the file): its documents' title and text."""
-    from matryoshka2d.retrieval.shards import read_corpus
-    from matryoshka2d.training.data import read_sentences
-
-    seen: set[str] = set()
-    for source in sources:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"--data {source}: no such file or folder")
-        corpus = _beir_corpus(path)
-        if corpus is not None:
-            texts: Iterator[str] = (text for _, text in read_corpus(corpus))
-        elif path.is_dir():
-            raise ValueError(f"--data {source}: a folder, but not a BEIR corpus (no corpus.jsonl in it)")
-        else:
-            texts = iter(read_sentences(path))
-        for text in texts:
-            if text.strip() and text not in seen:
-                seen.add(text)
-                yield text
 
 
 def _sts_test_filter(wanted: bool | None) -> LeftOutSentences | None:
@@ -121,6 +85,7 @@ def cmd_heads_fit(args) -> int:
     from matryoshka2d.evaluate.grid import parse_ints
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
+    from matryoshka2d.training.distill import read_texts
 
     out = Path(args.output)
     check_new_output(out, args.overwrite)
@@ -138,7 +103,7 @@ def cmd_heads_fit(args) -> int:
         except FileNotFoundError as exc:  # no data folder at all
             dev_file, missing = None, str(exc)
         select, dev = ridge_selection(select, dev_file, missing)
-    texts = read_texts(args.data)
+    texts = read_texts(args.data)  # BEIR documents whole here (no tokenizer given: no passages)
     excluded = _sts_test_filter(args.exclude_sts_test)
     if excluded is not None:
         texts = excluded.filter(texts)

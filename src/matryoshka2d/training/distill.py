@@ -14,7 +14,8 @@ Two shapes:
 - mode "query" (a query encoder for an existing index): only the first n layers and the head of layer n learn; the
   folder is the student cut to n layers with its head as a Dense module. Its vectors live in the teacher's space, so
   documents indexed by the teacher stay valid; the folder records the teacher's weights checksum (`distill` in
-  matryoshka2d.json), which search checks when the two meet (models.identity.query_model_teacher).
+  matryoshka2d.json), which search, eval retrieval and serve check where the two meet
+  (models.identity.check_query_encoder).
 
 The loss, per trained layer, is matryoshka2d.training.teacher.distill_term ("cos" by default: 1 - cos on nested
 prefixes of the widths the cells use, 64/128/256/384 for minilm-l6; "mse"; "relational"); layers are weighted
