@@ -72,8 +72,11 @@ def main() -> None:
     best = {n: (float("inf"), float("inf")) for n in timed}
     for r in range(args.rounds):
         for n in timed if r % 2 == 0 else timed[::-1]:
-            call = (lambda q, n=n: enc.encode([q], layer=n)) if n in layers else students[n].encode
-            wall, cpu = time_calls(lambda q, call=call: call([q]), queries, args.calls)
+            if n in layers:
+                call = lambda q, n=n: enc.encode([q], layer=n)  # noqa: E731
+            else:
+                call = lambda q, student=students[n]: student.encode([q])  # noqa: E731
+            wall, cpu = time_calls(call, queries, args.calls)
             best[n] = (min(best[n][0], wall), min(best[n][1], cpu))
     full = enc.num_layers
     print(f"\nmodel {args.model}: {full} layers x {enc.hidden_size}, {args.threads} torch thread(s)")
