@@ -17,17 +17,50 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _embedder(args, default_cells=None) -> EncoderCells:
-    """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults)."""
+def _served(args) -> str:
+    """The backend named by --backend and --quantize (deploy/served.py), checked before any model is loaded."""
+    from matryoshka2d.deploy.served import backend_name
+
+    if args.quantize and args.backend != "onnx":
+        raise ValueError("--quantize int8 applies to --backend onnx (the torch backend scores in fp32)")
+    if args.backend == "onnx":
+        if getattr(args, "compare_heads", False):
+            raise ValueError(
+                "--compare-heads scores torch's cells with and without heads from one pass; drop it with "
+                "--backend onnx (the graphs hold the heads)"
+            )
+        if args.device not in (None, "cpu"):
+            raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
+    return backend_name(args.backend, args.quantize)
+
+
+def _embedder(args, default_cells=None):
+    """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults), computed
+    by torch or by the serving backend's graphs (--backend onnx [--quantize int8])."""
     from matryoshka2d.cli.args import load_encoder
 
     if args.max_length is not None and args.max_length < 1:
         raise ValueError(f"--max-length must be at least 1 token, got {args.max_length}")
-    encoder = load_encoder(args, max_length=args.max_length, log=_log)
+    backend = _served(args)
+    encoder = load_encoder(
+        args, max_length=args.max_length, log=_log, **({"device": "cpu"} if backend != "torch" else {})
+    )
     layers, dims = parse_ints(args.layers, "layers"), parse_ints(args.dims, "dims")
     if default_cells is not None:
         default_layers, default_dims = default_cells(encoder.num_layers, encoder.hidden_size)
         layers, dims = layers or default_layers, dims or default_dims
+    if backend != "torch":
+        from matryoshka2d.deploy.served import BackendCells, make_backend
+        from matryoshka2d.evaluate import grid
+
+        layers, dims = grid.check_cells(  # before any graph is built
+            layers or range(1, encoder.num_layers + 1),
+            dims or grid.default_dims(encoder.hidden_size),
+            encoder.num_layers,
+            encoder.hidden_size,
+        )
+        served = make_backend(encoder, backend, layers, batch_size=args.batch_size, log=_log)
+        return BackendCells(encoder, served, layers, dims, show_progress=not args.quiet)
     compare = bool(getattr(args, "compare_heads", False))
     if compare and encoder.exit_heads is None:
         raise ValueError(f"--compare-heads: {encoder.name} has no exit heads to compare (heads fit makes them)")
@@ -134,6 +167,8 @@ def cmd_retrieval(args) -> int:
     split = splits.pop()
     _log(f"retrieval split: {split}")
     if args.cascade or args.query_layer or args.query_model:
+        if args.backend != "torch":
+            raise ValueError("--backend onnx scores grids; --cascade, --query-layer and --query-model run on torch")
         return _cascade(args, dirs, split)
     return _evaluate(args, lambda cells: evaluate_retrieval(cells, dirs, split=split, log=_log), _embedder(args))
 
@@ -217,6 +252,14 @@ def _common(p, model_args) -> None:
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", required=True, help="directory for results.json/.md/.csv and heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--backend",
+        choices=["torch", "onnx"],
+        default="torch",
+        help="what computes the cells: torch, or the ONNX graphs `serve --backend onnx` serves (built and cached "
+        "the same way; results record each graph's sha256)",
+    )
+    p.add_argument("--quantize", choices=["int8"], help="onnx backend: score the dynamic int8 graphs")
     p.add_argument(
         "--compare-heads",
         action="store_true",

@@ -106,7 +106,8 @@ class EncoderCells:
         return _Remembered(self, self._without)
 
     def info(self) -> dict:
-        return {**self.encoder.info(), "batch_size": self.batch_size}
+        precision = str(next(self.encoder.parameters()).dtype).replace("torch.", "")
+        return {**self.encoder.info(), "batch_size": self.batch_size, "backend": "torch", "precision": precision}
 
 
 class _Remembered:
