@@ -9,9 +9,11 @@ API, validation, micro-batching, slicing to `dimensions`, normalising, errors) t
 - OnnxBackend: one ONNX graph per exit layer, each exactly `encoder.forward(features, [layer])` (ExitGraph in
   deploy/export.py: the layers up to the exit, pooling, and whatever forward applies after pooling), full
   width; the width is sliced after, by the server. `quantize="int8"` runs onnxruntime's dynamic int8
-  quantization of each graph. The graphs are cached beside the model (GraphCache): a manifest holds the
-  checksum of the source weights and of every graph; a graph that is missing, whose file does not match its
-  checksum, or that was built from other weights is rebuilt, never used. One onnxruntime session per layer,
+  quantization of each graph (only the int8 graphs are kept: build_graph). The graphs are cached beside the
+  model (GraphCache): a manifest holds the checksum of the source weights and of every graph; a graph that is
+  missing, whose file does not match its checksum, or that was built from other weights is rebuilt, never used,
+  and so is one that, when a process first uses it, does not reproduce the model on a few fixed texts as the
+  build checked, or does not load (deploy/graph_check.py). One onnxruntime session per layer,
   loaded at its first request, or up front for the layers given (`layers`): then only those are served, and
   memory is the sum of their sessions (measured at load: `session_mb`).
 """
@@ -29,7 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matryoshka2d.deploy.export import CHECK_SENTENCES, ExportError, export_exit, graph_metadata, quantize_int8
+from matryoshka2d.deploy.export import ExportError, export_exit, graph_metadata, quantize_int8
+from matryoshka2d.deploy.graph_check import INT8_MIN_COSINE, check_graph, cosines, reference, run_reference
+from matryoshka2d.deploy.graph_check import session as _session
 from matryoshka2d.files import file_sha256
 from matryoshka2d.models.batching import inference_batches, pad_rows
 from matryoshka2d.models.encoder import ElasticEncoder
@@ -138,6 +142,12 @@ class GraphCache:
             return None
         return path
 
+    def drop(self, layer: int, quantize: str | None) -> None:
+        """Forget a graph that failed its check (and remove its file), so that it is rebuilt."""
+        name = self.file_name(layer, quantize)
+        self.graphs.pop(name, None)
+        (self.folder / name).unlink(missing_ok=True)
+
     def add(self, built: Path, layer: int, quantize: str | None, details: dict) -> Path:
         """Move a built graph into place and record it (the manifest is rewritten atomically)."""
         name = self.file_name(layer, quantize)
@@ -157,55 +167,56 @@ class GraphCache:
         return path
 
 
-def _reference(encoder: ElasticEncoder, layer: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The check sentences as model inputs, and what encoder.forward makes of them at `layer`."""
-    features = encoder.tokenize(CHECK_SENTENCES)
-    with torch.inference_mode():
-        expected = encoder.forward(features, [layer])[layer].float().cpu().numpy()
-    return {k: v.cpu().numpy().astype(np.int64) for k, v in features.items()}, expected
+def trusted(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize: str | None, log) -> Path | None:
+    """The cached graph of `layer`, if the manifest vouches for it and it computes this model's layer
+    (graph_check.check_graph: fp32 within ONNX_ATOL of torch, int8 by cosine, on the fixed check sentences);
+    a graph that fails is dropped from the cache, with a line saying why, and None returned (build it)."""
+    path = cache.valid(layer, quantize)
+    if path is None:
+        return None
+    problem = check_graph(encoder, path, layer, quantize, cache.graphs[path.name])
+    if problem is None:
+        return path
+    log(f"the cached ONNX graph {path} {problem}: it is not used, and is rebuilt")
+    cache.drop(layer, quantize)
+    return None
 
 
-def _session(path: Path, threads: int):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
-    return np.einsum("ij,ij->i", a, b)
-
-
-def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize: str | None) -> Path:
+def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize: str | None, log=None) -> Path:
     """Export (and quantize) one exit layer into the cache. The fp32 graph reproduces encoder.forward within
     ONNX_ATOL (export_onnx checks it and records how closely); the int8 one records how closely it agrees (max
-    |difference|, lowest cosine)."""
+    |difference|, lowest cosine) and must reach INT8_MIN_COSINE.
+
+    An int8 graph is quantized from the fp32 graph of its layer: the cached one when the cache holds it (and it
+    passes its check), else one exported for it into a temporary folder and not kept. Only what is served is
+    written: the fp32 graphs of an int8 server would be four times the disk of its int8 graphs (minilm-l6: 535 MB
+    for six layers of both, of which int8 about 130), and rebuilding one costs seconds per layer."""
+    log = log or (lambda message: print(message, file=sys.stderr))
     cache.folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache.folder, prefix=".build-") as tmp:
-        fp32 = cache.valid(layer, None)
+        fp32 = trusted(encoder, cache, layer, None, log) if quantize else None
         if fp32 is None:
-            built = export_exit(encoder, layer, Path(tmp) / "exit.onnx")
-            made = graph_metadata(built)
-            details = {
-                "exporter": made["exporter"],
-                "max_abs_difference_vs_torch": float(made["max_abs_difference_vs_torch"]),
-            }
-            fp32 = cache.add(built, layer, None, details)
-        if quantize is None:
-            return fp32
-        features, expected = _reference(encoder, layer)
+            fp32 = export_exit(encoder, layer, Path(tmp) / "exit.onnx")
+            if quantize is None:
+                made = graph_metadata(fp32)
+                details = {
+                    "exporter": made["exporter"],
+                    "max_abs_difference_vs_torch": float(made["max_abs_difference_vs_torch"]),
+                }
+                return cache.add(fp32, layer, None, details)
+        features, expected = reference(encoder, layer)
         built = quantize_int8(fp32, Path(tmp) / "exit.int8.onnx")
-        session = _session(built, 1)
-        got = session.run(None, {i.name: features[i.name] for i in session.get_inputs()})[0]
+        got = run_reference(built, features)
         agreement = {
             "max_abs_difference_vs_torch": float(np.abs(got - expected).max()),
-            "min_cosine_vs_torch": float(_cosines(got, expected).min()),
+            "min_cosine_vs_torch": float(cosines(got, expected).min()),
         }
+        if not agreement["min_cosine_vs_torch"] >= INT8_MIN_COSINE:
+            raise ExportError(
+                f"int8 quantization of layer {layer} of {encoder.name} agrees with the model only to a lowest cosine "
+                f"of {agreement['min_cosine_vs_torch']:.4f} on the check sentences (at least {INT8_MIN_COSINE} is "
+                "served): serve it in fp32 (no --quantize)"
+            )
         return cache.add(built, layer, quantize, agreement)
 
 
@@ -242,10 +253,10 @@ class OnnxBackend:
         # this the torch model is no longer needed, and a request never waits for an export.
         self.paths = {}
         for n in self.layers:
-            path = self.cache.valid(n, quantize)
+            path = trusted(encoder, self.cache, n, quantize, self.log)
             if path is None:
                 self.log(f"building the ONNX graph of layer {n}{' (int8)' if quantize else ''} in {folder}")
-                path = build_graph(encoder, self.cache, n, quantize)
+                path = build_graph(encoder, self.cache, n, quantize, self.log)
             self.paths[n] = path
         self.sessions: dict[int, object] = {}
         self.session_mb: dict[int, float] = {}

@@ -1,0 +1,107 @@
+"""Whether an ONNX exit graph from the serving cache (deploy/backends.py, GraphCache) may be served.
+
+The manifest's checksums say a graph is the file that was written; they do not say it computes this model (a
+manifest can be edited, a folder copied from another model). So a cached graph, the first time a process uses
+it, must do what the build checked: reproduce `encoder.forward` at its layer on the fixed CHECK_SENTENCES, fp32
+within ONNX_ATOL (as export_onnx checks it), int8 with a lowest cosine no worse than the build recorded and at
+least INT8_MIN_COSINE. A graph onnxruntime cannot load or run (an unknown or custom op, a damaged file) fails the
+check the same way, and so does one whose external data is named outside the cache folder: that is refused
+before onnxruntime opens anything. A graph that fails is rebuilt, never served (`check_graph` says why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from matryoshka2d.deploy.export import CHECK_SENTENCES, ONNX_ATOL
+from matryoshka2d.files import inside
+from matryoshka2d.models.encoder import ElasticEncoder
+
+# The lowest cosine an int8 graph may have against torch on CHECK_SENTENCES: dynamic int8 quantization with one
+# scale per channel gives 0.99 and more on minilm-l6 (docs/benchmarks.md, issue 19); a graph of another model, or
+# quantization that broke the model, gives far less. A cached int8 graph must also be within INT8_COSINE_SLACK of
+# the cosine its build recorded (the same graph gives the same numbers but for the order of float sums).
+INT8_MIN_COSINE = 0.9
+INT8_COSINE_SLACK = 1e-3
+
+
+def reference(encoder: ElasticEncoder, layer: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The check sentences as model inputs, and what encoder.forward makes of them at `layer`."""
+    features = encoder.tokenize(CHECK_SENTENCES)
+    with torch.inference_mode():
+        expected = encoder.forward(features, [layer])[layer].float().cpu().numpy()
+    return {k: v.cpu().numpy().astype(np.int64) for k, v in features.items()}, expected
+
+
+def session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return np.einsum("ij,ij->i", a, b)
+
+
+def run_reference(path: Path, features: dict[str, np.ndarray], threads: int = 1) -> np.ndarray:
+    graph = session(path, threads)
+    return graph.run(None, {i.name: features[i.name] for i in graph.get_inputs()})[0]
+
+
+def external_data_inside(path: Path) -> None:
+    """Refuse (ValueError) a graph whose tensors name external data outside its folder, before anything but the
+    graph file itself is read."""
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            location = {e.key: e.value for e in tensor.external_data}.get("location")
+            inside(path.parent, location, f"the ONNX graph {path}, tensor {tensor.name!r},")
+
+
+def int8_floor(entry: dict) -> float:
+    recorded = entry.get("min_cosine_vs_torch")
+    recorded = float(recorded) if isinstance(recorded, int | float) and np.isfinite(recorded) else INT8_MIN_COSINE
+    return max(INT8_MIN_COSINE, recorded - INT8_COSINE_SLACK)
+
+
+def check_graph(encoder: ElasticEncoder, path: Path, layer: int, quantize: str | None, entry: dict) -> str | None:
+    """None if the cached graph at `path` computes layer `layer` of `encoder` (as `entry`, its manifest record,
+    says it was built), else what is wrong with it."""
+    try:
+        external_data_inside(path)
+    except ValueError as exc:
+        return str(exc)
+    except Exception as exc:  # onnx cannot parse it
+        return f"is not a readable ONNX graph ({type(exc).__name__}: {_first_line(exc)})"
+    features, expected = reference(encoder, layer)
+    try:
+        got = run_reference(path, features)
+    except Exception as exc:  # onnxruntime: an unknown or custom op, a graph that does not run
+        return f"does not load or run in onnxruntime ({type(exc).__name__}: {_first_line(exc)})"
+    if got.shape != expected.shape:
+        return f"gives vectors of shape {got.shape} where the model gives {expected.shape}"
+    if quantize is None:
+        diff = float(np.abs(got - expected).max())
+        if not diff <= ONNX_ATOL:
+            return f"differs from the model at layer {layer} by up to {diff:.2e} (more than {ONNX_ATOL:g})"
+        return None
+    lowest, floor = float(cosines(got, expected).min()), int8_floor(entry)
+    if not lowest >= floor:
+        return f"agrees with the model at layer {layer} only to a lowest cosine of {lowest:.4f} (needs {floor:.4f})"
+    return None
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
