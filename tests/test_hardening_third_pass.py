@@ -2,6 +2,8 @@
 no NaN is passed on, and flags that would be ignored are refused (docs/reliability.md, section 9)."""
 
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,3 +172,64 @@ def test_an_index_records_where_its_model_is_so_search_works_from_another_direct
     capsys.readouterr()
     assert main(["search", "--index", str(tmp_path / "idx"), "--query", "text number 3", "--top-k", "1"]) == 0
     assert "d3" in capsys.readouterr().out
+
+
+def test_an_onnx_cache_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("matryoshka2d.cli.args.load_encoder", lambda *a, **k: pytest.fail("the model was loaded"))
+    file = tmp_path / "cache"
+    file.write_text("not a folder")
+    for cache in (file, file / "graphs"):
+        assert main(["serve", "--model", str(tiny_dir), "--backend", "onnx", "--onnx-cache", str(cache)]) == 2
+        assert f"--onnx-cache {cache}: {file} is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the Ray watchdog reads /proc (Linux)")
+def test_what_a_local_ray_leaves_of_a_build_killed_with_sigkill_is_ended():
+    """A local Ray's agents outlived a killed `index build --engine ray` by 1-2 minutes: the watchdog the build
+    starts ends every process descended from the build once the build is gone. Here stand-ins play Ray's
+    processes: one the build started, one that a child of the build started after the watchdog."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    build = f"""
+import subprocess, sys, time
+from matryoshka2d.retrieval.ray_watchdog import watch
+quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+head = subprocess.Popen({sleeper!r}, **quiet)
+dog = watch()
+agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+    "print(subprocess.Popen({sleeper!r}).pid, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+grandchild = int(agent.stdout.readline())
+time.sleep(1.5)  # the watchdog looks every 0.5 s
+print(head.pid, grandchild, dog.pid, flush=True)
+time.sleep(120)
+"""
+    other = subprocess.Popen(sleeper)  # not the build's: left alone
+    driver = subprocess.Popen([sys.executable, "-c", build], stdout=subprocess.PIPE, text=True)
+    head, grandchild, dog = (int(n) for n in driver.stdout.readline().split())
+    try:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        for _ in range(600):  # the watchdog acts at once; this only bounds the wait
+            if not _alive(dog):
+                break
+            time.sleep(0.05)
+        assert not _alive(head) and not _alive(grandchild)
+        assert _alive(other.pid)
+    finally:
+        other.kill()
+        other.wait()
+        for pid in (head, grandchild, dog):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a parent that does not reap it counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

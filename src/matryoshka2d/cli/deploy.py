@@ -71,6 +71,12 @@ def cmd_serve(args) -> int:
         ]
         raise ValueError(f"{', '.join(used)} apply to --backend onnx; the torch backend serves every layer in fp32")
     layers = parse_layers(args.layers) if args.layers is not None else None
+    if args.onnx_cache:  # before the model loads: makedirs would fail only after, with "[Errno 17] File exists"
+        from matryoshka2d.deploy.backends import cache_folder_problem
+
+        problem = cache_folder_problem(args.onnx_cache)
+        if problem:
+            raise ValueError(f"--onnx-cache {args.onnx_cache}: {problem}")
     if args.backend == "onnx" and args.device not in (None, "cpu"):
         raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
     check_listen(args.host, args.port)

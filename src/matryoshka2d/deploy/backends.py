@@ -114,6 +114,20 @@ def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
     return cache_dir() / CACHE_FOLDER / f"{name}-{digest[:12]}"
 
 
+def cache_folder_problem(folder: str | Path) -> str | None:
+    """What stops `folder` from being (made) a graph cache, or None: it, or a folder above it, is a file; or it
+    does not exist and cannot be created where it would go."""
+    folder = Path(folder)
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if not path.is_dir():
+                return f"{path} is a file, not a folder; give a folder for the ONNX graphs"
+            if path != folder and not os.access(path, os.W_OK | os.X_OK):
+                return f"cannot be created: {path} is not writable"
+            return None
+    return None
+
+
 class GraphCache:
     """The cache folder: `layer-N.onnx` / `layer-N.int8.onnx` and a manifest with the checksum of the source
     weights and of each graph. A graph counts only if the manifest names it, for these weights, with the

@@ -10,7 +10,8 @@ directory is, whatever node encoded them, and a killed build resumes from the sh
 actor reports its model's weights checksum, and a shard from a different model is refused.
 
 Workers must be able to import matryoshka2d and load the model (same version and folder on every node of a
-cluster). Locally, without `--address`, a Ray instance is started for the build and stopped after it.
+cluster). Locally, without `--address`, a Ray instance is started for the build and stopped after it; a watchdog
+ends what is left of it when the build ends, also when it is killed (retrieval/ray_watchdog.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from matryoshka2d.retrieval.index import encode_cells, model_identity
+from matryoshka2d.retrieval.ray_watchdog import watch
 from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for a Ray head to accept a connection
@@ -112,7 +114,7 @@ def encode_on_ray(
     blocks = dict(pending)
     if not blocks:
         return
-    started = False
+    started, watchdog = False, None
     if not ray.is_initialized():
         if address:
             check_address(address)
@@ -121,6 +123,7 @@ def encode_on_ray(
             except (ConnectionError, RuntimeError) as exc:
                 raise IndexBuildError(f"--address {address}: could not join the Ray cluster ({exc})") from None
         else:
+            watchdog = watch()  # ends this Ray's processes with this one, also on kill -9: see ray_watchdog.py
             ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
         started = True
     try:
@@ -178,3 +181,5 @@ def encode_on_ray(
     finally:
         if started:
             ray.shutdown()
+        if watchdog is not None:
+            watchdog.stdin.close()  # sets it off: whatever the shutdown left of this node goes now
