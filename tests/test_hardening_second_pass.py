@@ -311,8 +311,8 @@ def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys):
 
 
 def test_exit_heads_on_one_side_and_off_on_the_other(tiny_dir, built, tokenizer, tmp_path, monkeypatch, capsys):
-    """A folder with exit heads gives other weights with --no-heads (the checksum covers the heads): search says
-    which flag matches the index; pick times the model the way its results were evaluated."""
+    """A folder with exit heads gives other vectors with --no-heads at a layer with a head: search says which flag
+    matches the index; pick times the model the way its results were evaluated."""
     from test_eval_sts import sts_tree
 
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:400]
@@ -328,7 +328,7 @@ def test_exit_heads_on_one_side_and_off_on_the_other(tiny_dir, built, tokenizer,
     assert main([*build, "--output", str(index), "--no-heads"]) == 0
     capsys.readouterr()
     assert main(["search", "--index", str(index), "--query", "cats"]) == 2
-    one_line_error(capsys, "has other weights", "exit heads left off: pass --no-heads")
+    one_line_error(capsys, "vectors at layer 2 were made without an exit head", "applies one there: pass --no-heads")
     assert main(["search", "--index", str(index), "--query", "cats", "--no-heads"]) == 0
 
     monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))

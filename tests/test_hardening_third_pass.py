@@ -174,6 +174,32 @@ def test_an_index_records_where_its_model_is_so_search_works_from_another_direct
     assert "d3" in capsys.readouterr().out
 
 
+def test_a_model_that_gives_an_index_its_vectors_may_query_it_whatever_else_it_adds(
+    heads_folder, tiny_dir, tmp_path, capsys
+):
+    """Exit heads fitted on a model leave its last layer as it was: they may query an index the untouched model
+    built at that layer (queries at any layer, with their heads); at a layer where a head acts, the refusal says
+    so. An index from before its vectors' identity was recorded is judged the same way."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "text": f"text number {i}"}) + "\n" for i in range(12)))
+    build = ["index", "build", "--model", str(tiny_dir), "--pooling", "mean", "--corpus", str(corpus)]
+    assert main([*build, "--cells", "4:32", "--output", str(tmp_path / "last")]) == 0
+    assert main([*build, "--cells", "2:16,4:32", "--output", str(tmp_path / "both")]) == 0
+    search = ["search", "--model", str(heads_folder), "--query", "text number 3", "--top-k", "1"]
+    capsys.readouterr()
+    assert main([*search, "--index", str(tmp_path / "last")]) == 0
+    assert main([*search, "--index", str(tmp_path / "last"), "--query-layer", "2"]) == 0
+    assert "d3" in capsys.readouterr().out
+    assert main([*search, "--index", str(tmp_path / "both")]) == 2
+    err = capsys.readouterr().err
+    assert "its vectors at layer 2 were made without an exit head" in err and "pass --no-heads" in err
+    manifest = tmp_path / "last" / "manifest.json"
+    older = json.loads(manifest.read_text())
+    del older["vectors"]  # as an index built before this records it
+    manifest.write_text(json.dumps(older))
+    assert main([*search, "--index", str(tmp_path / "last")]) == 0
+
+
 def test_an_onnx_cache_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("matryoshka2d.cli.args.load_encoder", lambda *a, **k: pytest.fail("the model was loaded"))
     file = tmp_path / "cache"

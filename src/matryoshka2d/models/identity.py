@@ -87,3 +87,103 @@ def check_query_cells(record: dict, student: str, cells, where: str) -> None:
             f"{where}: cells {', '.join(f'{n}:{d}' for n, d in bad)} hold documents at a shallow layer, but the query "
             f"encoder {student} was trained towards its teacher's layer {top}: search cells at layer {top}"
         )
+
+
+# ---- what an index's vectors depend on (issue 32, case 13) -----------------------------------------------------
+#
+# A whole-model checksum says two models are the same; it does not say they give the same vectors at a cell. The
+# vectors at layer l are the pooled layer l of the backbone (the transformer and any pooler head), mapped by the
+# exit head of layer l if the model has one there: a model with exit heads fitted on minilm-l6 gives minilm-l6's
+# own vectors at the last layer (no head there). An index records the backbone checksum and the checksum of the
+# head of each layer it holds (None: no head); a query model that matches both at those layers may query it, with
+# its own heads at any other layer (--query-layer).
+
+
+def head_sha256(encoder, layer: int) -> str | None:
+    """sha256 of the exit head that maps layer `layer`'s pooled vectors (what it reads and its tensors, as float32),
+    or None when the model has no head there."""
+    heads = getattr(encoder, "exit_heads", None)
+    if heads is None or not heads.has(layer):
+        return None
+    digest = hashlib.sha256(f"{heads.kind}|reads {heads.reads(layer)}".encode())
+    with torch.no_grad():
+        for name, tensor in sorted(heads.heads[str(layer)].state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def vectors_identity(encoder, layers) -> dict:
+    """What the vectors of `layers` depend on: the backbone's weights and the exit head of each layer."""
+    from matryoshka2d.models.heads import backbone_sha256
+
+    return {
+        "backbone_sha256": backbone_sha256(encoder),
+        "exit_heads_sha256": {str(n): head_sha256(encoder, n) for n in sorted({int(n) for n in layers})},
+    }
+
+
+def vectors_difference(model: dict, vectors: dict | None, encoder, layers) -> str | None:
+    """None when `encoder` gives the vectors at `layers` that the recorded model gave (`model`: its identity with
+    `weights_sha256`; `vectors`: vectors_identity at build time, None for an index built before it was recorded),
+    else what differs, as the end of a sentence that begins with the index's place and model."""
+    mine = weights_sha256(encoder)
+    if not model.get("weights_sha256") or model["weights_sha256"] == mine:
+        return None  # the same model, heads and all
+    name, layers = encoder.name, sorted({int(n) for n in layers})
+    leave = "search with the index's model (leave out --model) or build an index with this one"
+    if isinstance(vectors, dict) and vectors.get("backbone_sha256"):
+        from matryoshka2d.models.heads import backbone_sha256
+
+        backbone = backbone_sha256(encoder)
+        if backbone != vectors["backbone_sha256"]:
+            return (
+                f"backbone weights sha256 {short(vectors['backbone_sha256'])}, but the query model {name} has other "
+                f"weights (backbone sha256 {short(backbone)}); {leave}"
+            )
+        recorded = vectors.get("exit_heads_sha256") or {}
+        for n in layers:
+            want, have = recorded.get(str(n)), head_sha256(encoder, n)
+            if want == have:
+                continue
+            if want is None:
+                return (
+                    f"its vectors at layer {n} were made without an exit head, but the query model {name} (the same "
+                    "backbone) applies one there: pass --no-heads, or build an index with this model"
+                )
+            if have is None:
+                off = "; its exit heads are left off (--no-heads): leave that flag out" if _heads_off(encoder) else ""
+                return (
+                    f"its vectors at layer {n} were made with an exit head (sha256 {short(want)}), but the query model "
+                    f"{name} (the same backbone) has none there{off}; or build an index with this model"
+                )
+            return (
+                f"its vectors at layer {n} were made with another exit head (sha256 {short(want)}) than the query "
+                f"model {name} applies there (sha256 {short(have)}; the same backbone); {leave}"
+            )
+        return None
+    # An index from before the vectors' identity was recorded: its model's checksum covers any exit heads it had.
+    heads = getattr(encoder, "exit_heads", None)
+    if heads is not None:
+        encoder.set_exit_heads(None)
+        try:
+            without = weights_sha256(encoder)
+        finally:
+            encoder.set_exit_heads(heads)
+        if without == model["weights_sha256"]:
+            at = [n for n in layers if heads.has(n)]
+            if not at:
+                return None  # this model's backbone without heads built it, and no head acts at its layers
+            return (
+                f"its vectors at layer {at[0]} were made by this backbone without exit heads, but the query model "
+                f"{name} applies one there: pass --no-heads, or build an index with this model"
+            )
+    hint = "; this model's exit heads are left off (--no-heads): the index may have been built with them"
+    return (
+        f"weights sha256 {short(model['weights_sha256'])}, but the query model {name} has other weights (sha256 "
+        f"{short(mine)}); {leave}{hint if _heads_off(encoder) else ''}"
+    )
+
+
+def _heads_off(encoder) -> bool:
+    return getattr(encoder, "exit_heads", None) is None and getattr(encoder, "folder_has_heads", False)

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import DataFormatError, file_sha256
+from matryoshka2d.models.identity import vectors_identity
 from matryoshka2d.retrieval.shards import (
     FORMAT,
     INDEX_KINDS,
@@ -341,7 +342,10 @@ def build_index(
             replace = store.check_collection(settings, overwrite=overwrite)
         finally:
             store.close()  # reopened to fill it: local mode locks its folder while a client is open
-    manifest = {**settings, "shards": [], "shard_inputs": {}, "documents": 0, "complete": False}
+    # What the vectors of each cell depend on (models/identity.py): a model that gives the same vectors there may
+    # query the index, with its own exit heads elsewhere. Apart from the settings: an older build resumes.
+    vectors = vectors_identity(encoder, [n for n, _ in cells])
+    manifest = {**settings, "vectors": vectors, "shards": [], "shard_inputs": {}, "documents": 0, "complete": False}
     if (out / "manifest.json").is_file() and not overwrite:
         old = read_manifest(out)
         old.setdefault("backend", "faiss")  # builds from before the qdrant backend
@@ -356,6 +360,7 @@ def build_index(
             log(f"{out}: already complete ({old['documents']} documents); nothing to do")
             return old
         manifest = old
+        manifest.setdefault("vectors", vectors)  # the same model (weights_sha256 above): its vectors' identity
         log(f"{out}: resuming after {len(old['shards'])} finished shards ({old['documents']} documents)")
     elif out.exists() and overwrite:
         for stale in itertools.chain(out.glob("cell-*.faiss"), out.glob("cell-*.npy"), shards_dir.glob("*.npz")):

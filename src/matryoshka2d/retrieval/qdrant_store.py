@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.retrieval.index import model_identity
 from matryoshka2d.retrieval.search import SearchIndex
 from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, load_shards, read_shard_texts, write_json
 
@@ -298,7 +297,11 @@ class QdrantIndex(SearchIndex):
                 f"{self.directory}: built with {want['model']} ({want['layers']} layers x {want['hidden_size']}), "
                 f"but the query model {encoder.name} has {encoder.num_layers} x {encoder.hidden_size}"
             )
-        check_same_model(want, model_identity(encoder), self.directory)
+        from matryoshka2d.models.identity import vectors_difference
+
+        differs = vectors_difference(want, self.manifest.get("vectors"), encoder, [n for n, _ in self.cells])
+        if differs:
+            raise IndexBuildError(f"{self.directory}: was built from another model ({want.get('model')}): {differs}")
 
     def requests(self, vectors: dict[Cell, np.ndarray], cell: Cell | None, cascade, shortlist: int, top_k: int):
         from qdrant_client import models

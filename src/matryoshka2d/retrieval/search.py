@@ -146,24 +146,6 @@ class Hits:
     description: str
 
 
-def _heads_hint(encoder, want: dict) -> str:
-    """Why the same folder can give other weights: its exit heads (models/heads.py) on one side and off on the
-    other. The checksum covers them, so a query model with the heads on is compared again without them."""
-    from matryoshka2d.models.identity import weights_sha256
-
-    heads = getattr(encoder, "exit_heads", None)
-    if heads is not None:
-        encoder.set_exit_heads(None)
-        try:
-            if weights_sha256(encoder) == want["weights_sha256"]:
-                return "; the index was built with this model's exit heads left off: pass --no-heads"
-        finally:
-            encoder.set_exit_heads(heads)
-    elif getattr(encoder, "folder_has_heads", False):
-        return "; this model's exit heads are left off (--no-heads): the index may have been built with them"
-    return ""
-
-
 REBUILD = "rebuild the index with `matryoshka2d index build ... --overwrite`"
 
 
@@ -342,10 +324,11 @@ class CellIndex(SearchIndex):
         return self._rescoring[cell]
 
     def check_encoder(self, encoder) -> None:
-        """The query model must be the index's model: same depth and width, same weights (the manifest's
-        weights_sha256 against the query model's) and the same pooling. A model of the same shape with other
-        weights would return confident, meaningless neighbours."""
-        from matryoshka2d.models.identity import short, weights_sha256
+        """The query model must give the index's vectors at its cells: same depth and width, the same pooling, and
+        the same weights (the manifest's weights_sha256), or the same backbone and the same exit head (or none) at
+        each layer the index holds (its `vectors` record; models/identity.py, vectors_difference). A model of the
+        same shape with other weights would return confident, meaningless neighbours."""
+        from matryoshka2d.models.identity import vectors_difference
 
         want = self.manifest["model"]
         built = f"{want.get('model')}" + (f" ({want['location']})" if want.get("location") else "")
@@ -354,14 +337,9 @@ class CellIndex(SearchIndex):
                 f"{self.directory}: built with {built} ({want['layers']} layers x {want['hidden_size']}), "
                 f"but the query model {encoder.name} has {encoder.num_layers} x {encoder.hidden_size}"
             )
-        if want.get("weights_sha256"):
-            mine = weights_sha256(encoder)
-            if mine != want["weights_sha256"]:
-                raise IndexBuildError(
-                    f"{self.directory}: built with {built}, weights sha256 {short(want['weights_sha256'])}, but the "
-                    f"query model {encoder.name} has other weights (sha256 {short(mine)}); search with the index's "
-                    f"model (leave out --model) or build an index with this one{_heads_hint(encoder, want)}"
-                )
+        differs = vectors_difference(want, self.manifest.get("vectors"), encoder, [n for n, _ in self.cells])
+        if differs:
+            raise IndexBuildError(f"{self.directory}: built with {built}, {differs}")
         if want.get("pooling") and encoder.pooling != want["pooling"]:
             raise IndexBuildError(
                 f"{self.directory}: documents were pooled with {want['pooling']}, the query model with "
