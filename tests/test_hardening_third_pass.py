@@ -200,6 +200,36 @@ def test_a_model_that_gives_an_index_its_vectors_may_query_it_whatever_else_it_a
     assert main([*search, "--index", str(tmp_path / "last")]) == 0
 
 
+def test_index_build_shows_a_bar_over_the_documents_moved_by_every_forward_pass(tiny_dir, tmp_path, monkeypatch):
+    """`index build` printed nothing until a shard (2,048 documents) was done: a bar with the corpus's total moves
+    after every forward pass (tqdm gives the rate and the time left)."""
+    from matryoshka2d.retrieval import index as index_module
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **options):
+            self.options, self.moves, self.closed = options, [], False
+            bars.append(self)
+
+        def update(self, n):
+            self.moves.append(n)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(index_module, "tqdm", Bar)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "text": f"text number {i}"}) + "\n" for i in range(12)))
+    encoder = ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu")
+    options = dict(batch_size=2, shard_size=8, log=lambda _: None, progress=True)
+    index_module.build_index(encoder, corpus, [(4, 32)], tmp_path / "idx", **options)
+    (bar,) = bars
+    assert (bar.options["total"], bar.options["initial"], bar.options["unit"]) == (12, 0, "doc")
+    assert sum(bar.moves) == 12 and len(bar.moves) >= 6  # every pass of at most 2 texts, not every shard of 8
+    assert bar.closed
+
+
 def test_an_onnx_cache_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("matryoshka2d.cli.args.load_encoder", lambda *a, **k: pytest.fail("the model was loaded"))
     file = tmp_path / "cache"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -407,13 +407,15 @@ class ElasticEncoder(nn.Module):
         pooled: bool = False,
         token_budget: int | None = None,
         encoded=None,
+        progress: Callable[[int], None] | None = None,
     ) -> dict[int, np.ndarray]:
         """Full-width sentence vectors per layer as `forward` makes them, (len(texts), hidden_size) each (with
         `pooled=True`, the pooled vectors before any head, transformer_size wide); duplicates are encoded once.
         `token_budget` caps the padded positions of one forward pass (texts x their longest), so long texts go
         fewer at a time and a pass's activations stay bounded whatever the input. `encoded`: these texts already
         tokenized (the tokenizer's unpadded output, a list of ids per text and input, none longer than
-        max_length), so a caller that tokenized them (the server counts tokens) does not pay for it twice."""
+        max_length), so a caller that tokenized them (the server counts tokens) does not pay for it twice.
+        `progress`, when given, is called with the number of texts of each forward pass once it is done."""
         texts = check_texts(texts)
         # pooled vectors may include layer 0 (the embedding output), which exit heads reading layers 0..l need
         layers = sorted({0 if pooled and n == 0 else self.check_layer(n) for n in layers})
@@ -449,6 +451,8 @@ class ElasticEncoder(nn.Module):
                         features = {k: v.to(device) for k, v in features.items()}
                         for n, vec in self.forward(features, layers, heads=heads, pooled=pooled).items():
                             out[n][idx] = vec.float().cpu().numpy()
+                        if progress is not None:
+                            progress(len(idx))
             finally:
                 if was_training:
                     self.model.train()

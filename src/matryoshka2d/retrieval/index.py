@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from matryoshka2d.files import DataFormatError, file_sha256
 from matryoshka2d.models.identity import vectors_identity
@@ -281,6 +282,7 @@ def build_index(
     engine: str = "local",
     ray_address: str | None = None,
     workers: int | None = None,
+    progress: bool | None = None,
 ) -> dict:
     """Encode `corpus` once up to the deepest cell's layer and index every cell into `output` (faiss files) or
     into a Qdrant collection (`qdrant`: a matryoshka2d.retrieval.qdrant_store.QdrantTarget).
@@ -378,6 +380,12 @@ def build_index(
     )
     start = time.perf_counter()
     new_docs = 0
+    # A bar over the documents (total, rate, time left), moved by every forward pass (by every shard on Ray);
+    # shown where stderr is a terminal unless `progress` says otherwise. The total costs one read of the corpus.
+    bar = None
+    if progress if progress is not None else sys.stderr.isatty():
+        total = sum(len(block) for block in corpus_blocks(corpus, shard_size, limit))
+        bar = tqdm(total=total, initial=manifest["documents"], unit="doc", desc="index build", dynamic_ncols=True)
 
     def finished(number: int, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
         nonlocal new_docs
@@ -388,16 +396,25 @@ def build_index(
         write_json(out / "manifest.json", manifest)
         new_docs += len(ids)
         rate = new_docs / max(time.perf_counter() - start, 1e-9)
-        log(f"  shard {number + 1}: {manifest['documents']} documents encoded ({rate:.1f} docs/s)")
+        if bar is None:
+            log(f"  shard {number + 1}: {manifest['documents']} documents encoded ({rate:.1f} docs/s)")
+        elif engine == "ray":
+            bar.update(len(ids))
 
-    if engine == "ray":
-        from matryoshka2d.retrieval.ray_engine import encode_on_ray
+    try:
+        if engine == "ray":
+            from matryoshka2d.retrieval.ray_engine import encode_on_ray
 
-        encode_on_ray(encoder, pending, cells, batch_size, finished, address=ray_address, workers=workers, log=log)
-    else:
-        for number, block in pending:
-            texts = [t for _, t in block]
-            finished(number, [i for i, _ in block], texts, encode_cells(encoder, texts, cells, batch_size))
+            encode_on_ray(encoder, pending, cells, batch_size, finished, address=ray_address, workers=workers, log=log)
+        else:
+            moved = bar.update if bar is not None else None
+            for number, block in pending:
+                texts = [t for _, t in block]
+                vectors = encode_cells(encoder, texts, cells, batch_size, progress=moved)
+                finished(number, [i for i, _ in block], texts, vectors)
+    finally:
+        if bar is not None:
+            bar.close()
     if manifest["documents"] == 0:
         raise DataFormatError(f"{corpus}: no documents")
     manifest["shards"] = sorted(manifest["shards"])
@@ -444,9 +461,21 @@ def _check_inputs(manifest: dict, corpus: Path, out: Path, log) -> None:
             )
 
 
-def encode_cells(encoder, texts: list[str], cells: Sequence[Cell], batch_size: int) -> dict[str, np.ndarray]:
-    """Unit float32 vectors of every cell for `texts`, from one encoder pass to the deepest cell's layer."""
-    pooled = encoder.pooled_states(texts, sorted({n for n, _ in cells}), batch_size)
+def encode_cells(
+    encoder, texts: list[str], cells: Sequence[Cell], batch_size: int, progress: Callable[[int], None] | None = None
+) -> dict[str, np.ndarray]:
+    """Unit float32 vectors of every cell for `texts`, from one encoder pass to the deepest cell's layer;
+    `progress` is told how many texts each forward pass encoded (a duplicate, encoded once, counts at the end)."""
+    done = 0
+
+    def counted(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(n)
+
+    pooled = encoder.pooled_states(texts, sorted({n for n, _ in cells}), batch_size, progress=progress and counted)
+    if progress is not None and done < len(texts):
+        progress(len(texts) - done)
     arrays = {}
     for n, d in cells:
         v = pooled[n][:, :d]
