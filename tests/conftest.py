@@ -172,3 +172,34 @@ def tiny_run(model_dir, data, eval_file, out, /, **changes) -> TrainConfig:
         save_steps=0,
     )
     return TrainConfig(**{**options, **changes})
+
+
+@pytest.fixture(scope="module")
+def text_file(tokenizer, tmp_path_factory):
+    """160 distinct short 'sentences' of real word pieces (more than a tiny head's 33 inputs)."""
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:400]
+    rng = np.random.default_rng(3)
+    texts = list(dict.fromkeys(" ".join(rng.choice(words, rng.integers(3, 9))) for _ in range(180)))[:160]
+    path = tmp_path_factory.mktemp("distill-text") / "sentences.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tokenizer, tmp_path_factory):
+    """A tiny random BERT without dropout whose layers differ (weights ~ N(0, 0.2): at BERT's 0.02 every layer of a
+    random model pools to nearly the same vector, and there would be nothing to distill)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.2,
+        **TINY,
+    )
+    path = tmp_path_factory.mktemp("distill-teacher")
+    tf.AutoModel.from_config(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

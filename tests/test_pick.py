@@ -43,7 +43,7 @@ def test_recommendation_fits_the_budget(budget, cell):
 
 def test_max_bytes_choice_is_on_the_frontier_of_what_fits():
     chosen, reason = recommend(points(), max_bytes=32)
-    assert "highest score among the 3 cells with <= 32 bytes/vector" in reason
+    assert "highest score among the 3 options with <= 32 bytes/vector" in reason
     assert chosen.cell != "(1,8)"
 
 
@@ -78,7 +78,7 @@ def test_pick_command_measures_once_then_uses_the_cache(tiny_dir, tmp_path, monk
     results = result_file(tmp_path / "sts", tiny_dir)
     assert main(["pick", "--results", str(results), "--max-bytes", "64"]) == 0
     out = capsys.readouterr()
-    assert "measuring encode time per layer" in out.err
+    assert "measuring encode time per query per layer" in out.err
     chosen = json.loads((results / "pick.json").read_text())["recommended"]
     assert (chosen["layer"], chosen["dim"]) == (4, 8)  # 8 dims x 4 bytes fits; 32 x 4 does not
     assert f"**({chosen['layer']},{chosen['dim']})**" in out.out  # the recommended cell is in the frontier table

@@ -177,7 +177,8 @@ def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
 
 
 def run_loop(args) -> int:
-    from matryoshka2d.deploy.pick import layer_latency, run_pick
+    from matryoshka2d.deploy.cost import layer_latency
+    from matryoshka2d.deploy.pick import run_pick
     from matryoshka2d.evaluate.grid import EncoderCells
     from matryoshka2d.evaluate.results import write_outputs
     from matryoshka2d.evaluate.retrieval import rank_metrics

@@ -285,15 +285,33 @@ def register(sub, model_args) -> None:
         sub,
         "pick",
         cmd_pick,
-        help="the quality/cost Pareto frontier of a result grid and the cell that fits a budget",
-        description="Quality from results.json files (STS, classification, retrieval); cost from encode time per "
-        "layer measured on this machine (cached) and bytes per vector. Writes pick.md, pick.json and pick.png.",
+        help="the quality/cost Pareto frontier over (cell, backend) and the option that fits a budget",
+        description="Quality from the files `eval` writes (results.json of sts, classification, retrieval grids, "
+        "scored by torch or by the onnx / onnx-int8 graphs; cascade.json of `eval retrieval --cascade / --query-layer "
+        "/ --query-model`); cost from the encode time per layer measured with each backend on this machine (cached) "
+        "and bytes per vector. Writes pick.md, pick.json and pick.png.",
     )
-    p.add_argument("--results", nargs="+", required=True, help="result directories or results.json files")
+    p.add_argument(
+        "--results", nargs="+", required=True, help="result folders or their results.json / cascade.json files"
+    )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--max-latency-ms", type=float, help="encode time per query at most this (ms)")
+    budget.add_argument(
+        "--max-latency-ratio",
+        type=float,
+        help="encode time per query at most this share of the full model's on the reference backend (torch when "
+        "timed), e.g. 0.5",
+    )
     budget.add_argument("--max-bytes", type=float, help="bytes per stored vector at most this")
     budget.add_argument("--min-score", type=float, help="the cheapest cell scoring at least this")
+    p.add_argument(
+        "--backend",
+        nargs="+",
+        choices=["torch", "onnx", "onnx-int8"],
+        help="backends to time, each with results scored on it (default: the backends the results were scored with)",
+    )
+    p.add_argument("--batch", type=int, help="also time calls of this many texts (ms per text, offline throughput)")
+    p.add_argument("--threads", type=int, help="threads for torch and onnxruntime while timing (default: torch's)")
     p.add_argument("--storage", choices=["float32", "float16", "int8"], default="float32", help="for bytes/vector")
     p.add_argument("--model", help="model to time (default: the one named in the results)")
     p.add_argument("--remeasure", action="store_true", help="time the layers again instead of using the cache")

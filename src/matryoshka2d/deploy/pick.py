@@ -1,49 +1,32 @@
-"""The budget-aware cell picker: quality from result files against measured cost, its Pareto frontier, and the
-cell that fits a budget.
+"""The budget-aware picker: for a budget, which cell on which backend, and what it loses.
 
-Quality is the primary metric of any of our result files (STS Spearman, classification accuracy, retrieval
-nDCG@10) per (layer, dim); with several files, the mean of their primary metrics over the cells they share.
-Cost is two numbers per cell:
+Quality comes from result files as served (deploy/quality.py): the primary metric of each grid per (layer, dim) on
+the backend that scored it (torch, onnx, onnx-int8), and every row of a cascade / asymmetric retrieval file
+(queries at a shallow layer or from a distilled query encoder against the full model's documents, cascades).
+Cost is measured the same way (deploy/cost.py): encode time per query at the option's layer with the backend that
+would serve it, on this machine; and bytes per stored vector (dim x the bytes of a number).
 
-- encode time per query (ms): one text per call (how a query arrives at a server), at the cell's layer, on
-  this machine. An exit at layer n runs n layers, so this depends on the layer only. It is measured once per
-  architecture, machine and thread count, and cached in the cache directory (`--remeasure` refreshes it).
-- bytes per vector: dim x the bytes of the stored number (float32 4, float16 2, int8 1).
-
-Quality and cost must describe one model: result files record the weights checksum of the model they
-evaluated (evaluate/results.py), and pick compares it across the result files and with the model it times.
-A mismatch is refused; a result file written before the checksum was recorded gets a warning.
-
-A cell is on the frontier when no other cell scores at least as well at no more time and no more bytes (and
-is strictly better in one). Every cell the picker recommends is on the frontier.
+One frontier holds every (option, backend): the full model in int8 next to shallow cells in fp32 and int8. An option
+is on it when no other scores at least as well at no more time and no more bytes (and is strictly better in one);
+every recommendation is on it. A results file of another backend than `--backend` times, or of another model than
+the one timed (its weights checksum), is refused.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from matryoshka2d.evaluate.results import cpu_name, grid_of, load_result
+from matryoshka2d.deploy.cost import layer_latency, load_timed
+from matryoshka2d.deploy.quality import Quality, load_quality
 from matryoshka2d.retrieval.shards import STORAGES
 
-QUERY_TEXTS = [
-    "how do vaccines train the immune system",
-    "a man is playing a guitar on stage",
-    "effects of caffeine on sleep quality in adults",
-    "the central bank raised interest rates",
-    "which proteins bind to the promoter region",
-    "children riding bicycles down a quiet street",
-    "symptoms of vitamin d deficiency",
-    "fresh snow covered the mountain village overnight",
-]
-DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest cell within this many points of the best score
+DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest option within this many points of the best score
+KEEPS_INDEX = {"query-layer", "query-encoder"}
 
 
 @dataclass
@@ -53,47 +36,28 @@ class Point:
     score: float
     latency_ms: float
     bytes: int
+    backend: str = "torch"
+    kind: str = "cell"  # see deploy/quality.Option
+    query_model: str | None = None
+    shortlist_cell: tuple[int, int] | None = None
     frontier: bool = False
+    batched_ms: float | None = None  # ms per text in calls of --batch texts
 
     @property
     def cell(self) -> str:
         return f"({self.layer},{self.dim})"
 
-
-def _checksum(result) -> str | None:
-    return result.model.get("weights_sha256") if isinstance(result.model, dict) else None
-
-
-def _described(path: str, result) -> str:
-    from matryoshka2d.models.identity import short
-
-    model = result.model if isinstance(result.model, dict) else {}
-    return f"{path} (model {model.get('model', '?')}, weights sha256 {short(_checksum(result))})"
-
-
-def load_quality(paths: list[str]) -> tuple[dict[tuple[int, int], float], str, dict]:
-    """Per-cell quality, a description of it, and the first result's model info (with the weights checksum
-    of the first result that records one). Result files of different models are refused."""
-    results = [load_result(p) for p in paths]
-    recorded = [(p, r) for p, r in zip(paths, results, strict=True) if _checksum(r)]
-    for path, result in recorded[1:]:
-        if _checksum(result) != _checksum(recorded[0][1]):
-            raise ValueError(
-                f"the result files are of different models: {_described(*recorded[0])} and "
-                f"{_described(path, result)}; pick averages the scores of one model"
-            )
-    grids = [grid_of(r.average, r.metric) for r in results]
-    shared = set(grids[0]).intersection(*grids[1:])
-    if not shared:
-        raise ValueError(f"the result files {', '.join(paths)} have no (layer, dim) cell in common")
-    label = " + ".join(f"{r.task} {r.metric}" for r in results)
-    if len(results) > 1:
-        label = f"mean of {label}"
-    quality = {cell: sum(g[cell] for g in grids) / len(grids) for cell in shared}
-    model = dict(results[0].model)
-    if recorded:
-        model["weights_sha256"] = _checksum(recorded[0][1])
-    return quality, label, model
+    @property
+    def name(self) -> str:
+        what = {
+            "cell": self.cell,
+            "query-layer": f"queries {self.cell} -> full docs",
+            "query-encoder": f"query encoder {Path(str(self.query_model)).name} {self.cell}",
+            "cascade": f"cascade ({self.shortlist_cell[0]},{self.shortlist_cell[1]}) -> {self.cell}"
+            if self.shortlist_cell
+            else self.cell,
+        }[self.kind]
+        return f"{what} {self.backend}"
 
 
 def check_timed_model(paths: list[str], model: dict, timed_checksum: str, timed_name: str, log) -> None:
@@ -116,81 +80,23 @@ def check_timed_model(paths: list[str], model: dict, timed_checksum: str, timed_
         )
 
 
-def measure_latency(encoder, layers: list[int], repeats: int = 3) -> dict[int, float]:
-    """ms to encode one short query, one text per call, at each layer: per text the fastest of `repeats`
-    runs (other processes only ever add time), then the median over texts. Layers take turns round by round,
-    so a change in machine load touches them all alike."""
-    layers = sorted(layers)
-    for layer in layers:
-        encoder.encode([QUERY_TEXTS[0]], layer=layer)  # warm-up
-    best = {(n, t): float("inf") for n in layers for t in QUERY_TEXTS}
-    for _ in range(repeats):
-        for t in QUERY_TEXTS:
-            for n in layers:
-                start = time.perf_counter()
-                encoder.encode([t], layer=n)
-                best[(n, t)] = min(best[(n, t)], 1000 * (time.perf_counter() - start))
-    return {n: statistics.median(best[(n, t)] for t in QUERY_TEXTS) for n in layers}
-
-
-def cost_key(info: dict) -> str:
-    """Timing depends on the architecture, the machine and the threads, not on the weights."""
-    import torch
-
-    cpu = cpu_name()
-    parts = [info.get(k) for k in ("architecture", "layers", "transformer_size", "hidden_size", "parameters")]
-    return f"{'/'.join(map(str, parts))} | {cpu} x{os.cpu_count()} | torch threads {torch.get_num_threads()}"
-
-
-def load_timed(model: str, pooling: str | None, recorded: str | None):
-    """The encoder pick times, and its weights checksum. Results evaluated with a folder's exit heads left off
-    (`--no-heads`) recorded the checksum without them: when that is the one that matches, the heads stay off for
-    the timing too."""
-    from matryoshka2d.models.encoder import ElasticEncoder
-    from matryoshka2d.models.identity import weights_sha256
-
-    encoder = ElasticEncoder(model, pooling=pooling, device="cpu")
-    checksum = weights_sha256(encoder)
-    if recorded and checksum != recorded and encoder.exit_heads is not None:
-        heads = encoder.exit_heads
-        encoder.set_exit_heads(None)
-        if weights_sha256(encoder) == recorded:
-            return encoder, recorded
-        encoder.set_exit_heads(heads)
-    return encoder, checksum
-
-
-def layer_latency(model, pooling: str | None, remeasure: bool, log: Callable[[str], None]) -> tuple[dict, dict]:
-    """ms per query at every layer of `model` (a name, or an ElasticEncoder already loaded), from the cache or
-    measured now; and the timing record."""
-    from matryoshka2d.models.backbones import cache_dir
-    from matryoshka2d.models.encoder import ElasticEncoder
-
-    encoder = ElasticEncoder(model, pooling=pooling, device="cpu") if isinstance(model, str) else model
-    key = cost_key(encoder.info())
-    cache = cache_dir() / "layer_latency.json"
-    table = {}
-    if cache.is_file():
-        try:
-            table = json.loads(cache.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            table = {}  # a damaged cache is re-measured, not fatal
-    if key in table and not remeasure:
-        record = table[key]
-        log(f"encode time per layer: cached {record['date']} ({cache})")
-    else:
-        log(f"measuring encode time per layer of {encoder.name} (one query per call)...")
-        ms = measure_latency(encoder, list(range(1, encoder.num_layers + 1)))
-        record = {
-            "ms_per_query": {str(k): v for k, v in ms.items()},
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-            "model_measured": encoder.name,
-        }
-        table[key] = record
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    return {int(k): v for k, v in record["ms_per_query"].items()}, {**record, "key": key}
+def check_backends(quality: Quality, timed: list[str], model: str) -> None:
+    """Every result file's backend is timed, and every timed backend has results: an int8 score is never assumed
+    from fp32, nor an fp32 one from int8."""
+    for backend, files in quality.backends.items():
+        if backend not in timed:
+            raise ValueError(
+                f"{', '.join(files)} scored with the {backend} backend, but pick times {', '.join(timed)}: add "
+                f"--backend {backend}, or leave those files out"
+            )
+    for backend in timed:
+        if backend not in quality.backends:
+            flags = {"torch": "", "onnx": " --backend onnx", "onnx-int8": " --backend onnx --quantize int8"}
+            given = "; ".join(f"{b}: {', '.join(f)}" for b, f in quality.backends.items())
+            raise ValueError(
+                f"pick --backend {backend}: no result file was scored with it (given: {given}); score it first: "
+                f"`matryoshka2d eval {quality.task} --model {model}{flags.get(backend, '')} --output DIR`"
+            )
 
 
 def mark_frontier(points: list[Point]) -> None:
@@ -210,16 +116,18 @@ def recommend(
     max_latency_ms: float | None = None,
     max_bytes: float | None = None,
     min_score: float | None = None,
+    reference: Point | None = None,
 ) -> tuple[Point, str]:
-    """The cell for the budget and why. A latency or size cap: the best score under it (ties: the cheaper).
-    A score floor, or no budget: the cheapest cell (time, then bytes) that reaches it."""
-    full = max(points, key=lambda p: (p.layer, p.dim))
+    """The option for the budget and why. A latency or size cap: the best score under it (ties: the cheaper). A
+    score floor, or no budget: the cheapest option (time, then bytes) that reaches it. `reference` (default: the
+    deepest, widest cell) is what the speed-up and the score change are stated against."""
+    full = reference or max(points, key=lambda p: (p.kind == "cell", p.layer, p.dim, p.backend == "torch"))
     cheapest = min(points, key=lambda p: (p.latency_ms, p.bytes))
     if max_latency_ms is not None or max_bytes is not None:
         if max_latency_ms is not None:
             fits = [p for p in points if p.latency_ms <= max_latency_ms]
             budget = f"encode time <= {max_latency_ms:g} ms/query"
-            least = f"{cheapest.latency_ms:.2f} ms/query at layer {cheapest.layer}"
+            least = f"{cheapest.latency_ms:.2f} ms/query at layer {cheapest.layer} ({cheapest.backend})"
         else:
             fits = [p for p in points if p.bytes <= max_bytes]
             budget = f"<= {max_bytes:g} bytes/vector"
@@ -227,7 +135,7 @@ def recommend(
         if not fits:
             raise ValueError(f"no cell fits the budget {budget}: the cheapest needs {least}")
         chosen = min(fits, key=lambda p: (-p.score, p.latency_ms, p.bytes))
-        why = f"the highest score among the {len(fits)} cells with {budget}"
+        why = f"the highest score among the {len(fits)} options with {budget}"
     else:
         best = max(p.score for p in points)
         floor = min_score if min_score is not None else best - DEFAULT_TOLERANCE
@@ -238,46 +146,120 @@ def recommend(
         what = f"score >= {floor:.2f}" + (
             "" if min_score is not None else f" (no budget given: within {DEFAULT_TOLERANCE:g} point of the best)"
         )
-        why = f"the cheapest (encode time, then bytes) of the {len(fits)} cells with {what}"
+        why = f"the cheapest (encode time, then bytes) of the {len(fits)} options with {what}"
+    top = max(points, key=lambda p: (p.score, -p.latency_ms, -p.bytes))
+    loses = (
+        "the best score of all"
+        if top.score <= chosen.score
+        else f"{top.score - chosen.score:.2f} below the best option, {top.name} at {top.score:.2f}"
+    )
     reason = (
-        f"{chosen.cell}: score {chosen.score:.2f} ({chosen.score - full.score:+.2f} vs full {full.cell} "
+        f"{chosen.name}: score {chosen.score:.2f} ({chosen.score - full.score:+.2f} vs {full.name} "
         f"{full.score:.2f}), {full.latency_ms / chosen.latency_ms:.2f}x faster encoding "
         f"({chosen.latency_ms:.2f} vs {full.latency_ms:.2f} ms/query), {chosen.bytes} bytes/vector "
-        f"({full.bytes / chosen.bytes:.1f}x smaller); {why}"
+        f"({full.bytes / chosen.bytes:.1f}x smaller); {why}; {loses}"
     )
     return chosen, reason
 
 
-def table(points: list[Point], chosen: Point, only_frontier: bool) -> str:
+def deployment(p: Point, model: str, full: tuple[int, int], retrieval: bool) -> list[str]:
+    """How to deploy an option: the exact commands, and what it does to an index of the full model's documents."""
+    onnx = {"torch": "", "onnx": " --backend onnx", "onnx-int8": " --backend onnx --quantize int8"}[p.backend]
+    export_onnx = {"torch": "", "onnx": " --format onnx", "onnx-int8": " --format onnx --quantize int8"}[p.backend]
+    layers = f" --layers {p.layer}" if onnx else ""
+    full_cell = f"({full[0]},{full[1]})"
+    if p.kind == "query-encoder":
+        return [
+            f"documents stay the teacher's at {full_cell}: an index {model} built stays valid",
+            f"search: `matryoshka2d search --index INDEX --query-model {p.query_model}`",
+            f"serve: `matryoshka2d serve --model {model}{onnx} --query-model {p.query_model}`",
+        ]
+    if p.kind == "query-layer":
+        return [
+            f"documents stay at {full_cell}: an index {model} built there stays valid; queries run {p.layer} layers",
+            f"search: `matryoshka2d search --index INDEX --query-layer {p.layer}`",
+            f"serve: `matryoshka2d serve --model {model}{onnx}` and request `layer: {p.layer}`",
+        ]
+    if p.kind == "cascade":
+        s = p.shortlist_cell
+        return [
+            f"re-encodes the corpus at ({s[0]},{s[1]}) and {p.cell}: `matryoshka2d index build --model {model} "
+            f"--corpus CORPUS --cells {s[0]}:{s[1]},{p.layer}:{p.dim} --output INDEX`",
+            f"search: `matryoshka2d search --index INDEX --cascade {s[0]}:{s[1]},{p.layer}:{p.dim}`",
+        ]
+    lines = [
+        f"serve: `matryoshka2d serve --model {model}{onnx}{layers} --default-layer {p.layer} "
+        f"--default-dimensions {p.dim}`",
+        f"export: `matryoshka2d export --model {model} --layer {p.layer} --dim {p.dim}{export_onnx} --output DIR`",
+    ]
+    if retrieval:
+        lines.insert(
+            0,
+            f"documents at {p.cell}: an index of {full_cell} stays valid"
+            if (p.layer, p.dim) == full
+            else f"re-encodes the corpus at {p.cell}: `matryoshka2d index build --model {model} --corpus CORPUS "
+            f"--cells {p.layer}:{p.dim} --output INDEX`",
+        )
+    return lines
+
+
+def table(points: list[Point], chosen: Point, only_frontier: bool, retrieval: bool = False) -> str:
     rows = sorted((p for p in points if p.frontier or not only_frontier), key=lambda p: (p.latency_ms, p.bytes))
-    lines = ["| cell | score | ms/query | bytes/vector | frontier |", "|---|---:|---:|---:|:---:|"]
+    batched = any(p.batched_ms is not None for p in points)
+    head = "| option | backend | score | ms/query |" + (" ms/text batched |" if batched else "")
+    head += " bytes/vector |" + (" index |" if retrieval else "") + " frontier |"
+    lines = [head, "|---|---|" + "---:|" * (3 + batched) + (":---:|" if retrieval else "") + ":---:|"]
     for p in rows:
         mark = "yes" if p.frontier else ""
-        name = f"**{p.cell}**" if p is chosen else p.cell
-        lines.append(f"| {name} | {p.score:.2f} | {p.latency_ms:.2f} | {p.bytes} | {mark} |")
+        label = p.name.rsplit(" ", 1)[0]
+        name = f"**{label}**" if p is chosen else label
+        line = f"| {name} | {p.backend} | {p.score:.2f} | {p.latency_ms:.2f} |"
+        if batched:
+            line += f" {p.batched_ms:.3f} |" if p.batched_ms is not None else " |"
+        line += f" {p.bytes} |"
+        if retrieval:
+            line += f" {'keeps' if p.kind in KEEPS_INDEX else 're-encodes'} |"
+        lines.append(line + f" {mark} |")
     return "\n".join(lines)
 
 
+MARKERS = {"torch": "o", "onnx": "s", "onnx-int8": "^"}
+
+
 def plot(points: list[Point], chosen: Point, path: Path, title: str, budget: tuple[str, float] | None) -> Path:
-    """Two panels, score against encode time and against bytes per vector; frontier cells labelled."""
+    """Two panels, score against encode time and against bytes per vector; a marker per backend, colour by dim,
+    frontier options labelled."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 5.2))
     FigureCanvasAgg(fig)
     dims = sorted({p.dim for p in points})
+    sc = None
     for ax, attr, xlabel in (
         (fig.add_subplot(1, 2, 1), "latency_ms", "encode time per query (ms, this machine)"),
         (fig.add_subplot(1, 2, 2), "bytes", "bytes per vector"),
     ):
-        colours = [dims.index(p.dim) for p in points]
-        sc = ax.scatter(
-            [getattr(p, attr) for p in points], [p.score for p in points], c=colours, cmap="viridis", s=28, alpha=0.55
-        )
+        for backend in sorted({p.backend for p in points}):
+            mine = [p for p in points if p.backend == backend]
+            sc = ax.scatter(
+                [getattr(p, attr) for p in mine],
+                [p.score for p in mine],
+                c=[dims.index(p.dim) for p in mine],
+                cmap="viridis",
+                vmin=0,
+                vmax=max(1, len(dims) - 1),
+                marker=MARKERS.get(backend, "D"),
+                s=28,
+                alpha=0.55,
+                label=backend,
+            )
         front = sorted((p for p in points if p.frontier), key=lambda p: (getattr(p, attr), p.score))
         ax.scatter([getattr(p, attr) for p in front], [p.score for p in front], facecolors="none", edgecolors="k", s=70)
         for p in front:
-            ax.annotate(p.cell, (getattr(p, attr), p.score), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            short = p.cell if p.kind == "cell" else p.name.rsplit(" ", 1)[0]
+            tag = short + ("" if p.backend == "torch" else f" {p.backend}")
+            ax.annotate(tag, (getattr(p, attr), p.score), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.scatter([getattr(chosen, attr)], [chosen.score], marker="*", s=320, c="red", zorder=5, label="recommended")
         if budget and budget[0] == attr:
             ax.axvline(budget[1], color="red", linestyle="--", linewidth=1, label="budget")
@@ -295,71 +277,160 @@ def plot(points: list[Point], chosen: Point, path: Path, title: str, budget: tup
     return path
 
 
+def _timings(encoder, quality, backends, args, log) -> tuple[dict, dict, dict]:
+    """ms per query per (backend, layer) for the model and each query encoder in the results; the timing records;
+    with --batch, ms per text in batched calls too."""
+    from matryoshka2d.models.encoder import ElasticEncoder
+
+    latency, batched, records = {}, {}, {}
+    for backend in backends:
+        latency[backend], records[backend] = layer_latency(encoder, None, args.remeasure, log, backend)
+        if getattr(args, "batch", None):
+            batched[backend], _ = layer_latency(encoder, None, args.remeasure, log, backend, args.batch)
+    for o in quality.options:
+        if o.kind == "query-encoder" and (o.query_model, o.backend) not in latency:
+            student = ElasticEncoder(o.query_model, device="cpu")
+            ms, _ = layer_latency(student, None, args.remeasure, log, o.backend)
+            latency[(o.query_model, o.backend)] = {o.layer: ms[student.num_layers]}
+            if getattr(args, "batch", None):
+                ms, _ = layer_latency(student, None, args.remeasure, log, o.backend, args.batch)
+                batched[(o.query_model, o.backend)] = {o.layer: ms[student.num_layers]}
+    return latency, batched, records
+
+
+def points_of(quality: Quality, latency: dict, batched: dict, storage: str) -> list[Point]:
+    per_number = STORAGES[storage]
+    points = []
+    for o in quality.options:
+        key = (o.query_model, o.backend) if o.kind == "query-encoder" else o.backend
+        numbers = o.dim + (o.shortlist_cell[1] if o.shortlist_cell else 0)
+        points.append(
+            Point(
+                o.layer,
+                o.dim,
+                o.score,
+                latency[key][o.layer],
+                round(numbers * per_number),
+                o.backend,
+                o.kind,
+                o.query_model,
+                o.shortlist_cell,
+                batched_ms=batched.get(key, {}).get(o.layer),
+            )
+        )
+    return points
+
+
 def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str], None] | None = None) -> int:
+    """`latency` (ms per query per layer, torch) stands in for a measurement: tests and the demo's fixed timings."""
     log = log or (lambda m: print(m, file=sys.stderr))
-    quality, label, model = load_quality(args.results)
+    quality = load_quality(args.results)
+    model = quality.model
+    backends = list(getattr(args, "backend", None) or quality.backends)
+    name = args.model or model.get("location") or model.get("model")
+    if not name:
+        raise ValueError(f"{args.results[0]}: the result names no model; pass --model")
+    check_backends(quality, backends, name)
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        import torch
+
+        if threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     timing = {}
     if latency is None:
-        name = args.model or model.get("location") or model.get("model")
-        if not name:
-            raise ValueError(f"{args.results[0]}: the result names no model; pass --model")
         encoder, checksum = load_timed(name, model.get("pooling"), model.get("weights_sha256"))
         check_timed_model(args.results, model, checksum, name, log)  # before anything is measured or written
-        latency, timing = layer_latency(encoder, None, args.remeasure, log)
-        timing["weights_sha256"] = checksum
-    missing = sorted({n for n, _ in quality} - set(latency))
+        ms, batched, timing = _timings(encoder, quality, backends, args, log)
+        for record in timing.values():
+            record["weights_sha256"] = checksum
+        num_layers = encoder.num_layers
+    else:
+        ms, batched, num_layers = {"torch": latency}, {}, max(latency)
+    missing = sorted({o.layer for o in quality.options if o.kind != "query-encoder"} - set(range(1, num_layers + 1)))
     if missing:
-        raise ValueError(f"the results have layers {missing} that the timed model does not (it has {len(latency)})")
-    per_number = STORAGES[args.storage]
-    unscored = sorted(cell for cell, s in quality.items() if not math.isfinite(s))
-    if unscored:  # a NaN would compare false with everything: named, and left out of the frontier
-        named = ", ".join(f"({n},{d})" for n, d in unscored)
-        log(f"pick: {len(unscored)} cells have no finite score (NaN or inf) and are left out: {named}")
-        quality = {cell: s for cell, s in quality.items() if math.isfinite(s)}
-        if not quality:
+        raise ValueError(f"the results have layers {missing} that the timed model does not (it has {num_layers})")
+    bad = [o for o in quality.options if not math.isfinite(o.score)]
+    if bad:  # a NaN would compare false with everything: named, and left out of the frontier
+        named = ", ".join(f"({o.layer},{o.dim}) {o.backend}" for o in bad)
+        log(f"pick: {len(bad)} cells have no finite score (NaN or inf) and are left out: {named}")
+        quality.options = [o for o in quality.options if math.isfinite(o.score)]
+        if not quality.options:
             raise ValueError(f"{', '.join(args.results)}: no cell has a finite score (every score is NaN or inf)")
-    points = [Point(n, d, s, latency[n], d * per_number) for (n, d), s in sorted(quality.items())]
+    points = points_of(quality, ms, batched, args.storage)
     mark_frontier(points)
-    chosen, reason = recommend(points, args.max_latency_ms, args.max_bytes, args.min_score)
+    reference_backend = "torch" if "torch" in backends else backends[0]
+    cells = [p for p in points if p.kind == "cell" and p.backend == reference_backend] or points
+    reference = max(cells, key=lambda p: (p.layer, p.dim))
+    max_latency_ms = args.max_latency_ms
+    ratio = getattr(args, "max_latency_ratio", None)
+    if ratio is not None:
+        if not ratio > 0:
+            raise ValueError(f"--max-latency-ratio must be above 0, got {ratio}")
+        max_latency_ms = ratio * ms[reference_backend][num_layers]
+        log(
+            f"budget: {ratio:g} x the full model on {reference_backend} ({ms[reference_backend][num_layers]:.2f} "
+            f"ms/query) = {max_latency_ms:.2f} ms/query"
+        )
+    chosen, reason = recommend(points, max_latency_ms, args.max_bytes, args.min_score, reference)
+    full = (reference.layer, reference.dim)
+    retrieval = quality.task == "retrieval"
+    how = deployment(chosen, name, full, retrieval)
     first = Path(args.results[0])
     out = Path(args.output) if args.output else (first if first.is_dir() else first.parent)
     out.mkdir(parents=True, exist_ok=True)
     budget = None
-    if args.max_latency_ms is not None:
-        budget = ("latency_ms", args.max_latency_ms)
+    if max_latency_ms is not None:
+        budget = ("latency_ms", max_latency_ms)
     elif args.max_bytes is not None:
         budget = ("bytes", args.max_bytes)
-    title = f"{Path(str(model.get('model', '?'))).name}: {label} vs cost ({args.storage})"
+    title = f"{Path(str(model.get('model', '?'))).name}: {quality.label} vs cost ({args.storage})"
     png = plot(points, chosen, out / "pick.png", title, budget)
-    frontier_table = table(points, chosen, only_frontier=True)
+    frontier_table = table(points, chosen, only_frontier=True, retrieval=retrieval)
+    timed = "; ".join(f"{b}: {r.get('key', '')}, measured {r.get('date', '-')}" for b, r in timing.items()) or "given"
     md = [
         f"# Cell picker: {model.get('model', '?')}",
         "",
-        f"- quality: {label}; results: {', '.join(args.results)}",
-        f"- cost: encode time per query at each layer (one query per call; {timing.get('key', 'given')}), "
-        f"measured {timing.get('date', '-')}; bytes per vector as {args.storage}",
+        f"- quality: {quality.label}, as served by {', '.join(backends)}; results: {', '.join(args.results)}",
+        f"- cost: encode time per query at each layer with each backend (one query per call; {timed}); bytes per "
+        f"vector as {args.storage}",
         f"- recommended: {reason}",
+        *[f"  - {line}" for line in how],
         "",
         "## Pareto frontier",
         "",
         frontier_table,
         "",
-        "## Every cell",
+        "## Every option",
         "",
-        table(points, chosen, only_frontier=False),
+        table(points, chosen, only_frontier=False, retrieval=retrieval),
         "",
     ]
     (out / "pick.md").write_text("\n".join(md), encoding="utf-8")
     record = {
-        "quality": label,
+        "quality": quality.label,
         "storage": args.storage,
-        "timing": timing,
+        "backends": backends,
+        "timing": timing.get(reference_backend, {}),
+        "timings": timing,
         "points": [p.__dict__ for p in points],
-        "recommended": {"layer": chosen.layer, "dim": chosen.dim, "score": chosen.score, "reason": reason},
+        "recommended": {
+            "layer": chosen.layer,
+            "dim": chosen.dim,
+            "backend": chosen.backend,
+            "kind": chosen.kind,
+            "query_model": chosen.query_model,
+            "score": chosen.score,
+            "reason": reason,
+            "deploy": how,
+        },
     }
     (out / "pick.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    print(f"Pareto frontier ({label} vs encode time and bytes; recommended in bold):")
+    print(f"Pareto frontier ({quality.label} vs encode time and bytes; recommended in bold):")
     print(frontier_table)
     print(f"recommended {reason}")
+    for line in how:
+        print(f"  {line}")
     print(f"-> {out / 'pick.md'}, {out / 'pick.json'}, {png}")
     return 0

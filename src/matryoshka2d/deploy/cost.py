@@ -1,0 +1,145 @@
+"""Cost as served: the time to encode at each layer, measured with the backend that will serve it, on this machine.
+
+Two numbers per (layer, backend):
+
+- one query: ms for one text per call (how a query arrives at a server), through the server's own backend object
+  (deploy/backends.py: tokenizer, model call, pooling; deploy/served.py names the backends). Per text the fastest
+  of a few runs (other processes only ever add time), then the median over texts; layers take turns round by
+  round, so a change in machine load touches them all alike.
+- batched (`--batch B`): ms per text when B texts go in one call, the throughput of an offline pass.
+
+An exit at layer n runs n layers, so both depend on the layer, not the width. They depend on the architecture,
+the machine, the backend and the threads, not on the weights: they are measured once per such key and cached in
+the cache directory (`--remeasure` refreshes them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from matryoshka2d.evaluate.results import cpu_name
+
+QUERY_TEXTS = [
+    "how do vaccines train the immune system",
+    "a man is playing a guitar on stage",
+    "effects of caffeine on sleep quality in adults",
+    "the central bank raised interest rates",
+    "which proteins bind to the promoter region",
+    "children riding bicycles down a quiet street",
+    "symptoms of vitamin d deficiency",
+    "fresh snow covered the mountain village overnight",
+]
+
+
+def measure_latency(backend, layers: list[int], repeats: int = 3) -> dict[int, float]:
+    """ms to encode one short query, one text per call, at each layer (see the module's docstring)."""
+    layers = sorted(layers)
+    for layer in layers:
+        backend.pooled([QUERY_TEXTS[0]], layer)  # warm-up (an onnx session loads at its first call)
+    best = {(n, t): float("inf") for n in layers for t in QUERY_TEXTS}
+    for _ in range(repeats):
+        for t in QUERY_TEXTS:
+            for n in layers:
+                start = time.perf_counter()
+                backend.pooled([t], n)
+                best[(n, t)] = min(best[(n, t)], 1000 * (time.perf_counter() - start))
+    return {n: statistics.median(best[(n, t)] for t in QUERY_TEXTS) for n in layers}
+
+
+def measure_batched(backend, layers: list[int], batch: int, repeats: int = 3) -> dict[int, float]:
+    """ms per text when `batch` query texts go in one call at each layer: the fastest of `repeats` calls."""
+    texts = [f"{QUERY_TEXTS[i % len(QUERY_TEXTS)]} ({i})" for i in range(batch)]
+    best = {}
+    for n in sorted(layers):
+        backend.pooled(texts, n)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.pooled(texts, n)
+            times.append(1000 * (time.perf_counter() - start) / batch)
+        best[n] = min(times)
+    return best
+
+
+def cost_key(info: dict, backend: str = "torch", batch: int | None = None) -> str:
+    """What a timing depends on: the architecture, the machine, the backend and the threads."""
+    import torch
+
+    parts = [info.get(k) for k in ("architecture", "layers", "transformer_size", "hidden_size", "parameters")]
+    key = f"{'/'.join(map(str, parts))} | {cpu_name()} x{os.cpu_count()} | torch threads {torch.get_num_threads()}"
+    if backend != "torch":  # torch's key is the one caches written before backends were timed hold
+        key += f" | backend {backend}"
+    return key + (f" | batch {batch}" if batch else "")
+
+
+def load_timed(model: str, pooling: str | None, recorded: str | None):
+    """The encoder pick times, and its weights checksum. Results evaluated with a folder's exit heads left off
+    (`--no-heads`) recorded the checksum without them: when that is the one that matches, the heads stay off for
+    the timing too."""
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.identity import weights_sha256
+
+    encoder = ElasticEncoder(model, pooling=pooling, device="cpu")
+    checksum = weights_sha256(encoder)
+    if recorded and checksum != recorded and encoder.exit_heads is not None:
+        heads = encoder.exit_heads
+        encoder.set_exit_heads(None)
+        if weights_sha256(encoder) == recorded:
+            return encoder, recorded
+        encoder.set_exit_heads(heads)
+    return encoder, checksum
+
+
+def _read_cache(path) -> dict:
+    if path.is_file():
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            pass  # a damaged cache is re-measured, not fatal
+    return {}
+
+
+def layer_latency(
+    model,
+    pooling: str | None,
+    remeasure: bool,
+    log: Callable[[str], None],
+    backend: str = "torch",
+    batch: int | None = None,
+) -> tuple[dict[int, float], dict]:
+    """ms per query at every layer of `model` (a name, or an ElasticEncoder already loaded) with `backend`, from
+    the cache or measured now; with `batch`, ms per text in calls of `batch` texts instead. And the timing record."""
+    from matryoshka2d.deploy.served import make_backend
+    from matryoshka2d.models.backbones import cache_dir
+    from matryoshka2d.models.encoder import ElasticEncoder
+
+    encoder = ElasticEncoder(model, pooling=pooling, device="cpu") if isinstance(model, str) else model
+    key = cost_key(encoder.info(), backend, batch)
+    cache = cache_dir() / "layer_latency.json"
+    table = _read_cache(cache)
+    what = f"ms per text in calls of {batch}" if batch else "encode time per query"
+    if key in table and not remeasure:
+        record = table[key]
+        log(f"{what} per layer ({backend}): cached {record['date']} ({cache})")
+    else:
+        log(f"measuring {what} per layer of {encoder.name} with the {backend} backend...")
+        layers = list(range(1, encoder.num_layers + 1))
+        served = make_backend(encoder, backend, layers, log=log)
+        ms = measure_batched(served, layers, batch) if batch else measure_latency(served, layers)
+        record = {
+            "ms_per_query": {str(k): v for k, v in ms.items()},
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "model_measured": encoder.name,
+            "backend": backend,
+            **({"batch": batch} if batch else {}),
+        }
+        table = _read_cache(cache)  # another process may have added a key meanwhile
+        table[key] = record
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    return {int(k): v for k, v in record["ms_per_query"].items()}, {**record, "key": key}
