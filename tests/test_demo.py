@@ -37,10 +37,24 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     args += ["--batch-size", "4", "--sts", "stsb", "--queries", "5", "--docs", "20", "--quiet"]
     assert main([*args, "--output", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    for heading in ("[1/5] fine-tune", "[2/5] STS grid", "[3/5] pick", "[4/5] export", "[5/5] cascade search"):
+    for heading in (
+        "[1/5] fine-tune",
+        "[2/5] STS grid",
+        "[3/5] pick a cell and a backend",
+        "[4/5] export",
+        "[5/5] cascade search",
+    ):
         assert heading in out
     assert "recommended cell (" in out and "x faster encoding" in out and "bytes/vector" in out
-    assert "affine exit heads at layers 1,2,3" in out and "without heads the same budget would give (" in out
+    assert (
+        "affine exit heads at layers 1,2,3" in out and "without heads (torch only) the same budget would give (" in out
+    )
+    # the full model as served in int8 is scored, timed and on the one frontier, and the demo says what it is worth
+    assert "as served in int8 (ONNX graphs" in out and "the full model in int8 (" in out
+    picked = json.loads((tmp_path / "run" / "pick" / "pick.json").read_text())
+    assert picked["backends"] == ["torch", "onnx-int8"]
+    assert any(p["backend"] == "onnx-int8" and (p["layer"], p["dim"]) == (4, 32) for p in picked["points"])
+    assert picked["recommended"]["backend"] in ("torch", "onnx-int8") and picked["recommended"]["deploy"]
     assert "(ridge strength: STS-B dev Spearman)" in out  # chosen as `heads fit` chooses it
     assert "exclude_sts_test: 1 rows hold an STS test sentence and are left out; 15 remain" in out
     assert (tmp_path / "run" / "sts-no-heads" / "results.json").is_file()
@@ -50,6 +64,7 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     assert (exported["layer"], exported["dim"]) == (chosen["layer"], chosen["dim"])
     assert json.loads((export / "config.json").read_text())["num_hidden_layers"] == chosen["layer"]
     assert SentenceTransformer(str(export), device="cpu").encode(["a b"]).shape == (1, chosen["dim"])
+    assert (export / "onnx" / "cell_int8.onnx").is_file() == (chosen["backend"] == "onnx-int8")
     assert (tmp_path / "run" / "index" / "manifest.json").is_file()
     assert main([*args, "--output", str(tmp_path / "again")]) == 0
     again = capsys.readouterr().out

@@ -2,10 +2,13 @@
 
 1. a short elastic fine-tune (2dmse) of the model on the shared NLI triplets, cached in the cache directory so a
    second run reuses it; then exit heads fitted on the same sentences in closed form (cached too);
-2. its STS grid (layers x dims) on a few STS sets, with and without the heads from one pass;
-3. the cell picker's choice for a budget (default: half the full model's query encoding time), from the grid
-   with heads, and the frontier without them next to it;
-4. `matryoshka2d export` of that cell: a standalone sentence-transformers folder with only its layers;
+2. its STS grid (layers x dims) on a few STS sets, with and without the heads from one pass, and the same grid
+   as served in int8 (the ONNX graphs `serve --backend onnx --quantize int8` runs; needs onnxruntime);
+3. the picker's choice of a (cell, backend) for a budget (default: half the full model's query encoding time with
+   torch), over one frontier where the full model in int8 stands next to the shallow cells in fp32 and int8; the
+   frontier without heads next to it; and in plain words whether the int8 full model is the one to deploy;
+4. `matryoshka2d export` of that cell for its backend: a standalone sentence-transformers folder with only its
+   layers (and its int8 ONNX graph when int8 is chosen);
 5. a faiss index of a small SciFact corpus and a cascade search: shortlist with a narrow last-layer cell,
    rerank with the full cell, next to flat full-cell search.
 
@@ -147,15 +150,38 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     return out
 
 
-def export_cell(encoder, layer: int, dim: int, out: Path) -> str:
-    """`matryoshka2d export` of the picked cell: only `layer` layers and the first `dim` numbers, a folder that
-    loads with SentenceTransformer(out) alone, checked against encode(layer, dim) before it is put in place.
-    The folder is the demo's own (inside --output), so a rerun replaces it."""
+def export_cell(encoder, layer: int, dim: int, out: Path, backend: str = "torch", sts_file=None) -> str:
+    """`matryoshka2d export` of the picked cell on its backend: only `layer` layers and the first `dim` numbers, a
+    folder that loads with SentenceTransformer(out) alone (and, for onnx-int8, its int8 ONNX graph), checked against
+    encode(layer, dim) before it is put in place. The folder is the demo's own (inside --output), so a rerun
+    replaces it."""
     from matryoshka2d.deploy.export import export_cell as export
 
-    report = export(encoder, layer, dim, out, overwrite=True)
+    onnx = {"fmt": "onnx", "quantize": "int8", "sts_file": sts_file} if backend == "onnx-int8" else {}
+    report = export(encoder, layer, dim, out, overwrite=True, **onnx)
     kept = f"{report.parameters_kept:,} of {report.parameters_full:,} parameters"
-    return f"{out} ({kept}; loads with SentenceTransformer('{out}'))"
+    graph = "; onnx/cell_int8.onnx for onnxruntime" if onnx else ""
+    return f"{out} ({kept}; loads with SentenceTransformer('{out}'){graph})"
+
+
+def int8_grid(encoder, dims, root: Path, datasets, out: Path, log):
+    """The same STS grid scored by the int8 ONNX graphs `serve --backend onnx --quantize int8` runs (built and
+    cached in the model's folder), or None where onnxruntime is not installed."""
+    from matryoshka2d.deploy.export import ExportError, require_onnx
+    from matryoshka2d.deploy.served import BackendCells, make_backend
+    from matryoshka2d.evaluate.results import write_outputs
+    from matryoshka2d.evaluate.sts import evaluate_sts
+
+    try:
+        require_onnx()
+    except ExportError as exc:
+        print(f"    int8 graphs not scored: {exc}")
+        return None
+    layers = list(range(1, encoder.num_layers + 1))
+    cells = BackendCells(encoder, make_backend(encoder, "onnx-int8", layers, log=log), layers, dims)
+    result = evaluate_sts(cells, root, datasets=datasets, log=log)
+    write_outputs(result, out)
+    return result
 
 
 def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
@@ -174,6 +200,22 @@ def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
         for i in keep:
             f.write(json.dumps({"_id": full.doc_ids[i], "text": full.doc_texts[i]}) + "\n")
     return full, keep, split
+
+
+def int8_verdict(points: list[dict], chosen: dict, num_layers: int, hidden: int, budget: float) -> str:
+    """Plain words on the full model in int8: does it fit the budget, and does it beat every shallow cell?"""
+    full = next(p for p in points if p["backend"] == "onnx-int8" and (p["layer"], p["dim"]) == (num_layers, hidden))
+    shallow = max((p for p in points if p["layer"] < num_layers), key=lambda p: p["score"])
+    said = f"the full model in int8 ({full['score']:.2f} at {full['latency_ms']:.2f} ms/query)"
+    if full["latency_ms"] > budget:
+        return f"{said} does not fit the budget of {budget:.2f} ms/query"
+    if (chosen["layer"], chosen["dim"], chosen["backend"]) == (num_layers, hidden, "onnx-int8"):
+        beats = "scores higher than every shallow cell" if full["score"] > shallow["score"] else "scores best"
+        return f"{said} fits the budget and {beats}: it is the recommendation"
+    return (
+        f"{said} fits the budget, but ({chosen['layer']},{chosen['dim']}) on {chosen['backend']} scores "
+        f"{chosen['score']:.2f}"
+    )
 
 
 def run_loop(args) -> int:
@@ -213,6 +255,13 @@ def run_loop(args) -> int:
     write_outputs(without, work / "sts-no-heads")
     full = result.summary
     shallow = {True: result.summary.get("shallow_average"), False: without.summary.get("shallow_average")}
+    int8 = int8_grid(encoder, dims, root, args.sts, work / "sts-int8", quiet)
+    if int8 is not None:
+        print(
+            f"    as served in int8 (ONNX graphs, `serve --backend onnx --quantize int8`): full model "
+            f"{int8.summary['average']:.2f} ({int8.summary['average'] - full['average']:+.2f} vs torch fp32) -> "
+            f"{work / 'sts-int8'}"
+        )
     done(
         t,
         f"{work / 'sts'}/results.md and heatmap.png (and sts-no-heads/); full model ({full['cell'][0]},"
@@ -220,16 +269,19 @@ def run_loop(args) -> int:
         f"{shallow[False]:.2f} without heads, {shallow[True]:.2f} with",
     )
 
-    t = step(3, "pick a cell for a budget")
-    latency, _ = layer_latency(str(model_dir), None, False, quiet)
-    full_ms = latency[encoder.num_layers]
+    t = step(3, "pick a cell and a backend for a budget")
+    backends = ["torch"] + (["onnx-int8"] if int8 is not None else [])
+    latency = {b: layer_latency(str(model_dir), None, False, quiet, b)[0] for b in backends}
+    full_ms = latency["torch"][encoder.num_layers]
     budget = args.max_latency_ms or round(full_ms * args.budget_fraction, 3)
-    print(f"    budget: query encoding <= {budget:.2f} ms/query (full model: {full_ms:.2f} ms/query on this machine)")
-    if budget < min(latency.values()):  # fixed per-call costs dominate on tiny models or busy machines
-        budget = min(latency.values())
-        print(f"    no layer is that fast here; the budget becomes the fastest layer's {budget:.2f} ms/query")
+    print(f"    budget: query encoding <= {budget:.2f} ms/query (full model: {full_ms:.2f} ms/query with torch here)")
+    fastest = min(ms for table in latency.values() for ms in table.values())
+    if budget < fastest:  # fixed per-call costs dominate on tiny models or busy machines
+        budget = fastest
+        print(f"    nothing is that fast here; the budget becomes the fastest option's {budget:.2f} ms/query")
     pick_args = argparse.Namespace(
-        results=[str(work / "sts")],
+        results=[str(work / "sts")] + ([str(work / "sts-int8")] if int8 is not None else []),
+        backend=backends,
         max_latency_ms=budget,
         max_bytes=None,
         min_score=None,
@@ -239,16 +291,25 @@ def run_loop(args) -> int:
         output=str(work / "pick"),
     )
     run_pick(pick_args, log=quiet)
-    chosen = json.loads((work / "pick" / "pick.json").read_text())["recommended"]
-    layer, dim = chosen["layer"], chosen["dim"]
+    picked = json.loads((work / "pick" / "pick.json").read_text())
+    chosen = picked["recommended"]
+    layer, dim, backend = chosen["layer"], chosen["dim"], chosen["backend"]
     pick_args.results, pick_args.output = [str(work / "sts-no-heads")], str(work / "pick-no-heads")
+    pick_args.backend = ["torch"]
+    pick_args.max_latency_ms = max(budget, min(latency["torch"].values()))  # torch alone may not be that fast
     run_pick(pick_args, log=quiet)
     plain = json.loads((work / "pick-no-heads" / "pick.json").read_text())["recommended"]
-    print(f"    without heads the same budget would give ({plain['layer']},{plain['dim']}) at {plain['score']:.2f}")
-    done(t, f"recommended ({layer},{dim}) at {chosen['score']:.2f}; {work / 'pick'}/pick.md and pick.png")
+    print(
+        f"    without heads (torch only) the same budget would give ({plain['layer']},{plain['dim']}) at "
+        f"{plain['score']:.2f}"
+    )
+    if int8 is not None:
+        print(f"    {int8_verdict(picked['points'], chosen, encoder.num_layers, encoder.hidden_size, budget)}")
+    done(t, f"recommended ({layer},{dim}) on {backend} at {chosen['score']:.2f}; {work / 'pick'}/pick.md and pick.png")
 
-    t = step(4, f"export cell ({layer},{dim})")
-    done(t, export_cell(encoder, layer, dim, work / f"export-{layer}x{dim}"))
+    t = step(4, f"export cell ({layer},{dim}) for {backend}")
+    sts_file = root / "sts" / "raw" / "stsb_test.tsv"
+    done(t, export_cell(encoder, layer, dim, work / f"export-{layer}x{dim}", backend, sts_file))
 
     N, D = encoder.num_layers, encoder.hidden_size
     # The query runs to the full cell's layer for the rerank anyway, so the shortlist cell saves search work
@@ -285,6 +346,7 @@ def run_loop(args) -> int:
     done(t, f"cascade finds {100 * overlap:.0f}% of flat search's top 10")
 
     print(f"\nrecommended cell {chosen['reason']}")
+    print("\n".join(f"  {line}" for line in chosen["deploy"]))
     print(f"demo finished in {time.perf_counter() - begin:.0f} s; everything is in {work}")
     return 0
 
@@ -298,7 +360,8 @@ def register(sub, model_args) -> None:
         sub,
         "demo",
         cmd_demo,
-        help="the whole loop: elastic fine-tune, STS grid, pick a cell, export it, cascade search",
+        help="the whole loop: elastic fine-tune, STS grid (torch and int8), pick a cell and backend, export, cascade "
+        "search",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
