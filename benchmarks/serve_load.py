@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py [--servers torch onnx onnx-int8 infinity-torch infinity-optimum]
         [--cells 6,384 3,128] [--clients 32] [--requests 2000] [--texts-per-request 8] [--warmup-requests 100]
-        [--server-core 0] [--client-core 1] [--pause-training] [--infinity-venv /work/venvs/infinity]
+        [--server-core 0] [--client-core 1] [--pause-training] [--infinity-venv /work/venvs/infinity] [--pick-check]
 
 Every server runs on 127.0.0.1 pinned to `--server-core` (taskset; one thread for the model), and this process,
 whose `clients` threads send the requests (one keep-alive connection each), is pinned to `--client-core`: the
@@ -25,8 +25,12 @@ For each server: RSS after start-up, after an uncounted warm-up load (`--warmup-
 the measured load, both read once the server has been idle `--settle` seconds (our server gives memory back
 after REST_AFTER idle; the RSS at the last reply is printed too); the vectors of a few check sentences at each
 cell, re-normalised (infinity does not normalise a slice), against `ElasticEncoder.encode(..., normalize=True)`.
-The offline reference is that encode call on the same texts, in this process moved to the server's core with one
-thread. `--pause-training` stops the machine's training runs (SIGSTOP to processes whose command line holds
+The offline reference of each of our servers is an offline pass of what that server runs, on the same texts, in
+this process moved to the server's core with one thread: `ElasticEncoder.encode` for torch, the very graphs (same
+cache) for onnx and onnx-int8; infinity is set against torch's. `--pick-check` replaces the load with the check of
+`pick`'s timing: pick's one-query ms per (layer, backend), measured here as pick measures it, against what the server
+delivers to one client for the same query texts, less the round trip of an empty request (GET /health).
+`--pause-training` stops the machine's training runs (SIGSTOP to processes whose command line holds
 "matryoshka2d" then "train") for each timed span only, and always continues them (SIGCONT) after it, also on
 errors and interrupts.
 """
@@ -57,6 +61,8 @@ SERVERS = ("torch", "onnx", "onnx-int8", "infinity-torch", "infinity-optimum")
 MAX_CLIENTS = 256
 MAX_PAUSE_SECONDS = 14 * 60  # a timed span never keeps the training runs stopped longer than this
 CHECK_TEXTS = 16
+PICK_CHECK_ROUNDS = 5  # --pick-check: rounds over pick's query texts, per text the fastest
+PICK_CHECK_EMPTY = 200  # --pick-check: empty requests timed for the HTTP round trip
 # Built here so that this process's own command line never holds the pattern it stops.
 TRAINING_PATTERN = "matryoshka2d" + " train"
 
@@ -270,18 +276,35 @@ def on_core(core: int):
         os.sched_setaffinity(0, before)
 
 
-def offline_throughput(encoder, texts: list[str], layer: int, dim: int) -> tuple[float, float]:
-    """(texts per second, texts per CPU second) of encode at the cell, one thread on the server's core."""
+def offline_backend(encoder, kind: str, cells):
+    """What an offline pass of server `kind` runs: torch's encode, or the very graphs the onnx server loads (the
+    same cache, built and checked the same way), one thread."""
+    if kind == "torch" or kind.startswith("infinity"):
+        return None
+    from matryoshka2d.deploy.served import make_backend
+
+    return make_backend(encoder, kind, sorted({c[0] for c in cells}), threads=1)
+
+
+def offline_throughput(encoder, texts: list[str], layer: int, dim: int, backend=None) -> tuple[float, float]:
+    """(texts per second, texts per CPU second) of an offline pass at the cell, batches of 64, one thread on the
+    server's core: `encoder.encode`, or with `backend` its graph, sliced to `dim` and made unit length."""
     import torch
+
+    def run(chunk):
+        if backend is None:
+            return encoder.encode(chunk, layer=layer, dim=dim, batch_size=64, normalize=True)
+        vectors = backend.pooled(chunk, layer)[:, :dim]
+        return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with on_core(ARGS.server_core):
-            encoder.encode(texts[:128], layer=layer, dim=dim)  # warm-up
+            run(texts[:128])  # warm-up
             with training_paused(ARGS.pause_training):
                 start, cpu = time.perf_counter(), time.process_time()
-                encoder.encode(texts, layer=layer, dim=dim, batch_size=64, normalize=True)
+                run(texts)
                 return len(texts) / (time.perf_counter() - start), len(texts) / (time.process_time() - cpu)
     finally:
         torch.set_num_threads(threads)
@@ -357,6 +380,12 @@ def main() -> None:
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--pause-training", action="store_true", help="SIGSTOP training runs during timed spans")
+    parser.add_argument(
+        "--pick-check",
+        action="store_true",
+        help="instead of the load: pick's one-query ms per (layer, backend) against serve's for one client, less an "
+        "empty request's round trip",
+    )
     parser.add_argument("--infinity-venv", dest="venv", type=Path, default=Path("/work/venvs/infinity"))
     parser.add_argument("--start-timeout", type=float, default=1200, help="seconds a server may take to start")
     parser.add_argument("--logs", default="/tmp/m2d-serve-load", help="folder for the servers' logs")
@@ -390,8 +419,15 @@ def main() -> None:
     encoder = ElasticEncoder(args.model, device="cpu")
     check_texts = texts[-CHECK_TEXTS:]
     references = {c: encoder.encode(check_texts, layer=c[0], dim=c[1], normalize=True) for c in cells}
-    offline = {c: offline_throughput(encoder, texts, *c) for c in cells}
-    print(f"offline encode on core {args.server_core}, texts/s and per CPU second: {offline}", flush=True)
+    if args.pick_check:
+        return pick_check(encoder, cells)
+    offline = {}  # (kind, cell) -> (texts/s, texts per CPU s): each server against an offline pass of its own model
+    for kind in dict.fromkeys("torch" if k.startswith("infinity") else k for k in args.servers):
+        backend = offline_backend(encoder, kind, cells)
+        for c in cells:
+            offline[(kind, c)] = offline_throughput(encoder, texts, *c, backend=backend)
+    shown = {f"{k} ({c[0]},{c[1]})": (round(a), round(b)) for (k, c), (a, b) in offline.items()}
+    print(f"offline pass on core {args.server_core}, texts/s and per CPU second: {shown}", flush=True)
 
     folders = {}
     if any(s.startswith("infinity") for s in args.servers):
@@ -423,7 +459,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for r in rows:
         layer, dim = r["cell"]
-        wall, per_cpu = offline[r["cell"]]
+        wall, per_cpu = offline[(reference_of(r["server"]), r["cell"])]
         r["requests_per_cpu_s"] = r["requests"] / r["cpu_s"]
         print(
             f"| {r['server']} | ({layer},{dim}) | {r['requests']} | {r['errors']} | {r['requests_per_s']:.1f} "
@@ -435,14 +471,74 @@ def main() -> None:
         )
         if r["first_error"]:
             print(f"  first error of {r['server']} at ({layer},{dim}): {r['first_error']}")
-    print(f"\noffline encode (ElasticEncoder.encode, batch 64, 1 thread on core {args.server_core}):")
-    for cell, (wall, per_cpu) in offline.items():
-        print(f"  {cell}: {wall:.0f} texts/s, {per_cpu:.0f} texts per CPU second")
+    print(
+        f"\noffline pass (batch 64, 1 thread on core {args.server_core}; torch: ElasticEncoder.encode, onnx: the "
+        "served graphs; infinity servers are set against torch):"
+    )
+    for (kind, cell), (wall, per_cpu) in offline.items():
+        print(f"  {kind} {cell}: {wall:.0f} texts/s, {per_cpu:.0f} texts per CPU second")
     for measure_name, key in (
         ("requests/s", "requests_per_s"),
         ("requests per server CPU second", "requests_per_cpu_s"),
     ):
         ratios(rows, cells, measure_name, key)
+
+
+def reference_of(server: str) -> str:
+    return "torch" if server.startswith("infinity") else server
+
+
+def pick_check(encoder, cells) -> None:
+    """`pick`'s one-query ms at each (layer, backend) against what `serve` delivers to one client at that cell: the
+    same query texts one per request, per text the fastest of ROUNDS, median over texts (pick's own protocol), less
+    the round trip of an empty request (GET /health) measured on the same connection in the same run."""
+    from matryoshka2d.deploy.cost import QUERY_TEXTS, measure_latency
+    from matryoshka2d.deploy.served import make_backend
+
+    print(
+        "\n| server | cell | serve ms (1 client, 1 text) | empty request ms | serve - empty | pick ms "
+        "| pick / (serve - empty) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    layers = sorted({c[0] for c in cells})
+    for kind in (k for k in ARGS.servers if not k.startswith("infinity")):
+        import torch
+
+        torch.set_num_threads(1)
+        with on_core(ARGS.server_core), training_paused(ARGS.pause_training):
+            picked = measure_latency(make_backend(encoder, kind, layers, threads=1), layers)
+        server = start_ours(kind, cells)
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            with training_paused(ARGS.pause_training):
+                empty = []
+                for _ in range(PICK_CHECK_EMPTY):
+                    start = time.perf_counter()
+                    conn.request("GET", "/health")
+                    conn.getresponse().read()
+                    empty.append(1000 * (time.perf_counter() - start))
+                for layer, dim in cells:
+                    best = {t: float("inf") for t in QUERY_TEXTS}
+                    for _ in range(PICK_CHECK_ROUNDS + 1):  # the first round warms the session up
+                        for t in QUERY_TEXTS:
+                            path, body = server.request([t], layer, dim)
+                            start = time.perf_counter()
+                            conn.request("POST", path, body, {"Content-Type": "application/json"})
+                            reply = conn.getresponse()
+                            reply.read()
+                            if reply.status != 200:
+                                raise RuntimeError(f"{kind}: HTTP {reply.status} at ({layer},{dim})")
+                            best[t] = min(best[t], 1000 * (time.perf_counter() - start))
+                    served = float(np.median(list(best.values())))
+                    rtt = float(np.median(empty))
+                    print(
+                        f"| {kind} | ({layer},{dim}) | {served:.2f} | {rtt:.2f} | {served - rtt:.2f} | "
+                        f"{picked[layer]:.2f} | {picked[layer] / (served - rtt):.2f} |",
+                        flush=True,
+                    )
+            conn.close()
+        finally:
+            server.stop()
 
 
 def ratios(rows: list[dict], cells, measure_name: str, key: str) -> None:
