@@ -1,7 +1,9 @@
 """Issue 32, the third hardening pass: no file outside a model folder is read, no model is replaced by its own export,
 no NaN is passed on, and flags that would be ignored are refused (docs/reliability.md, section 9)."""
 
+import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -228,6 +230,53 @@ def test_index_build_shows_a_bar_over_the_documents_moved_by_every_forward_pass(
     assert (bar.options["total"], bar.options["initial"], bar.options["unit"]) == (12, 0, "doc")
     assert sum(bar.moves) == 12 and len(bar.moves) >= 6  # every pass of at most 2 texts, not every shard of 8
     assert bar.closed
+
+
+def test_heads_fit_shows_a_bar_over_the_sentences_it_will_use_moved_by_every_forward_pass(
+    tiny_dir, text_file, tmp_path, monkeypatch
+):
+    """`heads fit` showed a count with no total: a bar whose total is the sentences the fit uses (the STS test
+    sentences left out, at most --max-sentences) moves after every forward pass; off a terminal, the count lines."""
+    from matryoshka2d.evaluate.sts import STS_SETS
+
+    sentences = text_file.read_text().splitlines()  # 160 distinct
+    for name in STS_SETS:  # two of them are STS test sentences
+        a, b = (sentences[3], sentences[7]) if name == "sickr" else (f"{name} left", f"{name} right")
+        path = tmp_path / "data" / "sts" / "raw" / f"{name}_test.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"sentence1\tsentence2\tscore\n{a}\t{b}\t3\n", encoding="utf-8")
+    monkeypatch.setenv("MATRYOSHKA2D_DATA", str(tmp_path / "data"))
+    bars = []
+
+    class Bar:
+        def __init__(self, **options):
+            self.options, self.moves, self.closed = options, [], False
+            bars.append(self)
+
+        def update(self, n):
+            self.moves.append(n)
+
+        def close(self):
+            self.closed = True
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("tqdm.auto.tqdm", Bar)
+    fit = ["heads", "fit", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(text_file), "--select", "mse"]
+    for most, total in ((None, 158), (100, 100)):
+        monkeypatch.setattr(sys, "stderr", Terminal())
+        limit = ["--max-sentences", str(most)] if most else []
+        assert main([*fit, *limit, "--output", str(tmp_path / f"bar{most}")]) == 0
+        bar = bars.pop()
+        assert (bar.options["total"], bar.options["unit"]) == (total, "sentence")
+        assert sum(bar.moves) == total and max(bar.moves) <= 64 and len(bar.moves) >= 2  # every pass of 64 at most
+        assert bar.closed and "sentences encoded" not in sys.stderr.getvalue()
+        assert "2 sentences of the STS test sets were in --data" in sys.stderr.getvalue()  # not counted twice
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar, the count lines
+    assert main([*fit, "--output", str(tmp_path / "lines")]) == 0
+    assert not bars and "heads fit: 158 sentences encoded" in sys.stderr.getvalue()
 
 
 def test_an_onnx_cache_that_is_a_file_is_refused_before_the_model_loads(tiny_dir, tmp_path, monkeypatch, capsys):

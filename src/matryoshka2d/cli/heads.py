@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,28 @@ def _sts_test_filter(wanted: bool | None) -> LeftOutSentences | None:
             raise FileNotFoundError(f"--exclude-sts-test: cannot read the STS test sets ({exc})") from None
         _log(f"heads fit: the STS test sets were not found, so STS test sentences are not left out ({exc})")
         return None
+
+
+def _fit_texts(data: list[str], excluded: LeftOutSentences | None, most: int | None) -> Iterator[str]:
+    """The distinct sentences of `data` a fit uses, in order: those `excluded` passes on, at most `most` of them."""
+    from matryoshka2d.training.distill import read_texts
+
+    texts = read_texts(data)  # BEIR documents whole here (no tokenizer given: no passages)
+    if excluded is not None:
+        texts = excluded.filter(texts)
+    return itertools.islice(texts, most) if most is not None else texts
+
+
+def _sentence_bar(data: list[str], excluded: LeftOutSentences | None, most: int | None):
+    """A bar over the sentences a fit will use (total, rate, time left), for where stderr is a terminal (elsewhere
+    the fit logs counts); the total costs one read of the data."""
+    from tqdm.auto import tqdm
+
+    from matryoshka2d.evaluate.sts import LeftOutSentences
+
+    counting = LeftOutSentences(excluded.keys) if excluded is not None else None  # `excluded` counts the fit's own
+    total = sum(1 for _ in _fit_texts(data, counting, most))
+    return tqdm(total=total, unit="sentence", desc="heads fit", dynamic_ncols=True)
 
 
 def _gain_table(encoder, cells) -> list[str]:
@@ -85,7 +108,6 @@ def cmd_heads_fit(args) -> int:
     from matryoshka2d.evaluate.grid import parse_ints
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
-    from matryoshka2d.training.distill import read_texts
 
     out = Path(args.output)
     check_new_output(out, args.overwrite)
@@ -103,29 +125,31 @@ def cmd_heads_fit(args) -> int:
         except FileNotFoundError as exc:  # no data folder at all
             dev_file, missing = None, str(exc)
         select, dev = ridge_selection(select, dev_file, missing)
-    texts = read_texts(args.data)  # BEIR documents whole here (no tokenizer given: no passages)
     excluded = _sts_test_filter(args.exclude_sts_test)
-    if excluded is not None:
-        texts = excluded.filter(texts)
-    if args.max_sentences is not None:
-        texts = itertools.islice(texts, args.max_sentences)
+    texts = _fit_texts(args.data, excluded, args.max_sentences)
 
     def batches():
         while chunk := list(itertools.islice(texts, FIT_BATCH)):
             yield chunk
 
-    heads, report = fit_heads(
-        encoder,
-        batches(),
-        target=args.target,
-        kind=args.kind,
-        select="mse" if select == "auto" else select,  # auto with --ridge: nothing is selected
-        ridge=args.ridge,
-        dev=dev,
-        layers=parse_ints(args.layers, "layers"),
-        log=_log if not args.quiet else None,
-        inputs=args.inputs,
-    )
+    bar = _sentence_bar(args.data, excluded, args.max_sentences) if not args.quiet and sys.stderr.isatty() else None
+    try:
+        heads, report = fit_heads(
+            encoder,
+            batches(),
+            target=args.target,
+            kind=args.kind,
+            select="mse" if select == "auto" else select,  # auto with --ridge: nothing is selected
+            ridge=args.ridge,
+            dev=dev,
+            layers=parse_ints(args.layers, "layers"),
+            log=_log if not args.quiet else None,
+            inputs=args.inputs,
+            progress=bar.update if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     heads.record["data"] = [str(Path(d).resolve()) for d in args.data]
     heads.record["sts_test_sentences_left_out"] = excluded.count if excluded is not None else None
     if excluded is not None:

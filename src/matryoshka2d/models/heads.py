@@ -352,6 +352,7 @@ def fit_heads(
     dev=None,
     log: Callable[[str], None] | None = None,
     inputs: str = "exit",
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[ExitHeads, FitReport]:
     """Fit exit heads on batches of distinct texts, with no labels: each exit's pooled vector is regressed onto
     the last layer's output vector (scaled to length 1 for target="normalized"). One encoder pass per batch,
@@ -360,7 +361,9 @@ def fit_heads(
 
     The ridge strength (lambda / n) is `ridge` when given, else the grid's best by `select`; select="sts-dev"
     needs `dev`, a pair set with sentences1, sentences2 and gold scores (STS-B dev, evaluate.sts.load_pairs).
-    `inputs`: what each head reads (INPUTS): its exit's pooled vector, or those of layers 0..exit ("stack")."""
+    `inputs`: what each head reads (INPUTS): its exit's pooled vector, or those of layers 0..exit ("stack").
+    `progress`, when given, is told how many texts each forward pass encoded (a duplicate, encoded once, counts at
+    the end of its batch), and `log` then gets no count of the sentences encoded so far."""
     import time
 
     if target not in TARGETS:
@@ -392,12 +395,21 @@ def fit_heads(
     held = {n: NormalEquations.empty(heads.in_features(n), d_out) for n in exits}
     kept: dict[int, list[np.ndarray]] = {n: [] for n in pooled_layers}  # pooled rows, for the MLP kind
     sample: dict[int, list[np.ndarray]] = {n: [] for n in [*exits, top]}  # held-out head inputs for the criterion
-    sampled, seen = 0, 0
+    sampled, seen, passed = 0, 0, 0  # passed: the texts `progress` was told of
+
+    def counted(n: int) -> None:
+        nonlocal passed
+        passed += n
+        progress(n)
+
     for texts in batches:
         texts = list(texts)
         if not texts:
             continue
-        raw = encoder.pooled_states(texts, pooled_layers, pooled=True)  # before any head, per layer
+        raw = encoder.pooled_states(texts, pooled_layers, pooled=True, progress=progress and counted)  # no heads
+        if progress is not None and passed < seen + len(texts):
+            progress(seen + len(texts) - passed)
+            passed = seen + len(texts)
         y = encoder.cells_from_pooled(raw, [top], heads=False)[top]  # the last layer's output vectors
         if target == "normalized":
             y = y / np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-12)
@@ -415,7 +427,7 @@ def fit_heads(
         sample[top].append(y[take])
         sampled += len(take)
         seen += len(texts)
-        if log:
+        if log and progress is None:
             log(f"heads fit: {seen} sentences encoded")
     train_rows = fit[exits[0]].rows
     if seen == 0:
