@@ -31,8 +31,8 @@ cache) for onnx and onnx-int8; infinity is set against torch's. `--pick-check` r
 `pick`'s timing: pick's one-query ms per (layer, backend), measured here as pick measures it, against what the server
 delivers to one client for the same query texts, less the round trip of an empty request (GET /health).
 `--pause-training` stops the machine's training runs (SIGSTOP to processes whose command line holds
-"matryoshka2d" then "train") for each timed span only, and always continues them (SIGCONT) after it, also on
-errors and interrupts.
+"matryoshka2d" then "train", "distill" or "eval", or the WiSE-FT alphas script) for each timed span only, and
+always continues them (SIGCONT) after it, also on errors and interrupts.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ CHECK_TEXTS = 16
 PICK_CHECK_ROUNDS = 5  # --pick-check: rounds over pick's query texts, per text the fastest
 PICK_CHECK_EMPTY = 200  # --pick-check: empty requests timed for the HTTP round trip
 # Built here so that this process's own command line never holds the pattern it stops.
-TRAINING_PATTERN = "matryoshka2d" + " train"
+TRAINING_PATTERN = "matryoshka2d" + " (train|distill|eval)|wise_ft" + "_alphas"  # pkill -f: a regular expression
 
 
 def free_port() -> int:
@@ -379,7 +379,9 @@ def main() -> None:
     )
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
-    parser.add_argument("--pause-training", action="store_true", help="SIGSTOP training runs during timed spans")
+    parser.add_argument(
+        "--pause-training", action="store_true", help="SIGSTOP training, distillation and eval runs during timed spans"
+    )
     parser.add_argument(
         "--pick-check",
         action="store_true",
