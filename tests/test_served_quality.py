@@ -78,7 +78,7 @@ def test_backend_options_that_do_not_go_together(model_and_data, tmp_path, capsy
 def test_cascade_modes_stay_on_torch(tiny_dir, tmp_path, capsys):
     args = ["eval", "retrieval", "--model", str(tiny_dir), "--dataset-dir", str(tmp_path), "--split", "test"]
     assert main([*args, "--query-layer", "2", "--backend", "onnx", "--output", str(tmp_path / "o")]) == 2
-    assert "--cascade, --query-layer and --query-model run on torch" in capsys.readouterr().err
+    assert "--cascade, --query-layer, --query-model and --storage run on torch" in capsys.readouterr().err
 
 
 # ---- pick over (cell, backend): cost as served, one frontier, refusals --------------------------------------------
@@ -155,6 +155,7 @@ def test_pick_reads_cascade_and_query_encoder_results_and_says_which_keep_the_in
     root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
     args = ["eval", "retrieval", "--model", str(teacher_dir), "--pooling", "mean", "--dataset-dir", str(root)]
     options = ["--cascade", "1:8,4:32", "--shortlist", "16", "--query-layer", "2", "--query-model", str(student)]
+    options += ["--storage", "float16", "binary"]
     assert main([*args, *options, "--output", str(tmp_path / "ev"), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["pick", "--results", str(tmp_path / "ev"), "--min-score", "0"]) == 0
@@ -166,13 +167,19 @@ def test_pick_reads_cascade_and_query_encoder_results_and_says_which_keep_the_in
         ("query-layer", 2, 32),
         ("cell", 2, 32),
         ("query-encoder", 2, 32),
+        ("storage", 4, 32),
     }
+    stored = {p["storage"]: p for p in picked["points"] if p["kind"] == "storage"}
+    assert stored["float16"]["bytes"] == 32 * 2 and stored["binary"]["bytes"] == 32 // 8  # measured, not assumed
+    modes = [r["mode"] for r in json.loads((tmp_path / "ev" / "cascade.json").read_text())["rows"]]
+    assert "flat (4,32) stored as binary (Hamming shortlist 16, float16 rescoring)" in modes
     cascade = next(p for p in picked["points"] if p["kind"] == "cascade")
     assert cascade["bytes"] == (8 + 32) * 4  # both cells are stored
     encoder = next(p for p in picked["points"] if p["kind"] == "query-encoder")
     assert encoder["query_model"] == str(student) and encoder["latency_ms"] > 0  # the student itself is timed
     every = (tmp_path / "ev" / "pick.md").read_text().split("## Every option")[1]
-    assert "| keeps |" in every and "| re-encodes |" in every
+    assert "| keeps |" in every and "| re-encodes |" in every and "| rebuilds (same vectors) |" in every
+    assert every.count("| keeps |") == 3  # the full cell, queries at layer 2, the query encoder
     chosen = picked["recommended"]
     assert chosen["kind"] == "query-encoder" or min(p["latency_ms"] for p in picked["points"]) < encoder["latency_ms"]
     said = " ".join(chosen["deploy"])

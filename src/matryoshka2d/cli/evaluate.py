@@ -166,9 +166,11 @@ def cmd_retrieval(args) -> int:
         raise ValueError(f"the dataset folders would use different splits ({', '.join(sorted(splits))}); pass --split")
     split = splits.pop()
     _log(f"retrieval split: {split}")
-    if args.cascade or args.query_layer or args.query_model:
+    if args.cascade or args.query_layer or args.query_model or args.storage:
         if args.backend != "torch":
-            raise ValueError("--backend onnx scores grids; --cascade, --query-layer and --query-model run on torch")
+            raise ValueError(
+                "--backend onnx scores grids; --cascade, --query-layer, --query-model and --storage run on torch"
+            )
         return _cascade(args, dirs, split)
     return _evaluate(args, lambda cells: evaluate_retrieval(cells, dirs, split=split, log=_log), _embedder(args))
 
@@ -202,7 +204,8 @@ def _from_files(args) -> int:
 
 
 def _cascade(args, dirs: list[Path], split: str) -> int:
-    """--cascade / --query-layer: flat full-cell search next to the cascade and/or shallow queries."""
+    """--cascade / --query-layer / --query-model / --storage: flat full-cell search next to the cascade, shallow
+    queries, query encoders and storage tiers."""
     import json
 
     from matryoshka2d.cli.args import load_encoder
@@ -225,6 +228,7 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
             load_encoder(args, model=m, pooling=None, max_length=args.max_length, log=_log)
             for m in args.query_model or ()
         ],
+        args.storage or (),
     )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -342,6 +346,13 @@ def register(sub, model_args) -> None:
         nargs="+",
         help="query encoders distilled from --model (`distill --mode query`): each a row of its own queries "
         "against the model's full-depth documents",
+    )
+    p.add_argument(
+        "--storage",
+        nargs="+",
+        choices=["float16", "int8", "int8-direct", "binary"],
+        help="also search the full cell's documents as an index of this storage holds them (binary and int8-direct: "
+        "a --shortlist rescored with float16 vectors, as `search` does), a row each, next to flat float32",
     )
     p.add_argument(
         "--doc-cache",

@@ -29,6 +29,13 @@ DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest option within this many 
 KEEPS_INDEX = {"query-layer", "query-encoder"}
 
 
+def index_effect(p: Point, full: tuple[int, int]) -> str:
+    """What an option does to an index of the full model's documents at `full`."""
+    if p.kind in KEEPS_INDEX or (p.kind == "cell" and (p.layer, p.dim) == full):
+        return "keeps"
+    return "rebuilds (same vectors)" if p.kind == "storage" else "re-encodes"
+
+
 @dataclass
 class Point:
     layer: int
@@ -40,6 +47,7 @@ class Point:
     kind: str = "cell"  # see deploy/quality.Option
     query_model: str | None = None
     shortlist_cell: tuple[int, int] | None = None
+    storage: str | None = None  # kind "storage": how the index holds the documents
     frontier: bool = False
     batched_ms: float | None = None  # ms per text in calls of --batch texts
 
@@ -52,6 +60,7 @@ class Point:
         what = {
             "cell": self.cell,
             "query-layer": f"queries {self.cell} -> full docs",
+            "storage": f"{self.cell} stored as {self.storage}",
             "query-encoder": f"query encoder {Path(str(self.query_model)).name} {self.cell}",
             "cascade": f"cascade ({self.shortlist_cell[0]},{self.shortlist_cell[1]}) -> {self.cell}"
             if self.shortlist_cell
@@ -180,6 +189,13 @@ def deployment(p: Point, model: str, full: tuple[int, int], retrieval: bool) -> 
             f"search: `matryoshka2d search --index INDEX --query-layer {p.layer}`",
             f"serve: `matryoshka2d serve --model {model}{onnx}` and request `layer: {p.layer}`",
         ]
+    if p.kind == "storage":
+        return [
+            f"documents at {p.cell} as {p.storage}: the same vectors, held by a new index "
+            f"(`matryoshka2d index build --model {model} --corpus CORPUS --cells {p.layer}:{p.dim} --storage "
+            f"{p.storage} --output INDEX`)",
+            "search: `matryoshka2d search --index INDEX`",
+        ]
     if p.kind == "cascade":
         s = p.shortlist_cell
         return [
@@ -203,7 +219,9 @@ def deployment(p: Point, model: str, full: tuple[int, int], retrieval: bool) -> 
     return lines
 
 
-def table(points: list[Point], chosen: Point, only_frontier: bool, retrieval: bool = False) -> str:
+def table(points: list[Point], chosen: Point, only_frontier: bool, full: tuple[int, int] | None = None) -> str:
+    """The options as a markdown table; with `full` (retrieval results), what each does to an index at `full`."""
+    retrieval = full is not None
     rows = sorted((p for p in points if p.frontier or not only_frontier), key=lambda p: (p.latency_ms, p.bytes))
     batched = any(p.batched_ms is not None for p in points)
     head = "| option | backend | score | ms/query |" + (" ms/text batched |" if batched else "")
@@ -218,7 +236,7 @@ def table(points: list[Point], chosen: Point, only_frontier: bool, retrieval: bo
             line += f" {p.batched_ms:.3f} |" if p.batched_ms is not None else " |"
         line += f" {p.bytes} |"
         if retrieval:
-            line += f" {'keeps' if p.kind in KEEPS_INDEX else 're-encodes'} |"
+            line += f" {index_effect(p, full)} |"
         lines.append(line + f" {mark} |")
     return "\n".join(lines)
 
@@ -304,17 +322,19 @@ def points_of(quality: Quality, latency: dict, batched: dict, storage: str) -> l
     for o in quality.options:
         key = (o.query_model, o.backend) if o.kind == "query-encoder" else o.backend
         numbers = o.dim + (o.shortlist_cell[1] if o.shortlist_cell else 0)
+        size = math.ceil(numbers * STORAGES[o.storage]) if o.storage else round(numbers * per_number)
         points.append(
             Point(
                 o.layer,
                 o.dim,
                 o.score,
                 latency[key][o.layer],
-                round(numbers * per_number),
+                size,
                 o.backend,
                 o.kind,
                 o.query_model,
                 o.shortlist_cell,
+                o.storage,
                 batched_ms=batched.get(key, {}).get(o.layer),
             )
         )
@@ -387,7 +407,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         budget = ("bytes", args.max_bytes)
     title = f"{Path(str(model.get('model', '?'))).name}: {quality.label} vs cost ({args.storage})"
     png = plot(points, chosen, out / "pick.png", title, budget)
-    frontier_table = table(points, chosen, only_frontier=True, retrieval=retrieval)
+    frontier_table = table(points, chosen, only_frontier=True, full=full if retrieval else None)
     timed = "; ".join(f"{b}: {r.get('key', '')}, measured {r.get('date', '-')}" for b, r in timing.items()) or "given"
     md = [
         f"# Cell picker: {model.get('model', '?')}",
@@ -404,7 +424,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         "",
         "## Every option",
         "",
-        table(points, chosen, only_frontier=False, retrieval=retrieval),
+        table(points, chosen, only_frontier=False, full=full if retrieval else None),
         "",
     ]
     (out / "pick.md").write_text("\n".join(md), encoding="utf-8")

@@ -4,9 +4,10 @@
   scored it (deploy/served.py: torch, onnx, onnx-int8). Several grids of one backend are averaged over the cells
   they share (the mean of their primary metrics), as `pick` always did.
 - A cascade / asymmetric retrieval file (`cascade.json` of `eval retrieval --cascade / --query-layer /
-  --query-model`): one option per row, its nDCG@10 averaged over the datasets. Rows differ in what they do to an
-  index that already holds the full model's documents: queries at a shallow layer and distilled query encoders
-  keep it; a flat shallow cell or a cascade re-encodes the corpus.
+  --query-model / --storage`): one option per row, its nDCG@10 averaged over the datasets. Rows differ in what they
+  do to an index that already holds the full model's documents: queries at a shallow layer and distilled query
+  encoders keep it; a storage tier (float16, int8, binary with float16 rescoring) rebuilds it from the same vectors;
+  a flat shallow cell or a cascade re-encodes the corpus.
 
 Every file must be of one model (the weights checksum it records); the error names the two that differ.
 """
@@ -33,6 +34,7 @@ class Option:
     kind: str = "cell"  # cell | query-layer (documents at the full cell) | query-encoder | cascade
     query_model: str | None = None  # query-encoder: the student's folder
     shortlist_cell: tuple[int, int] | None = None  # cascade: the small cell the shortlist comes from
+    storage: str | None = None  # storage: how the index holds the documents (float16, int8, binary, ...)
 
 
 @dataclass
@@ -73,6 +75,7 @@ def read_file(path: str) -> tuple[str, dict]:
 
 
 CASCADE_MODES = [  # the `mode` of a cascade.json row -> an option
+    (re.compile(r"flat \((\d+),(\d+)\) stored as ([a-z0-9-]+)(?: \(.*\))?"), "storage"),
     (re.compile(r"flat \((\d+),(\d+)\)(?: \(queries and docs at layer \d+\))?"), "cell"),
     (re.compile(r"queries at layer (\d+) -> docs \((\d+),(\d+)\)"), "query-layer"),
     (re.compile(r"cascade \((\d+),(\d+)\) top \d+ -> \((\d+),(\d+)\)"), "cascade"),
@@ -95,6 +98,8 @@ def cascade_options(record: dict, path: str) -> list[Option]:
             g = m.groups()
             if kind == "cell":
                 options.append(Option(int(g[0]), int(g[1]), score))
+            elif kind == "storage":
+                options.append(Option(int(g[0]), int(g[1]), score, kind=kind, storage=g[2]))
             elif kind == "query-layer":
                 options.append(Option(int(g[0]), int(g[2]), score, kind=kind))
             elif kind == "cascade":
@@ -157,7 +162,7 @@ def load_quality(paths: list[str]) -> Quality:
     seen = set()  # the full cell of a retrieval grid and of a cascade file is one option: the first file's score
     unique = []
     for o in quality.options:
-        key = (o.layer, o.dim, o.backend, o.kind, o.query_model, o.shortlist_cell)
+        key = (o.layer, o.dim, o.backend, o.kind, o.query_model, o.shortlist_cell, o.storage)
         if key not in seen:
             seen.add(key)
             unique.append(o)

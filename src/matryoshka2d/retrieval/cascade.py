@@ -21,8 +21,9 @@ import numpy as np
 
 from matryoshka2d.evaluate.results import model_record, provenance, provenance_lines
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
-from matryoshka2d.retrieval.index import make_index
+from matryoshka2d.retrieval.faiss_indexes import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search
+from matryoshka2d.retrieval.shards import RESCORED_STORAGES, STORAGES
 from matryoshka2d.views import unit_rows
 
 
@@ -59,6 +60,7 @@ def evaluate_cascade(
     show_progress: bool = True,
     doc_cache: str | Path | None = None,
     query_encoders: Sequence = (),
+    storages: Sequence[str] = (),
 ) -> dict:
     """Flat search at the full cell next to a cascade (small cell shortlist, full cell rerank) and/or queries
     encoded at shallow layers (`query_layers`: one or several, each its own rows) against full-depth documents,
@@ -69,6 +71,8 @@ def evaluate_cascade(
     is encoded in batches and divided) and search (one query at a time, as a server would). `doc_cache`: a
     folder for the documents' pooled states (see the module docstring). `query_encoders`: students distilled
     from `encoder` with `distill --mode query`, each a row of its own queries against the full cell's documents.
+    `storages`: the full cell's documents held as an index of that storage holds them (float16, int8, int8-direct,
+    binary; the last two a shortlist of `shortlist` rescored with float16 vectors, as `search` does), each a row.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     full = cascade[1] if cascade else (encoder.num_layers, encoder.hidden_size)
@@ -83,7 +87,10 @@ def evaluate_cascade(
             f"queries exit at most at the documents' layer; use --query-layer {full[0]} or less"
         )
     _check_query_encoders(encoder, query_encoders, full)
-    if cascade and shortlist < 10:
+    unknown = [s for s in storages if s not in STORAGES]
+    if unknown:
+        raise ValueError(f"--storage {', '.join(unknown)}: choose from {', '.join(STORAGES)}")
+    if (cascade or any(s in RESCORED_STORAGES for s in storages)) and shortlist < 10:
         raise ValueError(f"--shortlist {shortlist} is below the 10 results nDCG@10 needs")
     sets = [load_beir(d, split) for d in directories]
     started, start = provenance(), time.perf_counter()
@@ -101,6 +108,7 @@ def evaluate_cascade(
             show_progress,
             doc_cache,
             query_encoders,
+            storages,
         )
     result = {
         "task": "retrieval-cascade",
@@ -109,6 +117,7 @@ def evaluate_cascade(
         "shortlist": shortlist if cascade else None,
         "query_layers": query_layers,
         "query_encoders": [model_record(e) for e in query_encoders],
+        "storages": list(storages),
         "rows": rows,
         "model": model_record(encoder),
         "settings": {
@@ -191,6 +200,7 @@ def _cascade_rows(
     progress,
     doc_cache,
     query_encoders=(),
+    storages=(),
 ) -> list[dict]:
     """The rows of one dataset: documents encoded once at every layer any mode needs."""
     doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *query_layers})
@@ -227,6 +237,24 @@ def _cascade_rows(
     ranking, sec = one_by_one(flat_one(full, unit_rows(pooled[full[0]][:, : full[1]])))
     reference = ranking
     modes.append((f"flat ({full[0]},{full[1]})", ranking, enc, sec))
+    q = unit_rows(pooled[full[0]][:, : full[1]])
+    full_docs = unit_rows(docs[full[0]][:, : full[1]]) if storages else None
+    for storage in storages:  # the same documents as an index of that storage holds them
+        stored = make_index(full_docs, "flat", storage)
+        if storage in RESCORED_STORAGES:
+            rescoring = full_docs.astype(np.float16)
+            ranking, sec = one_by_one(
+                lambda i, stored=stored, rescoring=rescoring: cascade_search(
+                    stored, rescoring, q[i : i + 1], q[i : i + 1], shortlist, 10, exclude[i : i + 1]
+                )[0]
+            )
+            how = f"{'Hamming' if storage == 'binary' else 'int8'} shortlist {shortlist}, float16 rescoring"
+            modes.append((f"flat ({full[0]},{full[1]}) stored as {storage} ({how})", ranking, enc, sec))
+        else:
+            ranking, sec = one_by_one(
+                lambda i, stored=stored: flat_search(stored, q[i : i + 1], 10, exclude[i : i + 1])[0]
+            )
+            modes.append((f"flat ({full[0]},{full[1]}) stored as {storage}", ranking, enc, sec))
     if cascade:
         small = cascade[0]
         pooled, enc = queries([small[0], full[0]])
