@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_DATA, header
 from matryoshka2d.evaluate.retrieval import load_beir
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.retrieval.index import build_index, cell_name, finalize, load_shards, parse_cell_list
+from matryoshka2d.retrieval.index import build_index, finalize, parse_cell_list
 from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget, vector_params
 from matryoshka2d.retrieval.search import CellIndex, query_vectors
+from matryoshka2d.retrieval.shards import cell_name, load_shards
 
 
 def same(a: list[list[str]], b: list[list[str]]) -> tuple[float, float, float]:

@@ -45,19 +45,10 @@ from common import DEFAULT_DATA, header
 from matryoshka2d.evaluate.retrieval import load_beir, rank_metrics
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.cascade import overlap_at
-from matryoshka2d.retrieval.index import (
-    build_index,
-    cell_name,
-    factory_string,
-    hnsw_graph,
-    load_shards,
-    make_index,
-    parse_cell_list,
-    read_manifest,
-    searchable,
-)
+from matryoshka2d.retrieval.faiss_indexes import factory_string, hnsw_graph, make_index, searchable
+from matryoshka2d.retrieval.index import build_index, parse_cell_list
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors
-from matryoshka2d.retrieval.shards import STORAGES
+from matryoshka2d.retrieval.shards import STORAGES, cell_name, load_shards, read_manifest
 from matryoshka2d.views import unit_rows as unit
 
 TEXT_COLUMNS = {"sentence", "sentence1", "sentence2", "anchor", "positive", "negative", "premise", "hypothesis"}

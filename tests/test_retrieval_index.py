@@ -8,15 +8,8 @@ import pytest
 
 from matryoshka2d.cli import main
 from matryoshka2d.files import DataFormatError
-from matryoshka2d.retrieval.index import (
-    IndexBuildError,
-    ScaledQueryIndex,
-    build_index,
-    factory_string,
-    hnsw_graph,
-    make_index,
-    searchable,
-)
+from matryoshka2d.retrieval.faiss_indexes import ScaledQueryIndex, factory_string, hnsw_graph, make_index, searchable
+from matryoshka2d.retrieval.index import IndexBuildError, build_index
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, stored_vectors
 from matryoshka2d.views import unit_rows
 
@@ -129,7 +122,7 @@ def test_hnsw_graphs_are_built_with_the_wider_construction_search(tmp_path, stor
     written into the index file with the graph, and the build's manifest says so."""
     import faiss
 
-    from matryoshka2d.retrieval.index import HNSW_EF_CONSTRUCTION
+    from matryoshka2d.retrieval.faiss_indexes import HNSW_EF_CONSTRUCTION
 
     index = make_index(unit_rows(np.random.default_rng(3).normal(size=(300, 16))), "hnsw", storage)
     path = str(tmp_path / "cell.faiss")
@@ -144,7 +137,7 @@ def test_hnsw_graphs_are_built_with_the_wider_construction_search(tmp_path, stor
 
 
 def test_an_hnsw_build_records_its_construction_search(tiny_bert, tmp_path):
-    from matryoshka2d.retrieval.index import HNSW_EF_CONSTRUCTION
+    from matryoshka2d.retrieval.faiss_indexes import HNSW_EF_CONSTRUCTION
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", kind="hnsw", log=lambda m: None)
@@ -270,7 +263,7 @@ def test_approximate_indexes_build_and_search_from_the_command_line(tiny_dir, tm
 
 @pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
 def test_binary_indexes_shortlist_by_hamming_distance(kind):
-    from matryoshka2d.retrieval.index import sign_bits
+    from matryoshka2d.retrieval.faiss_indexes import sign_bits
     from matryoshka2d.retrieval.search import shortlist_search
 
     rng = np.random.default_rng(2)

@@ -25,9 +25,8 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from matryoshka2d.retrieval.index import encode_cells, model_identity
 from matryoshka2d.retrieval.ray_watchdog import watch
-from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name
+from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, encode_cells, model_identity
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for a Ray head to accept a connection
 

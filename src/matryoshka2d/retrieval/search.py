@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.files import file_sha256
-from matryoshka2d.retrieval.index import hnsw_graph, searchable
+from matryoshka2d.retrieval.faiss_indexes import hnsw_graph, searchable
 from matryoshka2d.retrieval.shards import RESCORED_STORAGES, Cell, IndexBuildError, cell_name, read_manifest
 from matryoshka2d.views import unit_rows
 
@@ -76,7 +76,7 @@ def shortlist_search(index, queries: np.ndarray, n: int) -> np.ndarray:
 
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     if isinstance(index, faiss.IndexBinary):
-        from matryoshka2d.retrieval.index import sign_bits
+        from matryoshka2d.retrieval.faiss_indexes import sign_bits
 
         _, ids = index.search(sign_bits(queries), n)
     else:

@@ -2,8 +2,8 @@
 and the checks a reader runs on it, the corpus read in shard-sized blocks with a checksum of each block's
 documents, and the shard files of unit vectors, written atomically and read back.
 
-The local build and the Ray engine hand their vectors to the same shard writer, and the faiss and Qdrant
-backends read the shards back with the same loader.
+The local build and the Ray engine make a shard's vectors with the same encoder pass (encode_cells) and hand them
+to the same shard writer, and the faiss and Qdrant backends read the shards back with the same loader.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +171,44 @@ def load_shards(out: Path, manifest: dict) -> list:
                 f"{out / 'manifest.json'} (and {manifest['documents']} documents less) or rebuild with --overwrite"
             ) from None
     return shards
+
+
+# ---- what a shard's vectors are made by: the model, and one encoder pass over the shard's texts --------------
+
+
+def model_identity(encoder) -> dict:
+    """What identifies the model that made the vectors: its description plus a checksum of its weights."""
+    from matryoshka2d.models.identity import weights_sha256
+
+    info = encoder.info()
+    return {
+        "model": info["model"],
+        "location": info.get("location"),
+        "layers": info["layers"],
+        "hidden_size": info["hidden_size"],
+        "pooling": info["pooling"],
+        "max_length": info["max_length"],
+        "weights_sha256": weights_sha256(encoder),
+    }
+
+
+def encode_cells(
+    encoder, texts: list[str], cells: Sequence[Cell], batch_size: int, progress: Callable[[int], None] | None = None
+) -> dict[str, np.ndarray]:
+    """Unit float32 vectors of every cell for `texts`, from one encoder pass to the deepest cell's layer;
+    `progress` is told how many texts each forward pass encoded (a duplicate, encoded once, counts at the end)."""
+    done = 0
+
+    def counted(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(n)
+
+    pooled = encoder.pooled_states(texts, sorted({n for n, _ in cells}), batch_size, progress=progress and counted)
+    if progress is not None and done < len(texts):
+        progress(len(texts) - done)
+    arrays = {}
+    for n, d in cells:
+        v = pooled[n][:, :d]
+        arrays[cell_name((n, d))] = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+    return arrays
