@@ -58,7 +58,7 @@ def test_a_heads_record_naming_a_file_outside_the_folder_is_refused_before_it_is
     name = str(outside) if name == "ABSOLUTE" else name
     _set_record(planted, file=name)
     opened = []
-    monkeypatch.setattr("matryoshka2d.models.heads.file_sha256", lambda p: opened.append(p) or "x")
+    monkeypatch.setattr("matryoshka2d.models.heads_on_disk.file_sha256", lambda p: opened.append(p) or "x")
     with pytest.raises(HeadsError, match="only a file inside"):
         ElasticEncoder(str(planted), device="cpu")
     assert not opened  # not even hashed: a planted folder cannot test a local file's contents

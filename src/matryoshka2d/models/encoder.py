@@ -1,10 +1,8 @@
 """ElasticEncoder: tokenize, run only the first n layers, pool, keep the first k numbers.
 
-An exit at layer n really stops there: layers above n never run. Every layer carries two hooks, put on once
-when the encoder is built: one reads the layer's output when the current call asked for that layer, and one,
-on the layer above the deepest one asked for, stops the forward pass before that layer runs. What a call asks
-for lives in a thread-local record, never in the model, so one encoder serves different cells from several
-threads at once, and one pass up to the deepest requested layer yields every cell of a (layer, dim) grid.
+An exit at layer n really stops there: layers above n never run (matryoshka2d.models.exits: hooks on every layer,
+and what a call asks for kept per thread, so one encoder serves different cells from several threads at once), and
+one pass up to the deepest requested layer yields every cell of a (layer, dim) grid.
 
 A model may carry a pooler head (a sentence-transformers Dense module, see matryoshka2d.models.pooler): it is applied
 after pooling at every exit, and its output is the embedding. `hidden_size` is then the head's output size d
@@ -14,7 +12,6 @@ after pooling at every exit, and its output is the embedding. `hidden_size` is t
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -35,6 +32,7 @@ from matryoshka2d.models.backbones import (
 )
 from matryoshka2d.models.batching import check_texts, inference_batches, pad_rows
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
+from matryoshka2d.models.exits import install_exit_hooks, run_to_exits
 from matryoshka2d.models.pooler import PoolerHead
 from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config, save_folder
 from matryoshka2d.views import unit_rows
@@ -60,50 +58,6 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch
     raise BackboneError(f"Unknown pooling '{mode}'; choose one of {', '.join(POOLING_MODES)}")
 
 
-class _ExitReached(Exception):
-    """Raised before the first layer above a call's deepest exit: that layer and those above it do not run."""
-
-
-class ExitRequest:
-    """What one forward call of one thread asks of the layer stack: the layers to read (1-based; 0 is the
-    embedding output, the first layer's input) and where to stop."""
-
-    def __init__(self, stack: nn.ModuleList, wanted: list[int]):
-        self.position = {id(layer): n for n, layer in enumerate(stack, start=1)}
-        self.wanted = set(wanted)
-        self.stop = max(max(wanted), 1)  # the deepest layer that runs
-        self.captured: dict[int, torch.Tensor] = {}
-
-
-_CALLS = threading.local()  # .request: the ExitRequest of the forward call running in this thread, if any
-
-
-def _read_output(module: nn.Module, _args, output) -> None:
-    request = getattr(_CALLS, "request", None)
-    n = request.position.get(id(module)) if request is not None else None
-    if n is not None and n in request.wanted:
-        request.captured[n] = output[0] if isinstance(output, tuple) else output
-
-
-def _stop_or_read_input(module: nn.Module, args, kwargs) -> None:
-    request = getattr(_CALLS, "request", None)
-    n = request.position.get(id(module)) if request is not None else None
-    if n is None:
-        return
-    if n == 1 and 0 in request.wanted:
-        request.captured[0] = args[0] if args else kwargs["hidden_states"]
-    if n > request.stop:
-        raise _ExitReached
-
-
-def install_exit_hooks(model: nn.Module) -> None:
-    """Put the exit hooks on every layer once (they do nothing outside a call that asks for them)."""
-    for layer in layer_stack(model):
-        if _read_output not in layer._forward_hooks.values():
-            layer.register_forward_hook(_read_output)
-            layer.register_forward_pre_hook(_stop_or_read_input, with_kwargs=True)
-
-
 class ElasticEncoder(nn.Module):
     """A sentence encoder whose every (layer, dim) cell can be used on its own.
 
@@ -126,7 +80,7 @@ class ElasticEncoder(nn.Module):
         transformer, tokenizer = load_transformer(location, display)
         sentence_cfg = read_sentence_config(location)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
-        from matryoshka2d.models.heads import load_heads, read_record
+        from matryoshka2d.models.heads_on_disk import load_heads, read_record
 
         record = read_record(location)
         self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
@@ -331,15 +285,7 @@ class ElasticEncoder(nn.Module):
         if self.__dict__.get("_hooked_stack") != id(stack):  # a stack replaced after loading (LoRA, tests)
             install_exit_hooks(self.model)
             self.__dict__["_hooked_stack"] = id(stack)
-        request = ExitRequest(stack, wanted)
-        outer, _CALLS.request = getattr(_CALLS, "request", None), request
-        try:
-            self.model(**features)
-        except _ExitReached:
-            pass
-        finally:
-            _CALLS.request = outer
-        captured = request.captured
+        captured = run_to_exits(self.model, stack, wanted, features)
         out = {}
         for n in wanted:
             hidden = captured[n]

@@ -24,6 +24,21 @@ def weights_sha256(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def backbone_sha256(encoder) -> str:
+    """sha256 of the backbone's weights (the transformer and any pooler head, not the exit heads), in a form that
+    is the same for a model in memory and for the folder it was saved to."""
+    digest = hashlib.sha256()
+    modules = {"model": encoder.model}
+    if encoder.head is not None:
+        modules["pooler"] = encoder.head
+    with torch.no_grad():
+        for prefix, module in modules.items():
+            for name, tensor in sorted(module.state_dict().items()):
+                digest.update(f"{prefix}.{name}".encode())
+                digest.update(tensor.detach().to(torch.float32).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def short(checksum: str | None) -> str:
     """The first 12 hex digits, enough to tell two models apart in a message."""
     return checksum[:12] if checksum else "not recorded"
@@ -115,8 +130,6 @@ def head_sha256(encoder, layer: int) -> str | None:
 
 def vectors_identity(encoder, layers) -> dict:
     """What the vectors of `layers` depend on: the backbone's weights and the exit head of each layer."""
-    from matryoshka2d.models.heads import backbone_sha256
-
     return {
         "backbone_sha256": backbone_sha256(encoder),
         "exit_heads_sha256": {str(n): head_sha256(encoder, n) for n in sorted({int(n) for n in layers})},
@@ -133,8 +146,6 @@ def vectors_difference(model: dict, vectors: dict | None, encoder, layers) -> st
     name, layers = encoder.name, sorted({int(n) for n in layers})
     leave = "search with the index's model (leave out --model) or build an index with this one"
     if isinstance(vectors, dict) and vectors.get("backbone_sha256"):
-        from matryoshka2d.models.heads import backbone_sha256
-
         backbone = backbone_sha256(encoder)
         if backbone != vectors["backbone_sha256"]:
             return (

@@ -17,7 +17,9 @@ from torch import nn
 
 from matryoshka2d.models.backbones import POOLING_MODES, BackboneError, layer_stack
 from matryoshka2d.models.card import write_model_card
-from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError, backbone_sha256, save_heads
+from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError
+from matryoshka2d.models.heads_on_disk import save_heads
+from matryoshka2d.models.identity import backbone_sha256
 from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
 
 # sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
@@ -184,7 +186,7 @@ def layer_count_attrs(config) -> dict[str, int]:
 @contextlib.contextmanager
 def truncated_stack(model: nn.Module, depth: int):
     """Temporarily cut the model's layer stack to its first `depth` layers, for saving a cut model only (the
-    exits never mutate the model: see ExitRequest)."""
+    exits never mutate the model: see models.exits.ExitRequest)."""
     stack = layer_stack(model)
     if depth == len(stack):
         yield stack

@@ -139,7 +139,7 @@ def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_
     """Full-width document vectors per layer, as the encoder makes them (through its exit heads when on), and
     the cache file used; the pooled states under them come from `cache` when it holds them for this backbone
     and these texts."""
-    from matryoshka2d.models.heads import backbone_sha256
+    from matryoshka2d.models.identity import backbone_sha256
 
     layers = sorted(set(layers))
     reads = encoder.pooled_inputs(layers)  # the layers, and those their exit heads also read

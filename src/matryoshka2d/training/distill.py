@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from matryoshka2d.files import DataFormatError
-from matryoshka2d.models.heads import backbone_sha256
-from matryoshka2d.models.identity import weights_sha256
+from matryoshka2d.models.identity import backbone_sha256, weights_sha256
 from matryoshka2d.training.data import TrainingData, read_sentences
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir

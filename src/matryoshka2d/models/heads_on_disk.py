@@ -1,0 +1,111 @@
+"""Exit heads (matryoshka2d.models.heads) in a model folder: written, and read back only after every check.
+
+- `exit_heads.safetensors`: `layer{l}.linear.weight` (out x in), `layer{l}.linear.bias`, and for MLP heads
+  `layer{l}.up.weight`, `layer{l}.up.bias`, `layer{l}.down.weight`;
+- `matryoshka2d.json` key `exit_heads`: kind, layers, sizes, the file's sha256, the sha256 of the backbone the
+  heads were fitted or trained on, and how they were made. A head file that does not match its record, or a
+  record whose backbone checksum is not the folder's backbone, is refused when the folder is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from matryoshka2d.files import file_sha256, inside
+from matryoshka2d.models.heads import HEADS_FILE, INPUTS, RECORD_KEY, ExitHeads, HeadsError
+from matryoshka2d.models.identity import backbone_sha256
+
+
+def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
+    """Write the heads' weights into `folder`; returns the record that goes into matryoshka2d.json."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tensors = {
+        f"layer{n}.{name}": tensor.detach().to(torch.float32).cpu().contiguous()
+        for n in heads.layers
+        for name, tensor in heads.heads[str(n)].state_dict().items()
+    }
+    save_file(tensors, str(folder / HEADS_FILE))
+    return {
+        "file": HEADS_FILE,
+        "sha256": file_sha256(folder / HEADS_FILE),
+        "kind": heads.kind,
+        "layers": heads.layers,
+        "dim_in": heads.dim_in,
+        "dim_out": heads.dim_out,
+        "hidden": heads.hidden,
+        "inputs": heads.inputs,
+        "backbone_sha256": backbone,
+        **({"made": heads.record} if heads.record else {}),
+    }
+
+
+def read_record(folder: str | Path) -> dict | None:
+    """The `exit_heads` record of a model folder's matryoshka2d.json, or None if the folder has no heads."""
+    meta = Path(folder) / "matryoshka2d.json"
+    if not meta.is_file():
+        return None
+    try:
+        record = json.loads(meta.read_text(encoding="utf-8")).get(RECORD_KEY)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise HeadsError(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
+    return record if record else None
+
+
+def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
+    """The heads a folder's record describes, checked against the file and against `encoder`'s backbone."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    where = f"{folder / 'matryoshka2d.json'} ({RECORD_KEY})"
+    try:
+        kind, layers = record["kind"], [int(n) for n in record["layers"]]
+        dim_in, dim_out = int(record["dim_in"]), int(record["dim_out"])
+        inputs = record.get("inputs", "exit")  # records written before stacked heads read the exit's layer
+        name, expected_sha, backbone = record["file"], record["sha256"], record["backbone_sha256"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HeadsError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
+    try:
+        path = inside(folder, name, where)  # before anything is opened or hashed
+    except ValueError as exc:
+        raise HeadsError(str(exc)) from None
+    if not path.is_file():
+        raise HeadsError(f"{where} names {path.name}, which is missing from {folder}")
+    if file_sha256(path) != expected_sha:
+        raise HeadsError(f"{path}: the file is damaged or was changed (its sha256 is not the one recorded in {where})")
+    if dim_in != encoder.transformer_size or dim_out != encoder.hidden_size:
+        raise HeadsError(
+            f"{path}: heads map {dim_in} -> {dim_out} numbers, but {encoder.name} pools {encoder.transformer_size} "
+            f"and outputs {encoder.hidden_size}: they were fitted on another backbone"
+        )
+    if bad := [n for n in layers if not 1 <= n < encoder.num_layers]:
+        raise HeadsError(f"{path}: heads at layers {bad}; {encoder.name} has exits 1..{encoder.num_layers - 1}")
+    actual = backbone_sha256(encoder)
+    if actual != backbone:
+        raise HeadsError(
+            f"{path}: these heads were fitted on another backbone (backbone sha256 {backbone[:12]}..., this "
+            f"model's is {actual[:12]}...); fit them again with `matryoshka2d heads fit`, or load with heads off "
+            "(heads=False, --no-heads)"
+        )
+    if inputs not in INPUTS:
+        raise HeadsError(f"{where}: heads with inputs '{inputs}' are not known; this version reads {', '.join(INPUTS)}")
+    heads = ExitHeads(layers, dim_in, dim_out, kind, record.get("hidden"), inputs)
+    try:
+        tensors = load_file(str(path))
+        for key, tensor in tensors.items():  # a cast would hide an integer file; NaN would reach every vector
+            what = "not a float tensor" if not tensor.is_floating_point() else "NaN or inf"
+            if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+                raise HeadsError(f"{path}: {key} holds {what}; fit the heads again with `matryoshka2d heads fit`")
+        state = {
+            f"{n}.{name}": tensors.pop(f"layer{n}.{name}") for n in layers for name in heads.heads[str(n)].state_dict()
+        }
+        heads.heads.load_state_dict(state)
+    except (SafetensorError, KeyError, RuntimeError, OSError) as exc:
+        raise HeadsError(f"{path}: cannot read the heads ({str(exc).splitlines()[0]})") from None
+    heads.record = dict(record.get("made") or {})
+    return heads
