@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 
 from common import DEFAULT_DATA, header, sts_sentences
-from matryoshka2d.deploy.export import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder, export_cell
+from matryoshka2d.deploy.export import export_cell
+from matryoshka2d.deploy.onnx_graphs import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder
 from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
 from matryoshka2d.models.encoder import ElasticEncoder
 

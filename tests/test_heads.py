@@ -445,7 +445,7 @@ def test_an_exit_graph_with_a_stacked_head_runs_in_onnxruntime(encoder, sentence
     """serve --backend onnx builds one graph per exit from encoder.forward: the stacked head's extra layers (the
     embedding output among them) must be in the graph, at any batch and length."""
     ort = pytest.importorskip("onnxruntime")
-    from matryoshka2d.deploy.export import export_exit
+    from matryoshka2d.deploy.onnx_graphs import export_exit
 
     heads, _ = fit_heads(encoder, [sentences], inputs="stack")
     encoder.set_exit_heads(heads)
@@ -470,7 +470,8 @@ def test_an_mlp_fit_is_the_same_for_the_same_seed(encoder, sentences):
 
 def test_a_stacked_cell_exports_as_an_onnx_graph_only(encoder, sentences, tmp_path):
     pytest.importorskip("onnxruntime")
-    from matryoshka2d.deploy.export import ExportError, OnnxCellEncoder, export_cell
+    from matryoshka2d.deploy.export import export_cell
+    from matryoshka2d.deploy.onnx_graphs import ExportError, OnnxCellEncoder
 
     heads, _ = fit_heads(encoder, [sentences], inputs="stack")
     encoder.set_exit_heads(heads)

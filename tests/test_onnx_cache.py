@@ -94,7 +94,7 @@ def test_a_cached_graph_of_another_model_is_rebuilt_though_the_manifest_vouches_
     folder, export = cache
     if quantize:
         start(tiny_local, folder, quantize)  # the int8 graph, quantized from the cached fp32 one
-        from matryoshka2d.deploy.export import quantize_int8
+        from matryoshka2d.deploy.onnx_graphs import quantize_int8
 
         planted = another_model(folder / "layer-2.onnx", folder.parent / "other.onnx")
         quantize_int8(planted, folder / "layer-2.int8.onnx")

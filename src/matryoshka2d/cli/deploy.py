@@ -95,7 +95,7 @@ def cmd_serve(args) -> int:
     model = encoder
     if args.backend == "onnx":
         from matryoshka2d.deploy.backends import OnnxBackend
-        from matryoshka2d.deploy.export import require_onnx
+        from matryoshka2d.deploy.onnx_graphs import require_onnx
 
         require_onnx()
         for n in layers or []:

@@ -7,7 +7,7 @@ API, validation, micro-batching, slicing to `dimensions`, normalising, errors) t
 
 - TorchBackend: the ElasticEncoder (pooled_states: length-sorted batches, the exit stops the stack).
 - OnnxBackend: one ONNX graph per exit layer, each exactly `encoder.forward(features, [layer])` (ExitGraph in
-  deploy/export.py: the layers up to the exit, pooling, and whatever forward applies after pooling), full
+  deploy/onnx_graphs.py: the layers up to the exit, pooling, and whatever forward applies after pooling), full
   width; the width is sliced after, by the server. `quantize="int8"` runs onnxruntime's dynamic int8
   quantization of each graph (only the int8 graphs are kept: build_graph). The graphs are cached beside the
   model (GraphCache): a manifest holds the checksum of the source weights and of every graph; a graph that is
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matryoshka2d.deploy.export import ExportError, export_exit, graph_metadata, quantize_int8
 from matryoshka2d.deploy.graph_check import INT8_MIN_COSINE, check_graph, cosines, reference, run_reference
 from matryoshka2d.deploy.graph_check import session as _session
+from matryoshka2d.deploy.onnx_graphs import ExportError, export_exit, graph_metadata, quantize_int8
 from matryoshka2d.files import file_sha256
 from matryoshka2d.models.batching import inference_batches, pad_rows
 from matryoshka2d.models.encoder import ElasticEncoder

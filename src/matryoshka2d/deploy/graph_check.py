@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matryoshka2d.deploy.export import CHECK_SENTENCES, ONNX_ATOL
+from matryoshka2d.deploy.onnx_graphs import CHECK_SENTENCES, ONNX_ATOL
 from matryoshka2d.files import inside
 from matryoshka2d.models.encoder import ElasticEncoder
 

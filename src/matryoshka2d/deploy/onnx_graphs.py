@@ -1,0 +1,285 @@
+"""ONNX graphs of an encoder: an exit layer or a whole cell as one graph (token ids and attention mask in,
+`sentence_embedding` out), written by torch.onnx and kept only once onnxruntime reproduces the module on other
+texts; the exporter and its check recorded in the graph; int8 by onnxruntime's dynamic quantization; and a cell's
+graph run in onnxruntime (OnnxCellEncoder). They need the `onnx` extra (onnx, onnxscript, onnxruntime).
+
+An exported cell's folder (matryoshka2d.deploy.export) holds them as `onnx/cell.onnx` and `onnx/cell_int8.onnx`;
+the ONNX backend of the server (matryoshka2d.deploy.backends) exports one graph per exit layer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from matryoshka2d.models.batching import length_batches
+from matryoshka2d.models.encoder import ElasticEncoder, pool
+
+ONNX_FILE = "onnx/cell.onnx"
+ONNX_INT8_FILE = "onnx/cell_int8.onnx"
+CHECK_SENTENCES = [
+    "A man is playing a guitar.",
+    "Someone plays an instrument on a stage in front of a very large and enthusiastic crowd.",
+    "The market fell.",
+    "Rain.",
+]
+ONNX_ATOL = 1e-4  # onnxruntime fp32 vs torch
+
+
+class ExportError(ValueError):
+    """An export could not be made as asked; the message says what and where."""
+
+
+def require_onnx() -> None:
+    missing = []
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ExportError(f"--format onnx needs {', '.join(missing)}, not installed: pip install 'matryoshka2d[onnx]'")
+
+
+def graph_inputs(input_ids, attention_mask, token_type_ids=None) -> dict:
+    """A graph's inputs as the model's features: token_type_ids only for the models that take them."""
+    features = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if token_type_ids is not None:
+        features["token_type_ids"] = token_type_ids
+    return features
+
+
+class CellGraph(nn.Module):
+    """The whole cell of a cut encoder as one module: transformer (all its layers), pool, head, normalize."""
+
+    def __init__(self, encoder: ElasticEncoder, normalize: bool):
+        super().__init__()
+        self.encoder, self.normalize = encoder, normalize
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        hidden = self.encoder.model(**graph_inputs(input_ids, attention_mask, token_type_ids)).last_hidden_state
+        vectors = pool(hidden, attention_mask, self.encoder.pooling)
+        if self.encoder.head is not None:
+            vectors = self.encoder.head(vectors)
+        if self.normalize:
+            vectors = nn.functional.normalize(vectors, dim=-1)
+        return vectors
+
+
+class ExitGraph(nn.Module):
+    """What `encoder.forward(features, [layer])` computes, as one module: the sentence vectors after `layer`
+    layers (pooled, then whatever forward applies after pooling), full width, not normalised. Export it with
+    the stack cut to `layer` layers (export_exit), so the graph holds only the layers that run."""
+
+    def __init__(self, encoder: ElasticEncoder, layer: int):
+        super().__init__()
+        self.encoder, self.layer = encoder, layer
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        return self.encoder.forward(graph_inputs(input_ids, attention_mask, token_type_ids), [self.layer])[self.layer]
+
+
+class SlicedExitGraph(nn.Module):
+    """ExitGraph cut to the cell: the first `dim` numbers, normalised when the cell is."""
+
+    def __init__(self, encoder: ElasticEncoder, layer: int, dim: int, normalize: bool):
+        super().__init__()
+        self.exit, self.dim, self.normalize = ExitGraph(encoder, layer), dim, normalize
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        vectors = self.exit(input_ids, attention_mask, token_type_ids)[:, : self.dim]
+        return nn.functional.normalize(vectors, dim=-1) if self.normalize else vectors
+
+
+def export_exit(encoder: ElasticEncoder, layer: int, path: Path, exporters=None) -> Path:
+    """One exit layer of a whole encoder as an ONNX graph (ExitGraph: `sentence_embedding`, full width)."""
+    from matryoshka2d.models.st_folder import truncated_stack
+
+    layer = encoder.check_layer(layer)
+    with truncated_stack(encoder.model, layer):
+        return export_onnx(encoder, path, ExitGraph(encoder, layer), exporters or EXPORTERS)
+
+
+# Which torch.onnx exporter writes a graph: the TorchScript one first, because onnxruntime runs its graph faster
+# (minilm-l6, one thread, batches of 8 NLI sentences, CPU ms per text, TorchScript against dynamo: int8 0.93 vs
+# 1.09 at layer 3 and 1.68 vs 1.98 at layer 6; fp32 1.86 vs 2.08 and 3.65 vs 4.19; docs/benchmarks.md, issue 19);
+# dynamo where TorchScript fails (it traces, is deprecated in torch, and some models do not trace). A traced graph
+# can also hold only for the shapes it was traced on, so each graph must reproduce the module in onnxruntime on
+# other texts (another batch size, longer and shorter) before it is kept. The exporter used is written into the
+# graph's metadata (`exporter`).
+EXPORTERS = ("torchscript", "dynamo")
+
+
+OPSET = 18
+
+
+def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None, exporters=EXPORTERS) -> Path:
+    """torch.onnx export of a cut encoder (its full depth is the cell's depth), batch and length dynamic; `graph`
+    is the module to export (default: the whole cell, CellGraph). The first of `exporters` that succeeds writes
+    it."""
+    if hasattr(cut.model.config, "use_cache"):
+        cut.model.config.use_cache = False  # decoders: no key/value cache outputs in the graph
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in cut._input_names]
+    sample = cut.tokenize(["a first short sentence", "and a second, slightly longer sentence here"])
+    args = tuple(sample[n] for n in names)
+    graph = (graph if graph is not None else CellGraph(cut, cut.normalize_output)).eval()
+    check = cut.tokenize(CHECK_SENTENCES)
+    check_args = tuple(check[n] for n in names)
+    with torch.no_grad():
+        expected = graph(*check_args).float().numpy()
+    failures = []
+    for exporter in exporters:
+        path.unlink(missing_ok=True)
+        try:
+            with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # tracer and deprecation warnings: the graph is checked after
+                _EXPORT[exporter](graph, args, names, path)
+            diff = _check_graph(path, dict(zip(names, check_args, strict=True)), expected)
+        except Exception as error:  # any failure of one exporter means: try the next
+            failures.append(f"{exporter}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            path.unlink(missing_ok=True)
+            continue
+        _set_metadata(path, {"exporter": exporter, "max_abs_difference_vs_torch": repr(diff)})
+        if failures:
+            print(f"ONNX export of {path.name}: {'; '.join(failures)}; written by {exporter}", file=sys.stderr)
+        return path
+    raise ExportError(f"no torch.onnx exporter could export {path.name}: " + "; ".join(failures))
+
+
+def _export_torchscript(graph: nn.Module, args: tuple, names: list[str], path: Path) -> None:
+    torch.onnx.export(
+        graph,
+        args,
+        str(path),
+        input_names=names,
+        output_names=["sentence_embedding"],
+        dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names} | {"sentence_embedding": {0: "batch"}},
+        opset_version=OPSET,
+        dynamo=False,
+    )
+
+
+def _export_dynamo(graph: nn.Module, args: tuple, names: list[str], path: Path) -> None:
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    program = torch.onnx.export(
+        graph,
+        args,
+        input_names=names,
+        output_names=["sentence_embedding"],
+        dynamic_shapes={n: {0: batch, 1: length} for n in names},
+        dynamo=True,
+        external_data=False,
+        verbose=False,
+    )
+    program.save(str(path))
+
+
+_EXPORT = {"torchscript": _export_torchscript, "dynamo": _export_dynamo}
+
+
+def _check_graph(path: Path, features: dict[str, torch.Tensor], expected: np.ndarray) -> float:
+    """The graph in onnxruntime must give what the module gave on `features` (other texts than it was exported
+    with) within ONNX_ATOL; returns the largest difference."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: features[i.name].numpy() for i in session.get_inputs()})[0]
+    diff = float(np.abs(got - expected).max()) if got.shape == expected.shape else float("inf")
+    if not diff <= ONNX_ATOL:
+        raise ExportError(
+            f"its graph does not reproduce the model on other texts: shape {got.shape} vs {expected.shape}, "
+            f"max |difference| {diff:.2e} > {ONNX_ATOL:g}"
+        )
+    return diff
+
+
+def _set_metadata(path: Path, values: dict[str, str]) -> None:
+    import onnx
+
+    model = onnx.load(str(path))
+    props = {p.key: p.value for p in model.metadata_props} | values
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+
+
+def graph_metadata(path: Path) -> dict[str, str]:
+    """What export_onnx wrote into a graph: `exporter` and `max_abs_difference_vs_torch` (its check); empty for
+    graphs written before they were recorded."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def graph_exporter(path: Path) -> str | None:
+    """The exporter that wrote an ONNX graph (None for graphs written before it was recorded)."""
+    return graph_metadata(path).get("exporter")
+
+
+def quantize_int8(source: Path, target: Path) -> Path:
+    """onnxruntime dynamic quantization: int8 weights, activations quantized at run time. The weights get one
+    scale per output channel, not one per matrix: on minilm-l6 at layer 6 the lowest cosine to the fp32 vectors
+    over 600 STS sentences went from 0.934 to 0.988 (mean 0.968 to 0.994) at the same speed (docs/benchmarks.md,
+    issue 19)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    prepared = target.with_suffix(".prep.onnx")
+    try:
+        quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8, per_channel=True)
+    finally:
+        prepared.unlink(missing_ok=True)
+    return target
+
+
+class OnnxCellEncoder:
+    """Run an exported cell's ONNX graph in onnxruntime: the folder's tokenizer, sorted batches, no torch model."""
+
+    def __init__(self, folder: str | Path, file: str = ONNX_FILE, threads: int | None = None):
+        import onnxruntime as ort
+        from transformers import AutoTokenizer
+
+        from matryoshka2d.models.st_folder import read_sentence_config
+
+        folder = Path(folder)
+        if not (folder / file).is_file():
+            raise ExportError(f"{folder / file}: no such ONNX file; export with --format onnx")
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / file), options, providers=["CPUExecutionProvider"])
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.max_length = (
+            read_sentence_config(str(folder)).max_length
+            or _exported_max_length(folder)  # an ONNX-only folder has no sentence-transformers modules
+            or self.tokenizer.model_max_length
+        )
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+        encoded = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        out = None
+        for idx in length_batches([len(x) for x in encoded["input_ids"]], batch_size):
+            rows = [{k: encoded[k][i] for k in self.inputs if k in encoded} for i in idx]
+            batch = self.tokenizer.pad(rows, return_tensors="np")
+            (vectors,) = self.session.run(None, {k: batch[k].astype(np.int64) for k in self.inputs})
+            if out is None:
+                out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+            out[idx] = vectors
+        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+
+
+def _exported_max_length(folder: Path) -> int | None:
+    try:
+        meta = json.loads((folder / "matryoshka2d.json").read_text(encoding="utf-8"))
+        return int(meta["exported_cell"]["max_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
