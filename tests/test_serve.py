@@ -594,15 +594,15 @@ def test_the_heap_is_trimmed_when_the_queue_runs_dry_not_after_every_batch(monke
     TRIM_INTERVAL seconds, and once the queue is empty, so memory at rest is given back all the same."""
     import asyncio
 
-    from matryoshka2d.deploy import server
+    from matryoshka2d.deploy import micro_batching
 
     trims = []
-    monkeypatch.setattr(server, "trim_heap", lambda: trims.append(1))
-    monkeypatch.setattr(server, "REST_AFTER", 0.05)
+    monkeypatch.setattr(micro_batching, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(micro_batching, "REST_AFTER", 0.05)
     backend = ReleasingBackend()
 
     async def load():
-        async with started(server.MicroBatcher(backend, max_batch=4, max_wait=0.0)) as batcher:
+        async with started(micro_batching.MicroBatcher(backend, max_batch=4, max_wait=0.0)) as batcher:
             replies = await asyncio.gather(*(batcher.encode([f"text {i}"], 2) for i in range(40)))
             await asyncio.sleep(0.2)  # the queue is dry: one trim
             return batcher.batches, batcher.trims, replies
@@ -618,14 +618,14 @@ def test_a_closed_loop_of_clients_is_not_rest_between_batches(monkeypatch):
     REST_AFTER seconds, not after each batch."""
     import asyncio
 
-    from matryoshka2d.deploy import server
+    from matryoshka2d.deploy import micro_batching
 
-    monkeypatch.setattr(server, "trim_heap", lambda: None)
-    monkeypatch.setattr(server, "REST_AFTER", 0.2)
+    monkeypatch.setattr(micro_batching, "trim_heap", lambda: None)
+    monkeypatch.setattr(micro_batching, "REST_AFTER", 0.2)
     backend = ReleasingBackend()
 
     async def closed_loop():
-        async with started(server.MicroBatcher(backend, max_batch=8, max_wait=0.0)) as batcher:
+        async with started(micro_batching.MicroBatcher(backend, max_batch=8, max_wait=0.0)) as batcher:
 
             async def client(i):
                 for round_ in range(10):
@@ -665,12 +665,12 @@ def test_a_lone_request_never_waits_for_company_but_queued_ones_are_batched():
     request is still answered (nothing else is queued); requests already queued are batched together."""
     import asyncio
 
-    from matryoshka2d.deploy import server
+    from matryoshka2d.deploy import micro_batching
 
     backend = ReleasingBackend()
 
     async def run():
-        async with started(server.MicroBatcher(backend, max_batch=64, max_wait=3600.0)) as batcher:
+        async with started(micro_batching.MicroBatcher(backend, max_batch=64, max_wait=3600.0)) as batcher:
             (alone,) = await asyncio.wait_for(batcher.encode(["just me"], 1), timeout=30)
             before = batcher.batches
             together = await asyncio.wait_for(
