@@ -327,7 +327,7 @@ def measure(server: Server, cells, batches, references, check_texts) -> list[dic
             print(f"  {server.kind}: resident memory per onnxruntime session (MB, by layer): {sessions}")
     for layer, dim in cells:
         run_load(server, batches[: ARGS.warmup_requests], layer, dim, ARGS.clients)
-    time.sleep(ARGS.settle)  # our server gives memory back once idle for REST_AFTER (deploy/server.py)
+    time.sleep(ARGS.settle)  # our server gives memory back once idle for REST_AFTER (deploy/micro_batching.py)
     rss_warm = server.rss()
     for layer, dim in cells:
         diff, cosine = agreement(server.vectors(check_texts, layer, dim), references[(layer, dim)])

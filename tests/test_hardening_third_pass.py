@@ -120,7 +120,7 @@ def test_pick_names_cells_with_nan_scores_and_picks_among_the_others(tiny_dir, t
     (tmp_path / "sts" / "results.json").write_text(json.dumps(result))
     assert main(["pick", "--results", str(tmp_path / "sts")]) == 0
     out = capsys.readouterr()
-    assert "2 cells have no finite score (NaN or inf) and are left out: (1,8), (4,32)" in out.err
+    assert "2 cells have no finite score (NaN or inf) and are left out: (1,8) torch, (4,32) torch" in out.err
     chosen = json.loads((tmp_path / "sts" / "pick.json").read_text())["recommended"]
     assert (chosen["layer"], chosen["dim"]) != (4, 32) and np.isfinite(chosen["score"])
 

@@ -167,7 +167,7 @@ def export_cell(encoder, layer: int, dim: int, out: Path, backend: str = "torch"
 def int8_grid(encoder, dims, root: Path, datasets, out: Path, log):
     """The same STS grid scored by the int8 ONNX graphs `serve --backend onnx --quantize int8` runs (built and
     cached in the model's folder), or None where onnxruntime is not installed."""
-    from matryoshka2d.deploy.export import ExportError, require_onnx
+    from matryoshka2d.deploy.onnx_graphs import ExportError, require_onnx
     from matryoshka2d.deploy.served import BackendCells, make_backend
     from matryoshka2d.evaluate.results import write_outputs
     from matryoshka2d.evaluate.sts import evaluate_sts

@@ -53,7 +53,7 @@ def make_backend(encoder, name: str, layers: Iterable[int] | None = None, thread
     kind, quantize = parse_backend(name)
     if kind == "torch":
         return TorchBackend(encoder, batch_size=batch_size)
-    from matryoshka2d.deploy.export import require_onnx
+    from matryoshka2d.deploy.onnx_graphs import require_onnx
 
     require_onnx()
     return OnnxBackend(
