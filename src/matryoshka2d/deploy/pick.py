@@ -294,7 +294,9 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
     quality = load_quality(args.results)
     model = quality.model
     backends = list(getattr(args, "backend", None) or quality.backends)
-    name = args.model or model.get("location") or model.get("model")
+    given = model.get("model")  # a short name (minilm-l6) reads better in the deploy commands than its install path
+    short = given if isinstance(given, str) and "/" not in given and not Path(given).exists() else None
+    name = args.model or short or model.get("location") or given
     if not name:
         raise ValueError(f"{args.results[0]}: the result names no model; pass --model")
     check_backends(quality, backends, name)
