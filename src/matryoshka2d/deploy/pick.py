@@ -24,6 +24,7 @@ from pathlib import Path
 from matryoshka2d.deploy.cost import layer_latency, load_timed
 from matryoshka2d.deploy.frontier_plot import plot
 from matryoshka2d.deploy.quality import Quality, load_quality
+from matryoshka2d.models.backbones import SHORT_NAMES
 from matryoshka2d.retrieval.shards import STORAGES
 
 DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest option within this many points of the best score
@@ -295,7 +296,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
     model = quality.model
     backends = list(getattr(args, "backend", None) or quality.backends)
     given = model.get("model")  # a short name (minilm-l6) reads better in the deploy commands than its install path
-    short = given if isinstance(given, str) and "/" not in given and not Path(given).exists() else None
+    short = given if given in SHORT_NAMES else None
     name = args.model or short or model.get("location") or given
     if not name:
         raise ValueError(f"{args.results[0]}: the result names no model; pass --model")
