@@ -17,10 +17,10 @@ HNSW_EF_CONSTRUCTION = 200
 HNSW_M = 32  # links per vector and layer (twice that on the bottom layer)
 # int8-direct: one scale for every number, so that faiss reads a stored number as it is (no per-dimension
 # offset and step to apply, as its trained SQ8 does). On 208,041 minilm-l6 vectors (384 numbers) an HNSW32 walk
-# at efSearch 72 plus the float16 rescoring of 12 took 0.150 ms a query, against 0.182 ms for the float32
-# graph's walk at efSearch 64, at 99% of flat's top 10 both; SQ8's walk alone took 0.209 ms at efSearch 64
-# (docs/benchmarks.md, issue 20). The scale puts all but a 1e-5 share of the numbers inside +-127; those few
-# are clipped.
+# at efSearch 72 plus the float16 rescoring of 12 took 0.156 ms a query, against 0.184 ms for the float32
+# graph's walk at efSearch 64 (1.18x, in turns), at 99% of flat's top 10 both (docs/benchmarks.md, "int8 under
+# one scale", 2026-11-24 10:16). The scale puts all but a 1e-5 share of the numbers inside +-127; those few are
+# clipped.
 INT8_DIRECT_QUANTILE = 0.99999
 
 
