@@ -202,12 +202,8 @@ def test_a_model_that_gives_an_index_its_vectors_may_query_it_whatever_else_it_a
     assert main([*search, "--index", str(tmp_path / "last")]) == 0
 
 
-def test_index_build_shows_a_bar_over_the_documents_moved_by_every_forward_pass(tiny_dir, tmp_path, monkeypatch):
-    """`index build` printed nothing until a shard (2,048 documents) was done: a bar with the corpus's total moves
-    after every forward pass (tqdm gives the rate and the time left)."""
-    from matryoshka2d.retrieval import index as index_module
-
-    bars = []
+def recording_bar(bars: list):
+    """A stand-in for tqdm that records each bar made (into `bars`), its options, its moves and whether it closed."""
 
     class Bar:
         def __init__(self, **options):
@@ -219,6 +215,17 @@ def test_index_build_shows_a_bar_over_the_documents_moved_by_every_forward_pass(
 
         def close(self):
             self.closed = True
+
+    return Bar
+
+
+def test_index_build_shows_a_bar_over_the_documents_moved_by_every_forward_pass(tiny_dir, tmp_path, monkeypatch):
+    """`index build` printed nothing until a shard (2,048 documents) was done: a bar with the corpus's total moves
+    after every forward pass (tqdm gives the rate and the time left)."""
+    from matryoshka2d.retrieval import index as index_module
+
+    bars = []
+    Bar = recording_bar(bars)
 
     monkeypatch.setattr(index_module, "tqdm", Bar)
     corpus = tmp_path / "corpus.jsonl"
@@ -247,17 +254,7 @@ def test_heads_fit_shows_a_bar_over_the_sentences_it_will_use_moved_by_every_for
         path.write_text(f"sentence1\tsentence2\tscore\n{a}\t{b}\t3\n", encoding="utf-8")
     monkeypatch.setenv("MATRYOSHKA2D_DATA", str(tmp_path / "data"))
     bars = []
-
-    class Bar:
-        def __init__(self, **options):
-            self.options, self.moves, self.closed = options, [], False
-            bars.append(self)
-
-        def update(self, n):
-            self.moves.append(n)
-
-        def close(self):
-            self.closed = True
+    Bar = recording_bar(bars)
 
     class Terminal(io.StringIO):
         def isatty(self):

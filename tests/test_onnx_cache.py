@@ -15,6 +15,7 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from matryoshka2d.deploy.backends import OnnxBackend  # noqa: E402
+from test_serve import CountedExport  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXTS = ["a red cat", "the old dog sleeps in the sun", "x"]
@@ -31,20 +32,6 @@ def graphs(tiny_local, tmp_path_factory):
     folder = tmp_path_factory.mktemp("graphs")
     OnnxBackend(tiny_local, layers=[2], cache_folder=folder, log=lambda _: None)
     return folder
-
-
-class CountedExport:
-    """Stands in for the export: copies the graph built once by the fixture, and counts the calls."""
-
-    def __init__(self, graphs):
-        self.source, self.calls = graphs / "layer-2.onnx", 0
-
-    def __call__(self, encoder, layer, path):
-        assert layer == 2
-        self.calls += 1
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(self.source, path)
-        return path
 
 
 @pytest.fixture
