@@ -29,6 +29,8 @@ from matryoshka2d.retrieval.shards import STORAGES
 
 DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest option within this many points of the best score
 KEEPS_INDEX = {"query-layer", "query-encoder"}
+# What `serve` and `eval` take to run on each backend (`export` takes --format onnx instead of --backend onnx).
+SERVE_FLAGS = {"torch": "", "onnx": " --backend onnx", "onnx-int8": " --backend onnx --quantize int8"}
 
 
 def index_effect(p: Point, full: tuple[int, int]) -> str:
@@ -102,11 +104,10 @@ def check_backends(quality: Quality, timed: list[str], model: str) -> None:
             )
     for backend in timed:
         if backend not in quality.backends:
-            flags = {"torch": "", "onnx": " --backend onnx", "onnx-int8": " --backend onnx --quantize int8"}
             given = "; ".join(f"{b}: {', '.join(f)}" for b, f in quality.backends.items())
             raise ValueError(
                 f"pick --backend {backend}: no result file was scored with it (given: {given}); score it first: "
-                f"`matryoshka2d eval {quality.task} --model {model}{flags.get(backend, '')} --output DIR`"
+                f"`matryoshka2d eval {quality.task} --model {model}{SERVE_FLAGS.get(backend, '')} --output DIR`"
             )
 
 
@@ -175,7 +176,7 @@ def recommend(
 
 def deployment(p: Point, model: str, full: tuple[int, int], retrieval: bool) -> list[str]:
     """How to deploy an option: the exact commands, and what it does to an index of the full model's documents."""
-    onnx = {"torch": "", "onnx": " --backend onnx", "onnx-int8": " --backend onnx --quantize int8"}[p.backend]
+    onnx = SERVE_FLAGS[p.backend]
     export_onnx = {"torch": "", "onnx": " --format onnx", "onnx-int8": " --format onnx --quantize int8"}[p.backend]
     layers = f" --layers {p.layer}" if onnx else ""
     full_cell = f"({full[0]},{full[1]})"

@@ -14,13 +14,13 @@ Every file must be of one model (the weights checksum it records); the error nam
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from matryoshka2d.deploy.served import served_as
-from matryoshka2d.evaluate.results import grid_of, load_result
+from matryoshka2d.evaluate.results import grid_of, result_of
+from matryoshka2d.files import read_json
 
 
 @dataclass
@@ -59,19 +59,18 @@ def _described(path: str, model: dict) -> str:
 def read_file(path: str) -> tuple[str, dict]:
     """('grid', GridResult) or ('cascade', the cascade record) from a file or a result folder."""
     given = Path(path)
-    if given.is_dir():
-        found = [given / n for n in ("results.json", "cascade.json") if (given / n).is_file()]
-        if not found:
-            raise FileNotFoundError(
-                f"{path}: no results.json or cascade.json (give a folder or file that `matryoshka2d eval` wrote)"
-            )
-        given = found[0]
-    if given.name == "cascade.json" or (given.is_file() and '"retrieval-cascade"' in given.read_text()[:200]):
-        record = json.loads(given.read_text(encoding="utf-8"))
-        if not isinstance(record, dict) or record.get("task") != "retrieval-cascade" or "rows" not in record:
-            raise ValueError(f"{given}: not a cascade result of `matryoshka2d eval retrieval` (no task/rows)")
+    candidates = [given / "results.json", given / "cascade.json"] if given.is_dir() else [given]
+    given = next((f for f in candidates if f.is_file()), None)
+    if given is None:
+        raise FileNotFoundError(
+            f"{path}: no results.json or cascade.json (give a folder or file that `matryoshka2d eval` wrote)"
+        )
+    record = read_json(given)
+    if isinstance(record, dict) and record.get("task") == "retrieval-cascade":
+        if not isinstance(record.get("rows"), list):
+            raise ValueError(f"{given}: not a cascade result of `matryoshka2d eval retrieval` (no rows)")
         return "cascade", record
-    return "grid", load_result(given)
+    return "grid", result_of(record, given)
 
 
 CASCADE_MODES = [  # the `mode` of a cascade.json row -> an option

@@ -290,7 +290,11 @@ def load_result(path: str | Path) -> GridResult:
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no results.json (give a result directory or its results.json)")
-    result = read_json(file)
+    return result_of(read_json(file), file)
+
+
+def result_of(result, file: Path) -> GridResult:
+    """A GridResult from the parsed contents of `file`; the error says what was missing."""
     missing = [
         k for k in ("task", "metric", "average", "layers", "dims") if not isinstance(result, dict) or k not in result
     ]
