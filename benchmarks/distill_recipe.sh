@@ -2,13 +2,15 @@
 # Issue 34's measurements, step by step (docs/distill.md gives what each one measured and how long it took):
 #   shared   `distill --mode shared` of the untouched minilm-l6 on the shared NLI triplets' sentences, then `eval sts`
 #   query    `distill --mode query --layer 3`, same teacher and sentences, then `eval sts` (the student is a cell)
-#   scifact  query encoders of 3 and 2 layers trained on the SciFact corpus (passages of 128 tokens) and the NLI
-#            sentences, no query; `eval retrieval` on half B of the 809 train queries (benchmarks/scifact_halves.py),
+#   scifact  query encoders of 3 and 2 layers trained on the SciFact corpus (passages of at most 48 tokens, about
+#            a sentence or two: the size of a claim) and the NLI sentences, no query; the loss on the full width only
+#            (the index is the teacher's full vectors), lr 2e-4, 3 epochs (layer 3) and 2 (layer 2); `eval retrieval` on half B of the 809 train queries (benchmarks/scifact_halves.py),
 #            the teacher's flat search in the same run; one-query time against the teacher (query_latency.py)
 #   heads    the heads recipe's model (benchmarks/heads_wiseft_recipe.sh) as teacher, `--mode shared`, `eval sts`
 #   mpnet    `--mode shared` of mpnet-base on 10,000 NLI sentences, next to closed-form heads on the same sentences
 #
 #   benchmarks/distill_recipe.sh [STEP ...]      (default: every step; OUT=runs/distill, THREADS=1)
+# Knobs (env): HEADS_EPOCHS (3.5), MPNET_EPOCHS (4), MPNET_LR (2e-4).
 # No step sees an STS test sentence (distill and heads fit leave them out) or a SciFact query that is scored. Every
 # step is skipped when its output is there, and every run resumes from its last checkpoint, so a killed run goes on.
 set -euo pipefail
@@ -43,8 +45,14 @@ if wanted scifact; then
   echo "== scifact: 3- and 2-layer query encoders on the corpus and the NLI sentences"
   [ -f "$OUT/scifact-halves/split.json" ] || "$BIN/python" benchmarks/scifact_halves.py --data "$DATA" --output "$OUT/scifact-halves"
   for n in 3 2; do
+    epochs=$n  # 3 epochs for the 3-layer encoder, 2 for the 2-layer one (what one session's CPU time allowed)
+    # the same texts and teacher: the 2-layer run reads the 3-layer run's targets (a resumed run checks their
+    # texts, teacher and checksum before it uses them) instead of computing them again
+    if [ "$n" = 2 ] && [ ! -e "$OUT/scifact-query2" ] && [ -f "$OUT/scifact-query3/teacher-targets/targets.json" ]; then
+      mkdir -p "$OUT/scifact-query2" && cp -r "$OUT/scifact-query3/teacher-targets" "$OUT/scifact-query2/"
+    fi
     distill "scifact-query$n" --teacher minilm-l6 --mode query --layer "$n" --data "$DATA/retrieval/scifact" "$NLI" \
-      --max-length 128 --epochs "${SCIFACT_EPOCHS:-1}"
+      --max-length 48 --widths 384 --lr 2e-4 --epochs "$epochs"
   done
   [ -f "$OUT/scifact-eval/cascade.json" ] || "$BIN/matryoshka2d" eval retrieval --model minilm-l6 \
     --dataset-dir "$OUT/scifact-halves" --split half_b --query-layer 3 2 \
@@ -66,7 +74,8 @@ if wanted mpnet; then
   make mpnet > /dev/null
   [ -f "$OUT/mpnet-heads/matryoshka2d.json" ] || "$BIN/matryoshka2d" heads fit --model mpnet-base --data "$NLI" \
     --max-sentences 10000 --output "$OUT/mpnet-heads" --quiet
-  distill mpnet-shared --teacher mpnet-base --data "$NLI" --max-texts 10000 --epochs "${MPNET_EPOCHS:-2}" \
+  distill mpnet-shared --teacher mpnet-base --data "$NLI" --max-texts 10000 --epochs "${MPNET_EPOCHS:-4}" \
+    --lr "${MPNET_LR:-2e-4}" \
     --eval-cell 3:768,6:768,9:768
   for m in mpnet-heads mpnet-shared; do
     [ -f "$OUT/$m/sts/results.json" ] || "$BIN/matryoshka2d" eval sts --model "$OUT/$m" --layers 3 6 9 12 \
