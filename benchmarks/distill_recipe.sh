@@ -4,7 +4,8 @@
 #   query    `distill --mode query --layer 3`, same teacher and sentences, then `eval sts` (the student is a cell)
 #   scifact  query encoders of 3 and 2 layers trained on the SciFact corpus (passages of at most 48 tokens, about
 #            a sentence or two: the size of a claim) and the NLI sentences, no query; the loss on the full width only
-#            (the index is the teacher's full vectors), lr 2e-4, 3 epochs (layer 3) and 2 (layer 2); `eval retrieval` on half B of the 809 train queries (benchmarks/scifact_halves.py),
+#            (the index is the teacher's full vectors), lr 2e-4, 3 epochs (layer 3) and 2 (layer 2); `eval retrieval`
+#            on half B of the 809 train queries (benchmarks/scifact_halves.py),
 #            the teacher's flat search in the same run; one-query time against the teacher (query_latency.py)
 #   heads    the heads recipe's model (benchmarks/heads_wiseft_recipe.sh) as teacher, `--mode shared`, `eval sts`
 #   mpnet    `--mode shared` of mpnet-base on 10,000 NLI sentences, next to closed-form heads on the same sentences
