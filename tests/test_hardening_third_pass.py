@@ -289,7 +289,9 @@ def test_an_onnx_cache_that_is_a_file_is_refused_before_the_model_loads(tiny_dir
 def test_what_a_local_ray_leaves_of_a_build_killed_with_sigkill_is_ended():
     """A local Ray's agents outlived a killed `index build --engine ray` by 1-2 minutes: the watchdog the build
     starts ends every process descended from the build once the build is gone. Here stand-ins play Ray's
-    processes: one the build started, one that a child of the build started after the watchdog."""
+    processes: one the build started, and one that a child of the build (an agent, noted by the watchdog's first
+    look) started after the watchdog and just before the build was killed, so no poll may have seen it: the
+    watchdog's last look from the noted processes still finds it, whatever the machine's load."""
     import os
     import signal
     import subprocess
@@ -301,11 +303,13 @@ import subprocess, sys, time
 from matryoshka2d.retrieval.ray_watchdog import watch
 quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 head = subprocess.Popen({sleeper!r}, **quiet)
+agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; sys.stdin.readline(); "
+    "print(subprocess.Popen({sleeper!r}).pid, flush=True); time.sleep(120)"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 dog = watch()
-agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-    "print(subprocess.Popen({sleeper!r}).pid, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+agent.stdin.write("go\\n")
+agent.stdin.flush()
 grandchild = int(agent.stdout.readline())
-time.sleep(1.5)  # the watchdog looks every 0.5 s
 print(head.pid, grandchild, dog.pid, flush=True)
 time.sleep(120)
 """

@@ -5,8 +5,9 @@ runtime-env) and workers are the raylet's children: when it dies the agents repo
 and retry for 1-2 minutes before they exit. `watch` starts this file as a small process of its own (its own
 session, so a Ctrl-C of the build does not stop it; stdlib only, so it loads no torch) that notes every process
 descended from the build, every POLL_S seconds, and holds the read end of a pipe from the build. The pipe closes
-when the build ends, however it ends; the watchdog then kills every process it noted that still runs (the same
-pid and start time: a reused pid is left alone), and exits. Ray's processes name neither the build nor the node
+when the build ends, however it ends; the watchdog then notes, once more, what the noted processes that still
+run have started since its last look, kills every process it noted that still runs (the same pid and start time:
+a reused pid is left alone), and exits. Ray's processes name neither the build nor the node
 in a way that lasts (they rewrite their command lines), so descent is what is followed. Linux only (it reads
 /proc); elsewhere nothing is started.
 """
@@ -77,6 +78,11 @@ def main(argv: list[str]) -> None:
         if readable and not os.read(stdin, 1 << 16):  # the build's end of the pipe is closed
             break
         seen.update(descendants(parent))
+    # A process that a noted one started since the last look is still its child (only the build is gone):
+    # one last look from every noted process that still runs catches it without waiting for the next poll.
+    for pid, start in list(seen.items()):
+        if (_started(pid) or (0, None))[1] == start:
+            seen.update(descendants(pid))
     for pid, start in seen.items():
         if pid != os.getpid() and (_started(pid) or (0, None))[1] == start:
             with contextlib.suppress(OSError):  # gone meanwhile
