@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from matryoshka2d.retrieval.ray_watchdog import descendants  # pid -> start time of every process under a pid
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -34,20 +36,6 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return sorted(set(found))
 
 
 def wait_for(condition, seconds: float, what: str) -> None:

@@ -50,14 +50,19 @@ def _started(pid: int) -> tuple[int, str] | None:
     return (int(fields[1]), fields[19]) if fields[0] != "Z" else None
 
 
-def descendants(root: int) -> dict[int, str]:
-    """pid -> start time of every running process descended from `root`."""
+def _still_runs(pid: int, start: str) -> bool:
+    """The process noted with this start time runs yet (not another one that reuses its pid)."""
+    return (_started(pid) or (0, None))[1] == start
+
+
+def descendants(*roots: int) -> dict[int, str]:
+    """pid -> start time of every running process descended from one of `roots` (one pass over /proc)."""
     children, start = defaultdict(list), {}
     for entry in PROC.iterdir():
         if entry.name.isdigit() and (known := _started(int(entry.name))) is not None:
             children[known[0]].append(int(entry.name))
             start[int(entry.name)] = known[1]
-    found, stack = {}, [root]
+    found, stack = {}, list(roots)
     while stack:
         for child in children[stack.pop()]:
             if child not in found:
@@ -80,11 +85,9 @@ def main(argv: list[str]) -> None:
         seen.update(descendants(parent))
     # A process that a noted one started since the last look is still its child (only the build is gone):
     # one last look from every noted process that still runs catches it without waiting for the next poll.
-    for pid, start in list(seen.items()):
-        if (_started(pid) or (0, None))[1] == start:
-            seen.update(descendants(pid))
+    seen.update(descendants(*(pid for pid, start in seen.items() if _still_runs(pid, start))))
     for pid, start in seen.items():
-        if pid != os.getpid() and (_started(pid) or (0, None))[1] == start:
+        if pid != os.getpid() and _still_runs(pid, start):
             with contextlib.suppress(OSError):  # gone meanwhile
                 os.kill(pid, signal.SIGKILL)
 
