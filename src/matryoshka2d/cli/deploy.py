@@ -54,7 +54,7 @@ def cmd_serve(args) -> int:
     from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.server import ServerLimits, serve
 
-    for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes"):
+    for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes", "max_queued_texts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_wait_ms < 0:
@@ -71,6 +71,18 @@ def cmd_serve(args) -> int:
         ]
         raise ValueError(f"{', '.join(used)} apply to --backend onnx; the torch backend serves every layer in fp32")
     layers = parse_layers(args.layers) if args.layers is not None else None
+    depth_flags = [f for f, v in (("--target-ms", args.target_ms), ("--min-layer", args.min_layer)) if v is not None]
+    if depth_flags and not args.adaptive_depth:
+        raise ValueError(f"{', '.join(depth_flags)} set how --adaptive-depth sheds depth; add --adaptive-depth")
+    if args.target_ms is not None and not args.target_ms > 0:
+        raise ValueError(f"--target-ms must be a positive number of milliseconds, got {args.target_ms}")
+    if not args.drain_seconds > 0:
+        raise ValueError(f"--drain-seconds must be positive, got {args.drain_seconds}")
+    from matryoshka2d.deploy.admission import Admission
+    from matryoshka2d.deploy.routing import parse_cell
+
+    admission = Admission.from_options(args.api_key, args.max_queued_texts)  # an empty key is refused here
+    query_cell = parse_cell(args.query_cell) if args.query_cell is not None else None
     if args.onnx_cache:  # before the model loads: makedirs would fail only after, with "[Errno 17] File exists"
         from matryoshka2d.deploy.backends import cache_folder_problem
 
@@ -91,7 +103,17 @@ def cmd_serve(args) -> int:
                 check(value)
             except ValueError as exc:
                 raise ValueError(f"{flag} {value}: {exc}") from None
+    if query_cell is not None:
+        try:
+            encoder.check_layer(query_cell[0]), encoder.check_dim(query_cell[1])
+        except ValueError as exc:
+            raise ValueError(f"--query-cell {args.query_cell}: {exc}") from None
     students = query_models(args, encoder)  # name -> query encoder, each checked against this model
+    adaptive_layers = None
+    if args.adaptive_depth:  # checked on the encoder (its heads), before any graph is built
+        from matryoshka2d.deploy.depth import check_aligned
+
+        adaptive_layers = check_aligned(encoder, args.min_layer, layers or list(range(1, encoder.num_layers + 1)))
     model = encoder
     if args.backend == "onnx":
         from matryoshka2d.deploy.backends import OnnxBackend
@@ -118,6 +140,17 @@ def cmd_serve(args) -> int:
         model.load()
         for q in students.values():
             q.load()
+    elif args.adaptive_depth:
+        from matryoshka2d.deploy.backends import TorchBackend
+
+        model = TorchBackend(encoder, args.batch_size)  # the controller measures the backend that serves
+    depth = None
+    if args.adaptive_depth:
+        from matryoshka2d.deploy.depth import DepthController, LayerCost
+
+        print(f"adaptive depth: measuring the cost of layers {adaptive_layers}...", file=sys.stderr)
+        cost = LayerCost.measure(model, adaptive_layers)
+        depth = DepthController(adaptive_layers, adaptive_layers[0], args.target_ms or 50.0, cost)
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,
@@ -125,6 +158,7 @@ def cmd_serve(args) -> int:
         max_batch=args.max_batch,
         batch_size=args.batch_size,
         max_wait=args.max_wait_ms / 1000,
+        max_queued_texts=args.max_queued_texts,
     )
     name = args.served_name or args.model
     kind = f"onnx {args.quantize or 'fp32'}" if args.backend == "onnx" else "torch"
@@ -133,6 +167,13 @@ def cmd_serve(args) -> int:
         f"{args.port} (POST /v1/embeddings, GET /v1/models, GET /health); cells by name: {name}@<layer>x<dimensions>",
         file=sys.stderr,
     )
+    guards = [f"at most {args.max_queued_texts} texts waiting (429 past it)"]
+    guards.append("API key required (Authorization: Bearer)" if admission.needs_key else "no API key (open to all)")
+    if depth is not None:
+        guards.append(f"adaptive depth: layers {depth.layers}, target {depth.target_ms:g} ms")
+    if query_cell is not None:
+        guards.append(f"input_type query -> {name}@{query_cell[0]}x{query_cell[1]}")
+    print("; ".join(guards), file=sys.stderr)  # the key itself is never printed
     serve(
         model,
         name,
@@ -140,9 +181,13 @@ def cmd_serve(args) -> int:
         port=args.port,
         limits=limits,
         log_level=args.log_level,
+        drain_seconds=args.drain_seconds,
         default_layer=args.default_layer,
         default_dimensions=args.default_dimensions,
         query_models=students,
+        query_cell=query_cell,
+        depth=depth,
+        admission=admission,
     )
     return 0
 
@@ -267,4 +312,36 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--onnx-cache", help="onnx backend: folder for the graphs (default: onnx-serve/ in the model folder)"
     )
+    p.add_argument(
+        "--query-cell",
+        metavar="LAYERxDIM",
+        help='answer requests with input_type "query" at this cell of the model (e.g. 3x384), documents at the full '
+        "depth and the same width (default: the one --query-model, if one is given)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: the MATRYOSHKA2D_API_KEY "
+        "environment variable, which keeps the key off the command line; none: open to all)",
+    )
+    p.add_argument(
+        "--max-queued-texts",
+        type=int,
+        default=4096,
+        help="texts waiting for the model past which a request is answered 429 with Retry-After",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: 503 to new requests, and this long at most to answer the accepted ones before exiting",
+    )
+    p.add_argument(
+        "--adaptive-depth",
+        action="store_true",
+        help='requests that name no layer (or layer "auto") are answered at the deepest exit that meets '
+        "--target-ms under the present load, never below --min-layer; needs exits aligned to the last layer "
+        "(exit heads, or a `distill --mode shared` model)",
+    )
+    p.add_argument("--target-ms", type=float, help="adaptive depth: the latency target per batch (default 50)")
+    p.add_argument("--min-layer", type=int, help="adaptive depth: the shallowest layer (default: the first aligned)")
     p.set_defaults(func=cmd_serve)

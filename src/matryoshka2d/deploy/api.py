@@ -18,7 +18,13 @@ from matryoshka2d.views import unit_rows
 ENCODING_FORMATS = ("float", "base64")
 # float32 as JSON numbers or little-endian bytes; the rest as Cohere / sentence-transformers name them.
 EMBEDDING_TYPES = {"float": "<f4", "int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
-KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user", "embedding_type"}
+KNOWN_FIELDS = {"model", "input", "dimensions", "encoding_format", "layer", "user", "embedding_type", "input_type"}
+# What a text is, as Cohere, Voyage and NVIDIA NIM name it: a server with a query encoder or a query cell answers
+# queries with it and documents with the full cell (deploy/routing.py).
+INPUT_TYPES = ("query", "document")
+# The largest number a request field can hold, in digits: every number the API takes (a layer, a width) is far
+# smaller, and Python refuses to turn a string of more than 4,300 digits into an int (a 500 before this bound).
+MAX_DIGITS = 18
 
 
 class ApiError(Exception):
@@ -31,20 +37,63 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class OutOfRange:
+    """A JSON number of more than MAX_DIGITS digits, kept as its digits: no field takes one, and the check of the
+    field that holds it says so (json.loads would have made a 500 of it, or a huge int). Not a str and not an int,
+    so every type check refuses it."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+
+def _bounded_int(text: str):
+    return int(text) if len(text.lstrip("-")) <= MAX_DIGITS else OutOfRange(text)
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object; a 400 for anything else, however it is malformed (invalid JSON or UTF-8,
+    nesting deeper than the parser goes, a number of thousands of digits)."""
+    try:
+        body = json.loads(raw, parse_int=_bounded_int)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON ({exc})", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply to be a request", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
+    return body
+
+
+def shown(value) -> str:
+    if isinstance(value, OutOfRange):
+        return f"a number of {value.digits} digits"
+    return json.dumps(value)[:40]
+
+
+def kind_of(value) -> str:
+    return shown(value) if isinstance(value, OutOfRange) else type(value).__name__
 
 
 def check_int(body: dict, name: str, low: int, high: int, what: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, OutOfRange):
+        raise ApiError(
+            400, f"'{name}' is {shown(value)}, out of range: {what} allows {low}..{high}", name, "invalid_value"
+        )
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)[:40]}", name, "invalid_type")
+        raise ApiError(400, f"'{name}' must be an integer, got {shown(value)}", name, "invalid_type")
     if not low <= value <= high:
         raise ApiError(400, f"'{name}' is {value}, out of range: {what} allows {low}..{high}", name, "invalid_value")
     return value
@@ -60,7 +109,7 @@ def check_texts(body: dict, max_inputs: int) -> list[str]:
     if not isinstance(texts, list):
         raise ApiError(
             400,
-            f"'input' must be a string or a list of strings, got {type(texts).__name__}",
+            f"'input' must be a string or a list of strings, got {kind_of(texts)}",
             "input",
             "invalid_type",
         )
@@ -83,9 +132,7 @@ def check_texts(body: dict, max_inputs: int) -> list[str]:
                     "mean nothing to its model; send text. LangChain: "
                     "OpenAIEmbeddings(..., check_embedding_ctx_length=False))"
                 )
-            raise ApiError(
-                400, f"input[{i}] must be a string, got {type(text).__name__}{hint}", "input", "invalid_type"
-            )
+            raise ApiError(400, f"input[{i}] must be a string, got {kind_of(text)}{hint}", "input", "invalid_type")
         if text == "":
             raise ApiError(400, f"input[{i}] is empty; every input must contain text", "input", "empty_input")
         try:
@@ -101,6 +148,27 @@ def check_texts(body: dict, max_inputs: int) -> list[str]:
     return texts
 
 
+def check_input_type(body: dict) -> str | None:
+    """The request's `input_type` ("query" or "document"), or None when it has none."""
+    value = body.get("input_type")
+    if value is None or (isinstance(value, str) and value in INPUT_TYPES):
+        return value
+    raise ApiError(
+        400, f"'input_type' must be one of {', '.join(INPUT_TYPES)}, got {shown(value)}", "input_type", "invalid_value"
+    )
+
+
+def check_layer(body: dict, low: int, high: int, what: str) -> int | str | None:
+    """The request's `layer`: a number in low..high, "auto" (adaptive depth), or None when it has none."""
+    if body.get("layer") == "auto":
+        return "auto"
+    if isinstance(body.get("layer"), str):
+        raise ApiError(
+            400, f"'layer' must be an integer or \"auto\", got {shown(body['layer'])}", "layer", "invalid_type"
+        )
+    return check_int(body, "layer", low, high, what)
+
+
 def check_formats(body: dict) -> tuple[str, str]:
     """(encoding_format, embedding_type) the request asks for (float when absent or null); unknown fields are a 400."""
     embedding_type = body.get("embedding_type", "float")
@@ -109,7 +177,7 @@ def check_formats(body: dict) -> tuple[str, str]:
     if not isinstance(embedding_type, str) or embedding_type not in EMBEDDING_TYPES:
         raise ApiError(
             400,
-            f"'embedding_type' must be one of {', '.join(EMBEDDING_TYPES)}, got {json.dumps(embedding_type)[:40]}",
+            f"'embedding_type' must be one of {', '.join(EMBEDDING_TYPES)}, got {shown(embedding_type)}",
             "embedding_type",
             "invalid_value",
         )
@@ -119,7 +187,7 @@ def check_formats(body: dict) -> tuple[str, str]:
     if encoding not in ENCODING_FORMATS:
         raise ApiError(
             400,
-            f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, got {json.dumps(encoding)[:40]}",
+            f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, got {shown(encoding)}",
             "encoding_format",
             "invalid_value",
         )

@@ -2,12 +2,18 @@
 that arrive while it is busy, or within `max_wait` of the first, go into the next batch (up to `max_batch` texts; a
 larger request is one batch on its own), grouped by layer so that an exit at layer n still runs n layers. A lone
 request never waits for company. Between batches and at rest the heap's free pages are given back to the system.
+
+A request may leave its layer open (adaptive depth, deploy/depth.py): the batcher asks the depth controller for the
+layer of each batch of such requests, from what waits now, and tells each request the layer that answered it. The
+queue's texts and tokens are counted as they come and go, for the controller, the bound on waiting work
+(deploy/admission.py) and the metrics; every model call's time refreshes the controller's cost model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from matryoshka2d.allocator import trim_heap
+from matryoshka2d.deploy.depth import Work
 
 # malloc_trim after every model call kept RSS flat under load but cost 6% of a (3,128) server's model time (CPU
 # time per text, minilm-l6, batches of 256: 1.79 ms without, 1.91 ms with; docs/benchmarks.md, issue 19): the
@@ -32,24 +39,41 @@ REST_AFTER = 0.5  # seconds
 @dataclass
 class _Job:
     texts: list[str]
-    layer: int
+    layer: int | None  # None: adaptive, the depth controller chooses
     future: asyncio.Future = field(repr=False)
     encoded: dict | None = field(default=None, repr=False)  # the texts' token ids, when the endpoint made them
+    tokens: int = 0
+    arrived: float = 0.0  # time.monotonic() when queued
+
+
+def _tokens(texts: list[str], encoded: dict | None) -> int:
+    """Tokens of the texts: counted by the endpoint's tokenizer when it ran, else about a token per word."""
+    if encoded is not None:
+        return sum(len(ids) for ids in encoded["input_ids"])
+    return sum(len(t.split()) + 2 for t in texts)
 
 
 class MicroBatcher:
-    """Collects concurrent requests into batches for one model worker thread."""
+    """Collects concurrent requests into batches for one model worker thread.
 
-    def __init__(self, backend, max_batch: int, max_wait: float):
+    `name` labels this batcher's model in the metrics; `controller` (a DepthController) answers requests whose layer
+    is None; `metrics` (deploy/metrics.ServerMetrics) is told of every model call."""
+
+    def __init__(self, backend, max_batch: int, max_wait: float, name: str = "model", controller=None, metrics=None):
         self.backend, self.max_batch, self.max_wait = backend, max_batch, max_wait
-        self.queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self.name, self.controller, self.metrics = name, controller, metrics
+        self.queue: deque[_Job] = deque()
+        self._arrival: asyncio.Event | None = None
+        self.queued_texts = self.queued_tokens = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="matryoshka2d-model")
         self.batches = 0
         self.trims = 0
+        self.ms_per_text = 0.0  # model time per text of recent calls, for Retry-After
         self._trimmed_at, self._untrimmed = time.monotonic(), False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        self._arrival = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -61,52 +85,104 @@ class MicroBatcher:
 
     async def encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
         """Full-width vectors at `layer`, one row per text (`encoded`: the texts already tokenized)."""
+        return (await self.answer(texts, layer, encoded))[0]
+
+    async def answer(self, texts: list[str], layer: int | None, encoded: dict | None = None) -> tuple[np.ndarray, int]:
+        """Full-width vectors, and the layer that made them: `layer`, or the depth controller's choice when None."""
+        if layer is None and self.controller is None:
+            raise ValueError("a request without a layer needs a depth controller (serve --adaptive-depth)")
         future = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Job(texts, layer, future, encoded))
+        job = _Job(texts, layer, future, encoded, _tokens(texts, encoded), time.monotonic())
+        self.queue.append(job)
+        self.queued_texts += len(texts)
+        self.queued_tokens += job.tokens
+        self._arrival.set()
         return await future
 
+    def drain_seconds(self) -> float:
+        """About how long the model needs for what waits now (Retry-After of a refused request)."""
+        return self.queued_texts * self.ms_per_text / 1000
+
+    def _take(self) -> _Job:
+        job = self.queue.popleft()
+        self.queued_texts -= len(job.texts)
+        self.queued_tokens -= job.tokens
+        return job
+
+    async def _next(self, timeout: float | None = None) -> _Job | None:
+        """The oldest waiting job, waiting up to `timeout` seconds for one (forever when None)."""
+        while not self.queue:
+            self._arrival.clear()
+            try:
+                await asyncio.wait_for(self._arrival.wait(), timeout)
+            except TimeoutError:
+                return None
+        return self._take()
+
     async def _collect(self, first: _Job | None = None) -> list[_Job]:
-        jobs = [first if first is not None else await self.queue.get()]
+        jobs = [first if first is not None else await self._next()]
         count = len(jobs[0].texts)
-        if self.queue.empty():  # a lone request: waiting for company would only add max_wait to its latency
+        if not self.queue:  # a lone request: waiting for company would only add max_wait to its latency
             return jobs
         deadline = asyncio.get_running_loop().time() + self.max_wait
         while count < self.max_batch:
-            try:
-                job = self.queue.get_nowait()  # whatever queued up while the model was busy
-            except asyncio.QueueEmpty:
+            job = self._take() if self.queue else None  # whatever queued up while the model was busy
+            if job is None:
                 remaining = deadline - asyncio.get_running_loop().time()
                 if remaining <= 0:
                     break
-                try:
-                    job = await asyncio.wait_for(self.queue.get(), remaining)
-                except TimeoutError:
+                job = await self._next(remaining)
+                if job is None:
                     break
             jobs.append(job)
             count += len(job.texts)
         return jobs
 
+    def _backlog(self, now: float) -> Work:
+        if not self.queue:
+            return Work()
+        return Work(self.queued_texts, self.queued_tokens, 1000 * (now - self.queue[0].arrived))
+
+    def _plan(self, jobs: list[_Job]) -> dict[int, list[_Job]]:
+        """The batch's jobs grouped by the layer that runs them, adaptive ones at the controller's choice (joined to
+        a fixed group of the same layer), groups in the order of their oldest job."""
+        fixed: dict[int, list[_Job]] = {}
+        adaptive = []
+        for job in jobs:
+            (adaptive if job.layer is None else fixed.setdefault(job.layer, [])).append(job)
+        if adaptive:
+            now = time.monotonic()
+            cost = self.controller.cost
+            fixed_ms = sum(cost.predict(n, sum(j.tokens for j in g)) for n, g in fixed.items() if n in cost.layers)
+            batch = Work(
+                sum(len(j.texts) for j in adaptive), sum(j.tokens for j in adaptive), 1000 * (now - adaptive[0].arrived)
+            )
+            layer = self.controller.choose(batch, self._backlog(now), fixed_ms)
+            if self.metrics is not None:
+                self.metrics.depth_choices.labels(str(layer)).inc()
+            for job in adaptive:
+                job.layer = layer
+            fixed.setdefault(layer, []).extend(adaptive)
+        return dict(sorted(fixed.items(), key=lambda item: min(j.arrived for j in item[1])))
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             first = None
-            if self._untrimmed and self.queue.empty():
-                try:
-                    first = await asyncio.wait_for(self.queue.get(), REST_AFTER)
-                except TimeoutError:  # at rest: give the heap's free pages back
+            if self._untrimmed and not self.queue:
+                first = await self._next(REST_AFTER)
+                if first is None:  # at rest: give the heap's free pages back
                     await loop.run_in_executor(self.executor, self._trim, True)
             jobs = await self._collect(first)
             jobs = [j for j in jobs if not j.future.done()]  # a client that went away
-            by_layer: dict[int, list[_Job]] = {}
-            for job in jobs:
-                by_layer.setdefault(job.layer, []).append(job)
-            for layer, group in by_layer.items():
+            for layer, group in self._plan(jobs).items():
                 texts = [t for job in group for t in job.texts]
                 encoded = None
                 if all(job.encoded is not None for job in group):
                     encoded = {k: [row for job in group for row in job.encoded[k]] for k in group[0].encoded}
+                tokens = sum(job.tokens for job in group)
                 try:
-                    vectors = await loop.run_in_executor(self.executor, self._encode, texts, layer, encoded)
+                    vectors = await loop.run_in_executor(self.executor, self._encode, texts, layer, encoded, tokens)
                 except Exception as exc:  # the model failed: every waiting request hears why
                     for job in group:
                         if not job.future.done():
@@ -115,12 +191,23 @@ class MicroBatcher:
                 start = 0
                 for job in group:
                     if not job.future.done():
-                        job.future.set_result(vectors[start : start + len(job.texts)])
+                        job.future.set_result((vectors[start : start + len(job.texts)], layer))
                     start += len(job.texts)
                 self.batches += 1
 
-    def _encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
+    def _encode(self, texts: list[str], layer: int, encoded: dict | None = None, tokens: int = 0) -> np.ndarray:
+        start = time.perf_counter()
         vectors = self.backend.pooled(texts, layer, encoded)
+        seconds = time.perf_counter() - start
+        self.ms_per_text = (
+            0.8 * self.ms_per_text + 0.2 * (1000 * seconds / len(texts))
+            if self.batches
+            else (1000 * seconds / len(texts))
+        )
+        if self.controller is not None:
+            self.controller.cost.observe(layer, tokens, 1000 * seconds)
+        if self.metrics is not None:
+            self.metrics.model_call(self.name, layer, len(texts), seconds)
         self._untrimmed = True
         if time.monotonic() - self._trimmed_at >= TRIM_INTERVAL:
             self._trim()

@@ -1,10 +1,12 @@
 """An OpenAI-compatible embeddings server in which one loaded model serves every (layer, dim) cell.
 
     POST /v1/embeddings   {"model", "input": str | [str], "dimensions"?, "encoding_format"?: "float"|"base64",
-                           "layer"?, "embedding_type"?: "float"|"int8"|"uint8"|"binary"|"ubinary"}
-                           (layer and embedding_type are ours; OpenAI clients send them in extra_body)
-    GET  /v1/models       the model, its layers and widths, and a ladder of per-cell names (MODEL@LAYERxDIMS)
-    GET  /health          liveness and queue length
+                           "layer"?: int | "auto", "input_type"?: "query"|"document",
+                           "embedding_type"?: "float"|"int8"|"uint8"|"binary"|"ubinary"}
+                           (layer, input_type and embedding_type are ours; OpenAI clients send them in extra_body)
+    GET  /v1/models       the model, its layers and widths, its query side, and per-cell names (MODEL@LAYERxDIMS)
+    GET  /health          liveness and queue length (503 while draining); the one route open without the API key
+    GET  /metrics         Prometheus text format (deploy/metrics.py)
 
 A model name `MODEL@3x128` is the same request as `model: MODEL, layer: 3, dimensions: 128` (any layer and
 width in range, not only the listed ones), for clients that cannot send extra fields; so are the server's
@@ -21,6 +23,10 @@ exit layer (`serve --backend onnx [--quantize int8] [--layers 1,3,6]`); the API,
 micro-batching and errors here are the same for both. A server started with `--layers` serves those layers
 only (a request without `layer` gets the deepest of them).
 
+The app only declares its routes; each concern is a module of its own: admission (API key, drain on SIGTERM, the
+bound on waiting work: deploy/admission.py), which encoder and cell answer a request (input_type and the query
+side: deploy/routing.py), depth on demand (deploy/depth.py), metrics (deploy/metrics.py).
+
 Requests are micro-batched (deploy/micro_batching.py): one worker thread runs the model; texts that arrive while it
 is busy, or within `max_wait` of the first, go into the next batch (up to `max_batch` texts; a larger request is
 one batch on its own), grouped by layer so that an exit at layer n still runs n layers; the model call sorts its
@@ -31,27 +37,23 @@ texts by length and runs them `batch_size` at a time, as offline `encode` does. 
 from __future__ import annotations
 
 import copy
-import json
-import re
+import signal
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import Request, Response
 
-from matryoshka2d.deploy.api import (
-    EMBEDDING_TYPES,
-    ApiError,
-    check_formats,
-    check_int,
-    check_texts,
-    encode_rows,
-    reply_bytes,
-)
+from matryoshka2d.deploy.admission import Admission, Guard
+from matryoshka2d.deploy.api import EMBEDDING_TYPES, ApiError, encode_rows, parse_body, reply_bytes
 from matryoshka2d.deploy.backends import TorchBackend
+from matryoshka2d.deploy.metrics import ServerMetrics
 from matryoshka2d.deploy.micro_batching import MicroBatcher
+from matryoshka2d.deploy.routing import Catalog, cell_names
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.views import nested_dims
+
+__all__ = ["ServerLimits", "cell_names", "create_app", "serve"]
 
 
 @dataclass
@@ -62,21 +64,16 @@ class ServerLimits:
     max_batch: int = 256  # texts collected for one model call (sorted by length there, then run in batches)
     batch_size: int = 64  # texts per forward pass within a model call
     max_wait: float = 0.005  # seconds the first request of a batch waits for company
+    # Texts waiting for the model, all encoders together, past which a request is answered 429 (Retry-After). A
+    # request of max_inputs texts still fits beside a full batch's worth; at minilm-l6's int8 full depth on one
+    # core (about 1.5 ms a query-sized text in batches) the queue then holds a few seconds of work.
+    max_queued_texts: int = 4096
 
 
 def _error_response(error: ApiError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-def cell_names(model_id: str, num_layers: int, hidden_size: int) -> list[tuple[str, int, int]]:
-    """The per-cell names /v1/models lists: every layer at the nested widths 8, 16, 32, ..., D."""
-    return [
-        (f"{model_id}@{layer}x{dim}", layer, dim)
-        for layer in range(1, num_layers + 1)
-        for dim in nested_dims(hidden_size)
-    ]
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 @dataclass
@@ -89,9 +86,9 @@ class _Served:
     counter: object  # a copy of the backend's tokenizer, used in the event loop apart from the model thread
 
     @classmethod
-    def of(cls, name: str, model, limits: ServerLimits) -> _Served:
+    def of(cls, name: str, model, limits: ServerLimits, metrics: ServerMetrics, controller=None) -> _Served:
         backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
-        batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait)
+        batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait, name, controller, metrics)
         return cls(name, backend, batcher, copy.deepcopy(backend.tokenizer))
 
 
@@ -102,43 +99,43 @@ def create_app(
     default_layer: int | None = None,
     default_dimensions: int | None = None,
     query_models: dict | None = None,
+    query_cell: tuple[int, int] | None = None,
+    depth=None,
+    admission: Admission | None = None,
 ):
     """The FastAPI app: one model (an ElasticEncoder, run by torch, or a backend from deploy/backends.py), every
     cell; a request naming no cell gets the defaults (else the deepest layer served, at full width).
     `query_models`: name -> query encoder distilled from the model (`distill --mode query`), each served under its
-    own name at its own last layer, next to the model (documents by the model, queries by the student)."""
+    own name at its own last layer, and the one of them (or `query_cell`, a (layer, dim) of the model) answers
+    requests with input_type "query" (deploy/routing.py). `depth`: a DepthController (deploy/depth.py) for requests
+    that leave their layer open. `admission`: the API key and the bound on waiting work (deploy/admission.py)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
-    main = _Served.of(model_id, model, limits)
-    backend = main.backend
-    queries = {name: _Served.of(name, q, limits) for name, q in (query_models or {}).items()}
-    if model_id in queries:
-        raise ValueError(f"a query encoder is named '{model_id}', the name of the model it serves beside")
-    num_layers, hidden_size, max_length = backend.num_layers, backend.hidden_size, backend.max_length
-    served = list(backend.layers)
-    if default_layer is not None and default_layer not in served:
-        raise ValueError(f"--default-layer {default_layer}: this server runs layers {', '.join(map(str, served))}")
-    if default_dimensions is not None and not 1 <= default_dimensions <= hidden_size:
-        raise ValueError(f"--default-dimensions {default_dimensions}: the vectors have 1..{hidden_size} numbers")
-    default_layer = default_layer if default_layer is not None else served[-1]
-    default_dimensions = default_dimensions if default_dimensions is not None else hidden_size
-    alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
-    created = int(time.time())
-    batcher = main.batcher
+    admission = admission or Admission(max_queued_texts=limits.max_queued_texts)
+    metrics = ServerMetrics()
+    main = _Served.of(model_id, model, limits, metrics, depth)
+    queries = {name: _Served.of(name, q, limits, metrics) for name, q in (query_models or {}).items()}
+    catalog = Catalog(
+        main, model_id, queries, default_layer, default_dimensions, query_cell, depth is not None, limits.max_inputs
+    )
+    everyone = (main, *queries.values())
+    backend, created = main.backend, int(time.time())
+    metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone))
 
     @asynccontextmanager
     async def lifespan(_app):
-        for served in (main, *queries.values()):
+        for served in everyone:
             served.batcher.start()
         yield
-        for served in (main, *queries.values()):
+        for served in everyone:
             await served.batcher.stop()
 
     app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan)
-    app.state.batcher = batcher
+    app.state.batcher, app.state.admission, app.state.metrics = main.batcher, admission, metrics
+    app.add_middleware(Guard, admission=admission, metrics=metrics, respond=_error_response)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -153,26 +150,35 @@ def create_app(
     async def validation_error(_request, exc: RequestValidationError):
         return _error_response(ApiError(400, str(exc), None, "invalid_request"))
 
+    @app.exception_handler(Exception)
+    async def server_fault(_request, exc: Exception):  # a fault of the server's own, still in OpenAI's shape
+        message = f"The server failed on this request ({type(exc).__name__}: {str(exc)[:200]})"
+        return _error_response(ApiError(500, message, None, "internal_error", kind="server_error"))
+
     def describe_model() -> dict:
+        served = catalog.served
         return {
             "id": model_id,
             "object": "model",
             "created": created,
             "owned_by": "matryoshka2d",
             "layers": served,
-            "dimensions": hidden_size,
-            "cells": f"any (layer, dimensions) with layer in {served} and 1 <= dimensions <= {hidden_size}"
-            if len(served) < num_layers
-            else f"any (layer, dimensions) with 1 <= layer <= {num_layers} and 1 <= dimensions <= {hidden_size}",
-            "max_input_tokens": max_length,
+            "dimensions": catalog.hidden_size,
+            "cells": f"any (layer, dimensions) with layer in {served} and 1 <= dimensions <= {catalog.hidden_size}"
+            if len(served) < catalog.num_layers
+            else f"any (layer, dimensions) with 1 <= layer <= {catalog.num_layers} and "
+            f"1 <= dimensions <= {catalog.hidden_size}",
+            "max_input_tokens": backend.max_length,
             "truncates_long_inputs": limits.truncate,
             "max_inputs_per_request": limits.max_inputs,
             "pooling": backend.pooling,
             "normalized": True,
             **backend.describe(),
-            "default_layer": default_layer,
-            "default_dimensions": default_dimensions,
+            "default_layer": catalog.default_layer,
+            "default_dimensions": catalog.default_dimensions,
             "embedding_types": list(EMBEDDING_TYPES),
+            "input_types": catalog.pairing(),
+            "adaptive_depth": depth.describe() if depth is not None else None,
         }
 
     def describe_cell(name: str, layer: int, dim: int) -> dict:
@@ -186,27 +192,6 @@ def create_app(
             "dimensions": dim,
         }
 
-    def resolve(name: str) -> tuple[int | None, int | None]:
-        """(layer, dimensions) a model name fixes: (None, None) for the model itself; a 404 for any other name."""
-        if name == model_id:
-            return None, None
-        where = (
-            f"this server serves '{model_id}' and its cells '{model_id}@<layer>x<dimensions>' "
-            f"(layer 1..{num_layers}, dimensions 1..{hidden_size}), e.g. '{model_id}@{num_layers}x{hidden_size}'"
-        )
-        match = alias.fullmatch(name)
-        if match is None:
-            raise ApiError(404, f"The model '{name}' does not exist; {where}", "model", "model_not_found")
-        # a number of more than 9 digits is out of range anyway: not given to int() (Python refuses 4,300+ digits)
-        layer, dim = (int(g) if len(g) <= 9 else -1 for g in (match[1], match[2]))
-        if not (1 <= layer <= num_layers and 1 <= dim <= hidden_size):
-            raise ApiError(404, f"The model '{name}' does not exist: no such cell; {where}", "model", "model_not_found")
-        return layer, dim
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_id, "queued_requests": batcher.queue.qsize()}
-
     def describe_query_model(served: _Served) -> dict:
         q = served.backend
         return {
@@ -215,6 +200,7 @@ def create_app(
             "created": created,
             "owned_by": "matryoshka2d",
             "query_encoder_of": model_id,
+            "answers_input_type_query": served is catalog.query_model,
             "layers": [q.num_layers],
             "dimensions": q.hidden_size,
             "max_input_tokens": q.max_length,
@@ -223,133 +209,92 @@ def create_app(
             **q.describe(),
         }
 
+    @app.get("/health")  # open without the key; 503 while draining (admission.Guard), so a balancer moves on
+    async def health():
+        return {"status": "ok", "model": model_id, "queued_requests": len(main.batcher.queue)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        content, kind = metrics.render()
+        return Response(content, media_type=kind)
+
     @app.get("/v1/models")
     async def models():
-        cells = [describe_cell(*cell) for cell in cell_names(model_id, num_layers, hidden_size)]
+        cells = [describe_cell(*cell) for cell in cell_names(model_id, catalog.num_layers, catalog.hidden_size)]
         return {"object": "list", "data": [describe_model(), *cells, *map(describe_query_model, queries.values())]}
 
     @app.get("/v1/models/{name:path}")
-    async def model(name: str):
+    async def model_by_name(name: str):
         if name in queries:
             return describe_query_model(queries[name])
-        layer, dim = resolve(name)
+        layer, dim = catalog.resolve(name)
         return describe_model() if layer is None else describe_cell(name, layer, dim)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            raise ApiError(
-                413,
-                f"Request body is {int(size)} bytes; the limit is {limits.max_body_bytes}",
-                None,
-                "request_too_large",
-            )
-        raw = await request.body()
-        if len(raw) > limits.max_body_bytes:
-            raise ApiError(
-                413,
-                f"Request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}",
-                None,
-                "request_too_large",
-            )
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"The request body is not valid JSON ({exc})", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
-        served, texts, layer, dim, encoding, embedding_type = validate(body)
-        counter, max_length = served.counter, served.backend.max_length
-        # One tokenizer call counts the tokens and gives the model its input (the backend does not tokenize again).
-        encoded = dict(counter(texts, add_special_tokens=True, verbose=False))
-        lengths = [len(ids) for ids in encoded["input_ids"]]
-        too_long = [i for i, n in enumerate(lengths) if n > max_length]
-        if too_long and not limits.truncate:
-            i = too_long[0]
-            raise ApiError(
-                400,
-                f"input[{i}] has {lengths[i]} tokens; this model's maximum input length is {max_length} "
-                f"tokens ({len(too_long)} input(s) too long). Shorten it (the server runs without --truncate)",
-                "input",
-                "context_length_exceeded",
-            )
-        if too_long:  # --truncate: those texts cut as the tokenizer cuts them
-            cut = counter([texts[i] for i in too_long], truncation=True, max_length=max_length, verbose=False)
-            for row, i in enumerate(too_long):
-                for k in encoded:
-                    encoded[k][i] = cut[k][row]
-        used = [min(n, max_length) for n in lengths]
-        vectors = (await served.batcher.encode(texts, layer, encoded))[:, :dim]
-        data = encode_rows(vectors, encoding, embedding_type)
+        plan = catalog.plan(parse_body(await _body(request, limits.max_body_bytes)))
+        served, texts = plan.served, plan.texts
+        encoded, used, truncated = _tokenized(served, texts, limits.truncate)
+        admission.admit(len(texts), sum(s.batcher.queued_texts for s in everyone), main.batcher.drain_seconds())
+        vectors, layer = await served.batcher.answer(texts, plan.layer, encoded)
+        data = encode_rows(vectors[:, : plan.dim], plan.encoding, plan.embedding_type)
+        metrics.answered(served.name, layer, len(texts), sum(used))
         reply = {
             "object": "list",
             "data": data,
             "model": served.name,
             "usage": {"prompt_tokens": sum(used), "total_tokens": sum(used)},
             "layer": layer,
-            "dimensions": dim,
-            "embedding_type": embedding_type,
-            "truncated_inputs": len(too_long),
+            "dimensions": plan.dim,
+            "embedding_type": plan.embedding_type,
+            "truncated_inputs": truncated,
         }
+        if plan.annotate:  # routed or adaptive: each item says what made it
+            reply["encoder"] = served.name
+            for item in data:
+                item["layer"], item["encoder"] = layer, served.name
         # Serialised here: a returned dict goes through FastAPI's jsonable_encoder, which visits every number of
         # every vector in Python (most of a small cell's request time).
-        return Response(reply_bytes(reply), media_type="application/json")
-
-    def validate_query_model(served: _Served, body: dict) -> tuple[_Served, list[str], int, int, str, str]:
-        """A request to a query encoder: its own last layer, any width."""
-        q = served.backend
-        texts = check_texts(body, limits.max_inputs)
-        what = f"{served.name} is a query encoder of {q.num_layers} layers (it runs all of them); layer"
-        layer = check_int(body, "layer", q.num_layers, q.num_layers, what)
-        dim = check_int(
-            body, "dimensions", 1, q.hidden_size, f"{served.name} has {q.hidden_size} dimensions; dimensions"
-        )
-        encoding, embedding_type = check_formats(body)
-        return served, texts, layer or q.num_layers, dim or q.hidden_size, encoding, embedding_type
-
-    def validate(body: dict) -> tuple[_Served, list[str], int, int, str, str]:
-        if "model" not in body:
-            raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
-        if not isinstance(body["model"], str):
-            raise ApiError(400, "'model' must be a string", "model", "invalid_type")
-        if body["model"] in queries:
-            return validate_query_model(queries[body["model"]], body)
-        named_layer, named_dim = resolve(body["model"])
-        texts = check_texts(body, limits.max_inputs)
-        layer = check_int(body, "layer", 1, num_layers, f"{model_id} has {num_layers} layers; layer")
-        dim = check_int(body, "dimensions", 1, hidden_size, f"{model_id} has {hidden_size} dimensions; dimensions")
-        for field_name, named, given in (("layer", named_layer, layer), ("dimensions", named_dim, dim)):
-            if named is not None and given is not None and named != given:
-                raise ApiError(
-                    400,
-                    f"'model' {body['model']} names {field_name} {named}, but '{field_name}' is {given}; "
-                    f"send one of them",
-                    field_name,
-                    "invalid_value",
-                )
-        # A model name that contradicts a field is named first: it is the request's own mistake on any server.
-        if layer is not None and layer not in served:
-            raise ApiError(
-                400,
-                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, served))} "
-                "only (started with --layers)",
-                "layer",
-                "invalid_value",
-            )
-        layer = layer or named_layer or default_layer
-        dim = dim or named_dim or default_dimensions
-        encoding, embedding_type = check_formats(body)
-        if layer not in served:
-            raise ApiError(
-                400,
-                f"layer {layer} is not served here: this server runs layers {', '.join(map(str, served))}",
-                "model",
-                "invalid_value",
-            )
-        return main, texts, layer, dim, encoding, embedding_type
+        headers = {"x-matryoshka2d-layer": str(layer), "x-matryoshka2d-encoder": served.name}
+        return Response(reply_bytes(reply), media_type="application/json", headers=headers)
 
     return app
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 when it is over `limit` bytes (by its Content-Length, or as read)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"Request body is {int(size)} bytes; the limit is {limit}", None, "request_too_large")
+    raw = await request.body()
+    if len(raw) > limit:
+        raise ApiError(413, f"Request body is {len(raw)} bytes; the limit is {limit}", None, "request_too_large")
+    return raw
+
+
+def _tokenized(served: _Served, texts: list[str], truncate: bool) -> tuple[dict, list[int], int]:
+    """One tokenizer call counts the tokens and gives the model its input (the backend does not tokenize again):
+    the token ids, the tokens each text uses, and how many were cut. A text over the model's length is a 400,
+    or is cut as the tokenizer cuts it with --truncate."""
+    counter, max_length = served.counter, served.backend.max_length
+    encoded = dict(counter(texts, add_special_tokens=True, verbose=False))
+    lengths = [len(ids) for ids in encoded["input_ids"]]
+    too_long = [i for i, n in enumerate(lengths) if n > max_length]
+    if too_long and not truncate:
+        i = too_long[0]
+        raise ApiError(
+            400,
+            f"input[{i}] has {lengths[i]} tokens; this model's maximum input length is {max_length} "
+            f"tokens ({len(too_long)} input(s) too long). Shorten it (the server runs without --truncate)",
+            "input",
+            "context_length_exceeded",
+        )
+    if too_long:
+        cut = counter([texts[i] for i in too_long], truncation=True, max_length=max_length, verbose=False)
+        for row, i in enumerate(too_long):
+            for k in encoded:
+                encoded[k][i] = cut[k][row]
+    return encoded, [min(n, max_length) for n in lengths], len(too_long)
 
 
 def serve(
@@ -359,19 +304,30 @@ def serve(
     port: int = 8000,
     limits: ServerLimits | None = None,
     log_level: str = "info",
-    default_layer: int | None = None,
-    default_dimensions: int | None = None,
-    query_models: dict | None = None,
+    drain_seconds: float = 30.0,
+    **app_options,
 ) -> None:
-    """Run the app in one uvicorn worker (the model, and any query encoders beside it, in memory)."""
-    import uvicorn
-
-    app = create_app(
-        model,
-        model_id,
-        limits,
-        default_layer=default_layer,
-        default_dimensions=default_dimensions,
-        query_models=query_models,
+    """Run the app in one uvicorn worker (the model, and any query encoders beside it, in memory). SIGTERM drains:
+    new requests get 503, the accepted ones are answered (for up to `drain_seconds`), and the process exits 0."""
+    app = create_app(model, model_id, limits, **app_options)
+    config = uvicorn.Config(
+        app, host=host, port=port, workers=1, log_level=log_level, timeout_graceful_shutdown=drain_seconds
     )
-    uvicorn.run(app, host=host, port=port, workers=1, log_level=log_level)
+    _DrainingServer(config, app.state.admission).run()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server, except that SIGTERM first turns new requests away (503) and then shuts down as uvicorn does
+    (listeners closed, in-flight requests answered), and is not raised again afterwards: the exit is 0, a drain
+    that worked, not a death by signal."""
+
+    def __init__(self, config, admission: Admission):
+        super().__init__(config)
+        self.admission = admission
+
+    def handle_exit(self, sig, frame):
+        if sig == signal.SIGTERM:
+            self.admission.draining = True
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)

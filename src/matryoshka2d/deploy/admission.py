@@ -1,0 +1,118 @@
+"""What lets a request into the embeddings server, in front of every route: the API key, the drain on SIGTERM,
+and the bound on waiting work.
+
+- API key (`serve --api-key KEY`, or the MATRYOSHKA2D_API_KEY environment variable): every route but `/health` needs
+  `Authorization: Bearer KEY`, else 401 in OpenAI's error shape (as text-embeddings-inference and infinity answer).
+  The key is compared in constant time and never written anywhere: not in a message, not in a log line.
+- Drain: once SIGTERM arrives the server stops accepting (503 to every request, `/health` included, so a load
+  balancer takes the replica out), finishes what is in flight, and exits 0 (deploy/server.py).
+- Bound on waiting work (`--max-queued-texts`): a request whose texts would take the queue past the bound is
+  answered 429 with `Retry-After` (the seconds the model needs for what waits now), before it is queued; nothing
+  already queued is ever dropped. A request larger than the bound is still taken when nothing waits, so every
+  request the server accepts by its size limits can be answered.
+
+`Guard` is the ASGI middleware that applies the first two and counts every answer (deploy/metrics.py); the bound
+is applied by the embeddings route, which knows how many texts a request holds.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import os
+import time
+
+from matryoshka2d.deploy.api import ApiError
+
+API_KEY_ENV = "MATRYOSHKA2D_API_KEY"
+OPEN_ROUTES = ("/health",)
+
+
+class Admission:
+    """The API key, the drain flag and the bound on queued texts of one server."""
+
+    def __init__(self, api_key: str | None = None, max_queued_texts: int = 4096):
+        if api_key is not None and not api_key.strip():
+            raise ValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it out")
+        if max_queued_texts < 1:
+            raise ValueError(f"--max-queued-texts must be at least 1, got {max_queued_texts}")
+        self._key = api_key.encode() if api_key is not None else None
+        self.max_queued_texts = max_queued_texts
+        self.draining = False
+
+    @classmethod
+    def from_options(cls, api_key: str | None, max_queued_texts: int) -> Admission:
+        """`--api-key` if given, else the environment variable (so the key need not be on a command line)."""
+        return cls(api_key if api_key is not None else os.environ.get(API_KEY_ENV), max_queued_texts)
+
+    @property
+    def needs_key(self) -> bool:
+        return self._key is not None
+
+    def refusal(self, path: str, authorization: bytes | None) -> ApiError | None:
+        """Why a request to `path` is not let in (a 401 or a 503), or None."""
+        if self._key is not None and path not in OPEN_ROUTES:
+            scheme, _, given = (authorization or b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._key):
+                return ApiError(
+                    401,
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' with the key this "
+                    "server was started with",
+                    None,
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if self.draining:
+            return ApiError(
+                503,
+                "The server is shutting down: it finishes the requests it accepted and takes no new ones; send this "
+                "one to another replica",
+                None,
+                "server_shutting_down",
+                kind="server_error",
+                headers={"Connection": "close"},
+            )
+        return None
+
+    def admit(self, texts: int, queued: int, drain_seconds: float) -> None:
+        """Let `texts` more texts join `queued` waiting ones, or raise a 429 saying when to come back."""
+        if queued == 0 or queued + texts <= self.max_queued_texts:
+            return
+        retry = max(1, math.ceil(drain_seconds))
+        raise ApiError(
+            429,
+            f"The model is overloaded: {queued} texts are waiting and this request adds {texts} (the bound is "
+            f"{self.max_queued_texts}, --max-queued-texts); retry after {retry} s",
+            None,
+            "model_overloaded",
+            kind="server_error",
+            headers={"Retry-After": str(retry)},
+        )
+
+
+class Guard:
+    """ASGI middleware: the API key and the drain before any route, and every answer counted with its status and
+    time. A pure ASGI callable (no BaseHTTPMiddleware), so it adds no task or copy per request."""
+
+    def __init__(self, app, admission: Admission, metrics, respond):
+        self.app, self.admission, self.metrics, self.respond = app, admission, metrics, respond
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, path, status = time.perf_counter(), scope["path"], [500]
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        refusal = self.admission.refusal(path, authorization)
+        try:
+            if refusal is not None:
+                await self.respond(refusal)(scope, receive, counted)
+            else:
+                await self.app(scope, receive, counted)
+        finally:
+            self.metrics.request(path, status[0], time.perf_counter() - start)

@@ -1,0 +1,158 @@
+"""Depth on demand: under load, answer a batch at a shallower exit instead of queueing it or refusing it.
+
+`serve --adaptive-depth --target-ms T --min-layer F`: before each batch of adaptive requests (those that name no
+layer, or `layer: "auto"`), the model thread's batcher asks `DepthController.choose` for a layer. The controller
+predicts, with each layer's cost (`LayerCost`), how long the texts waiting now would take at that layer: the batch
+itself, any fixed-layer groups that run with it, then the backlog behind it (assumed to run at the same layer,
+which is what a sustained arrival rate asks of every batch). The deepest layer at which both the batch's oldest
+request and the backlog's oldest would be answered within the target is chosen; when none is, the floor. With an
+empty queue that is always the full depth: nothing is shed when nothing needs to be.
+
+Only a model whose exits are aligned to its last layer may shed depth, since its answers must stay comparable
+with vectors the full depth made (an index): exit heads (closed form, `heads fit`) or a `distill --mode shared`
+model, whose every exit layer has a head into the last layer's space. `check_aligned` refuses anything else.
+
+`LayerCost` is pick's cost model (deploy/cost.py: one query per call, and a batch per call, measured on the
+backend that serves) turned into a line per layer, ms = fixed + per-token x tokens, then refreshed from every
+model call the server makes (least squares over exponentially fading observations), so it follows what the
+machine delivers under the load it has now, contention with the event loop included.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+# How much each new observation counts against the old ones (the old weight fades by this factor per call).
+FADE = 0.97
+
+
+@dataclass(frozen=True)
+class Work:
+    """Texts waiting for the model: how many, their tokens, and how long the oldest has waited (ms)."""
+
+    texts: int = 0
+    tokens: int = 0
+    waited_ms: float = 0.0
+
+
+class _Line:
+    """ms = a + b x tokens by least squares over fading observations (a weight, its sums)."""
+
+    def __init__(self, points: list[tuple[float, float]]):
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.a, self.b = 0.0, 0.0
+        for x, y in points:
+            self.add(x, y, fade=1.0)
+
+    def add(self, x: float, y: float, fade: float = FADE) -> None:
+        self.n, self.sx, self.sy = fade * self.n + 1, fade * self.sx + x, fade * self.sy + y
+        self.sxx, self.sxy = fade * self.sxx + x * x, fade * self.sxy + x * y
+        spread = self.n * self.sxx - self.sx * self.sx
+        if spread > 1e-9 * max(1.0, self.n * self.sxx):  # calls of different sizes: both terms are known
+            self.b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
+        # calls all of one size say nothing new about the slope: keep it, and move the fixed part
+        self.a = max(0.0, (self.sy - self.b * self.sx) / self.n)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+class LayerCost:
+    """Model time (ms) of one call at each layer, from the number of tokens it runs."""
+
+    def __init__(self, lines: dict[int, list[tuple[float, float]]]):
+        """`lines`: layer -> measured (tokens, ms) points, at least two of different sizes per layer."""
+        self._lines = {layer: _Line(points) for layer, points in lines.items()}
+        self._lock = threading.Lock()  # observed on the model thread, read on the batcher's
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._lines)
+
+    def predict(self, layer: int, tokens: float) -> float:
+        with self._lock:
+            return self._lines[layer](tokens)
+
+    def observe(self, layer: int, tokens: float, ms: float) -> None:
+        if layer in self._lines and math.isfinite(ms):
+            with self._lock:
+                self._lines[layer].add(tokens, ms)
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {
+                str(n): {"fixed_ms": round(line.a, 3), "ms_per_token": round(line.b, 5)}
+                for n, line in sorted(self._lines.items())
+            }
+
+    @classmethod
+    def measure(cls, backend, layers: list[int], batch: int = 32) -> LayerCost:
+        """Measured on `backend` as pick measures (deploy/cost.py): one query per call, and `batch` texts per call."""
+        from matryoshka2d.deploy.cost import QUERY_TEXTS, measure_batched, measure_latency
+
+        one = measure_latency(backend, layers)
+        per_text = measure_batched(backend, layers, batch)
+        tokens = sum(len(ids) for ids in backend.tokenizer(QUERY_TEXTS)["input_ids"]) / len(QUERY_TEXTS)
+        return cls({n: [(tokens, one[n]), (tokens * batch, per_text[n] * batch)] for n in layers})
+
+
+class DepthController:
+    """The layer each batch of adaptive requests is answered at (see the module's docstring)."""
+
+    def __init__(self, layers: list[int], floor: int, target_ms: float, cost: LayerCost):
+        if target_ms <= 0:
+            raise ValueError(f"--target-ms must be positive, got {target_ms}")
+        if floor not in layers:
+            raise ValueError(f"--min-layer {floor}: the layers that may answer are {', '.join(map(str, layers))}")
+        self.layers = sorted(n for n in layers if n >= floor)  # deepest last
+        self.floor, self.target_ms, self.cost = floor, target_ms, cost
+
+    def choose(self, batch: Work, backlog: Work = Work(), fixed_ms: float = 0.0) -> int:
+        """The deepest layer at which `batch` (after `fixed_ms` of other groups in its call round) and then `backlog`
+        would be answered within the target; the floor when no layer would."""
+        for layer in reversed(self.layers):
+            done = fixed_ms + self.cost.predict(layer, batch.tokens)
+            worst = batch.waited_ms + done
+            if backlog.texts:
+                worst = max(worst, backlog.waited_ms + done + self.cost.predict(layer, backlog.tokens))
+            if worst <= self.target_ms:
+                return layer
+        return self.floor
+
+    def describe(self) -> dict:
+        return {
+            "target_ms": self.target_ms,
+            "min_layer": self.floor,
+            "layers": self.layers,
+            "cost": self.cost.describe(),
+        }
+
+
+def aligned_layers(encoder) -> list[int]:
+    """The layers of `encoder` whose vectors live in its last layer's space: the last, and every exit with a head."""
+    heads = encoder.exit_heads
+    shallow = [n for n in range(1, encoder.num_layers) if heads is not None and heads.has(n)]
+    return [*shallow, encoder.num_layers]
+
+
+def check_aligned(encoder, floor: int | None, served: list[int]) -> list[int]:
+    """The layers adaptive depth may answer at (aligned, served, at least the floor); a ValueError saying why when the
+    model has no aligned exit or the floor is not one."""
+    aligned = aligned_layers(encoder)
+    if len(aligned) == 1:
+        raise ValueError(
+            f"--adaptive-depth: the exits of {encoder.name} are not aligned to its last layer (it has no exit heads), "
+            "so a shallower answer would not be comparable with the full depth's vectors. "
+            "Serve a model whose exits are: `matryoshka2d heads fit` (closed-form heads) or "
+            "`matryoshka2d distill --mode shared`"
+        )
+    usable = [n for n in aligned if n in served]
+    floor = floor if floor is not None else usable[0]
+    if floor not in usable:
+        raise ValueError(
+            f"--min-layer {floor}: adaptive depth answers at aligned layers this server runs: "
+            f"{', '.join(map(str, usable))}"
+        )
+    return [n for n in usable if n >= floor]

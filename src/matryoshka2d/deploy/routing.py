@@ -1,0 +1,289 @@
+"""Which encoder, layer and width answer a request: the names a server serves, and the pairing of queries and
+documents.
+
+A server serves one model under `model_id`, every cell of it by name (`MODEL@LAYERxDIMS`), and query encoders
+distilled from it under their own names (`serve --query-model NAME=FOLDER`). A request to the model may say what
+its texts are, as Cohere, Voyage and NVIDIA NIM clients do: `input_type: "query" | "document"`.
+
+- The pair's query side is `--query-cell LAYERxDIM` (a shallow cell of the model itself) when given, else the one
+  query encoder when exactly one is served. Queries go to it; documents to the full depth, at the pair's width
+  (the query cell's DIM, or the model's full width). A request's `dimensions` may cut both to fewer numbers.
+- Without a pair, "query" is answered as a request without input_type is (adaptive when the server adapts its
+  depth), and "document" at the full depth: documents build an index, so their depth is never shed.
+- A request without input_type gets exactly what it got before input_type existed, byte for byte, unless the
+  server runs with --adaptive-depth: then a request that names no layer (or `layer: "auto"`) is adaptive.
+- A `layer` or a cell name that contradicts input_type is a 400, never silently overridden.
+
+Answers that were routed (input_type given) or adaptive say, on every item, the layer and the encoder that made
+them (`Plan.annotate`); the endpoint also sends both as response headers on every answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from matryoshka2d.deploy.api import (
+    ApiError,
+    check_formats,
+    check_input_type,
+    check_int,
+    check_layer,
+    check_texts,
+    shown,
+)
+from matryoshka2d.views import nested_dims
+
+ADAPTIVE = None  # the layer of a request whose depth the controller chooses
+
+
+@dataclass
+class Plan:
+    """What answers one request."""
+
+    served: object  # the _Served (server.py) whose batcher runs it
+    texts: list[str]
+    layer: int | None  # None: adaptive
+    dim: int
+    encoding: str
+    embedding_type: str
+    annotate: bool  # each item says its layer and encoder
+
+
+def cell_names(model_id: str, num_layers: int, hidden_size: int) -> list[tuple[str, int, int]]:
+    """The per-cell names /v1/models lists: every layer at the nested widths 8, 16, 32, ..., D."""
+    return [
+        (f"{model_id}@{layer}x{dim}", layer, dim)
+        for layer in range(1, num_layers + 1)
+        for dim in nested_dims(hidden_size)
+    ]
+
+
+def parse_cell(text: str, option: str = "--query-cell") -> tuple[int, int]:
+    """'3x128' -> (3, 128); a message naming the option otherwise."""
+    match = re.fullmatch(r"\s*(\d{1,9})\s*[xX]\s*(\d{1,9})\s*", text or "")
+    if match is None:
+        raise ValueError(f"{option} must be LAYERxDIM, such as 3x384, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+class Catalog:
+    """The names one server answers to, and how each request resolves to a Plan."""
+
+    def __init__(
+        self,
+        main,
+        model_id: str,
+        queries: dict,
+        default_layer: int | None = None,
+        default_dimensions: int | None = None,
+        query_cell: tuple[int, int] | None = None,
+        adaptive: bool = False,
+        max_inputs: int = 2048,
+    ):
+        backend = main.backend
+        self.main, self.model_id, self.queries, self.adaptive = main, model_id, queries, adaptive
+        self.max_inputs = max_inputs
+        self.num_layers, self.hidden_size = backend.num_layers, backend.hidden_size
+        self.served = list(backend.layers)
+        self.alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
+        for name in queries:
+            if name == model_id or self.alias.fullmatch(name):
+                raise ValueError(
+                    f"--query-model {name}=...: '{name}' is a name of the served model "
+                    f"('{model_id}' and its cells '{model_id}@<layer>x<dimensions>'); give the query encoder another"
+                )
+        if default_layer is not None and default_layer not in self.served:
+            raise ValueError(
+                f"--default-layer {default_layer}: this server runs layers {', '.join(map(str, self.served))}"
+            )
+        if default_dimensions is not None and not 1 <= default_dimensions <= self.hidden_size:
+            raise ValueError(
+                f"--default-dimensions {default_dimensions}: the vectors have 1..{self.hidden_size} numbers"
+            )
+        self.default_layer = default_layer if default_layer is not None else self.served[-1]
+        self.default_dimensions = default_dimensions if default_dimensions is not None else self.hidden_size
+        self.query_cell = query_cell
+        if query_cell is not None:
+            layer, dim = query_cell
+            if layer not in self.served or not 1 <= dim <= self.hidden_size:
+                raise ValueError(
+                    f"--query-cell {layer}x{dim}: this server runs layers {', '.join(map(str, self.served))} "
+                    f"with 1..{self.hidden_size} dimensions"
+                )
+        self.query_model = next(iter(queries.values())) if query_cell is None and len(queries) == 1 else None
+        self.pair_width = query_cell[1] if query_cell is not None else self.hidden_size
+        if self.query_model is not None and self.query_model.backend.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"--query-model {self.query_model.name}: its vectors have {self.query_model.backend.hidden_size} "
+                f"numbers, the model's {self.hidden_size}; they cannot be compared"
+            )
+
+    # -- what /v1/models shows ----------------------------------------------------------------------------------
+    def pairing(self) -> dict | None:
+        if self.query_cell is not None:
+            layer, dim = self.query_cell
+            return {
+                "queries": {"encoder": self.model_id, "layer": layer, "dimensions": dim},
+                "documents": {"encoder": self.model_id, "layer": self.served[-1], "dimensions": dim},
+            }
+        if self.query_model is not None:
+            q = self.query_model.backend
+            return {
+                "queries": {"encoder": self.query_model.name, "layer": q.num_layers, "dimensions": q.hidden_size},
+                "documents": {"encoder": self.model_id, "layer": self.served[-1], "dimensions": self.hidden_size},
+            }
+        return None
+
+    # -- a request -------------------------------------------------------------------------------------------------
+    def resolve(self, name: str) -> tuple[int | None, int | None]:
+        """(layer, dimensions) a model name fixes: (None, None) for the model itself; a 404 for any other name."""
+        if name == self.model_id:
+            return None, None
+        where = (
+            f"this server serves '{self.model_id}' and its cells '{self.model_id}@<layer>x<dimensions>' "
+            f"(layer 1..{self.num_layers}, dimensions 1..{self.hidden_size}), "
+            f"e.g. '{self.model_id}@{self.num_layers}x{self.hidden_size}'"
+        )
+        shown = name if len(name) <= 200 else name[:200] + "..."
+        match = self.alias.fullmatch(name)
+        if match is None:
+            raise ApiError(404, f"The model '{shown}' does not exist; {where}", "model", "model_not_found")
+        # a number of more than 9 digits is out of range anyway: not given to int() (Python refuses 4,300+ digits)
+        layer, dim = (int(g) if len(g) <= 9 else -1 for g in (match[1], match[2]))
+        if not (1 <= layer <= self.num_layers and 1 <= dim <= self.hidden_size):
+            raise ApiError(
+                404, f"The model '{shown}' does not exist: no such cell; {where}", "model", "model_not_found"
+            )
+        return layer, dim
+
+    def plan(self, body: dict) -> Plan:
+        if "model" not in body:
+            raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
+        if not isinstance(body["model"], str):
+            raise ApiError(400, f"'model' must be a string, got {shown(body['model'])}", "model", "invalid_type")
+        input_type = check_input_type(body)
+        if body["model"] in self.queries:
+            return self._plan_query_model(self.queries[body["model"]], body, input_type)
+        named_layer, named_dim = self.resolve(body["model"])
+        texts = check_texts(body, self.max_inputs)
+        layer = check_layer(body, 1, self.num_layers, f"{self.model_id} has {self.num_layers} layers; layer")
+        dim = check_int(
+            body, "dimensions", 1, self.hidden_size, f"{self.model_id} has {self.hidden_size} dimensions; dimensions"
+        )
+        encoding, embedding_type = check_formats(body)
+        if layer == "auto" and not self.adaptive:
+            raise ApiError(
+                400,
+                "'layer' is \"auto\", but this server does not adapt its depth (start it with --adaptive-depth)",
+                "layer",
+                "invalid_value",
+            )
+        for field_name, named, given in (("layer", named_layer, layer), ("dimensions", named_dim, dim)):
+            if named is not None and given is not None and named != given:
+                raise ApiError(
+                    400,
+                    f"'model' {body['model']} names {field_name} {named}, but '{field_name}' is {given}; "
+                    f"send one of them",
+                    field_name,
+                    "invalid_value",
+                )
+        if input_type is not None:
+            if named_layer is not None:
+                raise ApiError(
+                    400,
+                    f"'model' {body['model']} names a cell, and 'input_type' chooses the cell; send the model "
+                    f"'{self.model_id}' with input_type, or the cell without it",
+                    "input_type",
+                    "invalid_value",
+                )
+            routed = self._route(input_type, layer, dim)
+            if routed is not None:
+                served, layer, dim = routed
+                return Plan(served, texts, layer, dim, encoding, embedding_type, True)
+        # A model name that contradicts a field is named first: it is the request's own mistake on any server.
+        if isinstance(layer, int) and layer not in self.served:
+            raise ApiError(
+                400,
+                f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, self.served))} "
+                "only (started with --layers)",
+                "layer",
+                "invalid_value",
+            )
+        if layer == "auto" or (self.adaptive and layer is None and named_layer is None):
+            return Plan(
+                self.main, texts, ADAPTIVE, dim or named_dim or self.default_dimensions, encoding, embedding_type, True
+            )
+        layer = layer or named_layer or self.default_layer
+        dim = dim or named_dim or self.default_dimensions
+        if layer not in self.served:
+            raise ApiError(
+                400,
+                f"layer {layer} is not served here: this server runs layers {', '.join(map(str, self.served))}",
+                "model",
+                "invalid_value",
+            )
+        return Plan(self.main, texts, layer, dim, encoding, embedding_type, self.adaptive or input_type is not None)
+
+    def _route(self, input_type: str, layer, dim: int | None):
+        """(served, layer, dim) for a request to the model with input_type, or None to answer it as one without."""
+        last = self.served[-1]
+        if dim is not None and dim > self.pair_width:
+            raise ApiError(
+                400,
+                f"'dimensions' is {dim}: queries and documents of this pair have {self.pair_width} numbers",
+                "dimensions",
+                "invalid_value",
+            )
+        if input_type == "document":
+            if layer not in (None, last):
+                raise ApiError(
+                    400,
+                    f"'layer' is {layer}, but documents are encoded at the full depth ({last}): an index holds the "
+                    "full model's vectors; drop 'layer' or 'input_type'",
+                    "layer",
+                    "invalid_value",
+                )
+            return self.main, last, dim or self.pair_width
+        # a query
+        pair = self.query_cell or (self.query_model is not None)
+        if pair and layer is not None:
+            raise ApiError(
+                400,
+                f"'layer' is {layer}, but queries are answered by this server's query "
+                f"{'cell' if self.query_cell else 'encoder'} ({self.describe_query_side()}); drop 'layer' or "
+                "'input_type'",
+                "layer",
+                "invalid_value",
+            )
+        if self.query_cell is not None:
+            return self.main, self.query_cell[0], dim or self.query_cell[1]
+        if self.query_model is not None:
+            return self.query_model, self.query_model.backend.num_layers, dim or self.hidden_size
+        return None
+
+    def describe_query_side(self) -> str:
+        if self.query_cell is not None:
+            return f"{self.model_id}@{self.query_cell[0]}x{self.query_cell[1]}"
+        return self.query_model.name
+
+    def _plan_query_model(self, served, body: dict, input_type: str | None) -> Plan:
+        """A request to a query encoder by its name: its own last layer, any width."""
+        q = served.backend
+        if input_type == "document":
+            raise ApiError(
+                400,
+                f"{served.name} encodes queries; send documents to '{self.model_id}' (with input_type \"document\")",
+                "input_type",
+                "invalid_value",
+            )
+        texts = check_texts(body, self.max_inputs)
+        what = f"{served.name} is a query encoder of {q.num_layers} layers (it runs all of them); layer"
+        layer = check_int(body, "layer", q.num_layers, q.num_layers, what)
+        dim = check_int(
+            body, "dimensions", 1, q.hidden_size, f"{served.name} has {q.hidden_size} dimensions; dimensions"
+        )
+        encoding, embedding_type = check_formats(body)
+        return Plan(
+            served, texts, layer or q.num_layers, dim or q.hidden_size, encoding, embedding_type, input_type is not None
+        )

@@ -1,0 +1,422 @@
+"""The server as a product (issue 40): the API key, /metrics, the bound on waiting work, the drain on SIGTERM,
+input_type routing to a query encoder or a query cell, and adaptive depth (its controller on a synthetic cost
+model: no timing here). In-process apps through FastAPI's TestClient; real `serve` processes where a signal or the
+log is what is tested."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import TINY, WORDS, tiny_transformer
+from matryoshka2d.cli import main
+from matryoshka2d.deploy.admission import Admission
+from matryoshka2d.deploy.depth import DepthController, LayerCost, Work, aligned_layers
+from matryoshka2d.deploy.server import ServerLimits, create_app
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.heads import fit_heads
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEXTS = [" ".join(WORDS[i : i + 4]) for i in range(0, len(WORDS) - 4)]
+KEY = "s3cret-key-for-tests"
+
+
+@pytest.fixture(scope="module")
+def aligned(tokenizer):
+    """A tiny 4-layer model with closed-form exit heads: exits aligned to its last layer."""
+    encoder = ElasticEncoder.from_modules(tiny_transformer("bert", tokenizer.vocab_size), tokenizer, name="aligned")
+    sentences = [" ".join(np.random.default_rng(i).choice(WORDS, 6)) for i in range(80)]
+    heads, _ = fit_heads(encoder, [sentences])
+    encoder.set_exit_heads(heads)
+    return encoder
+
+
+@pytest.fixture(scope="module")
+def plain(tokenizer):
+    return ElasticEncoder.from_modules(tiny_transformer("bert", tokenizer.vocab_size), tokenizer, name="plain")
+
+
+class FixedCost(LayerCost):
+    """A synthetic cost model: what the server observes does not move it (the tests time nothing)."""
+
+    def observe(self, layer, tokens, ms):
+        pass
+
+
+def line(per_layer_ms: dict[int, tuple[float, float]], kind=LayerCost) -> LayerCost:
+    """A cost model whose line per layer is exactly (fixed ms, ms per token)."""
+    return kind({n: [(0.0, a), (100.0, a + 100 * b)] for n, (a, b) in per_layer_ms.items()})
+
+
+def fixed_cost(per_layer_ms: dict[int, tuple[float, float]]) -> LayerCost:
+    return line(per_layer_ms, FixedCost)
+
+
+# -- the depth controller, on a synthetic cost model ----------------------------------------------------------------
+SYNTHETIC = {1: (1.0, 0.02), 2: (1.0, 0.04), 3: (1.0, 0.06), 4: (1.0, 0.08)}  # ms = 1 + 0.02 x layer x tokens
+
+
+def test_the_cost_line_is_the_measured_points_and_follows_what_the_server_observes():
+    cost = line(SYNTHETIC)
+    assert cost.predict(3, 100) == pytest.approx(7.0) and cost.predict(1, 0) == pytest.approx(1.0)
+    for _ in range(200):  # the machine got twice as slow at layer 3: the line follows
+        cost.observe(3, 50, 2 * (1 + 0.06 * 50))
+        cost.observe(3, 200, 2 * (1 + 0.06 * 200))
+    assert cost.predict(3, 100) == pytest.approx(14.0, rel=0.05)
+    assert cost.predict(2, 100) == pytest.approx(5.0)  # other layers untouched
+
+
+def test_with_nothing_waiting_the_controller_keeps_the_full_depth():
+    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC))
+    assert controller.choose(Work(1, 10, 0.0)) == 4
+    assert controller.choose(Work(8, 80, 1.0)) == 4  # 1 + 1 + 0.08 x 80 = 8.4 ms
+
+
+def test_a_backlog_sheds_depth_to_the_deepest_layer_that_meets_the_target_never_below_the_floor():
+    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC))
+    batch = Work(texts=16, tokens=160, waited_ms=2.0)
+    # layer 4: 2 + (1 + 12.8) = 15.8 for the batch, then the backlog of 400 tokens waiting 3 ms: 3 + 13.8 + 33 = 49.8
+    assert controller.choose(batch, Work(40, 400, 3.0)) == 4
+    # 500 tokens behind it: layer 4 gives 3 + 13.8 + 41 = 57.8 > 50; layer 3: 3 + 10.6 + 31 = 44.6
+    assert controller.choose(batch, Work(50, 500, 3.0)) == 3
+    # 1,000 tokens: layer 2 gives 3 + 7.4 + 41 = 51.4; layer 1: 3 + 4.2 + 21 = 28.2
+    assert controller.choose(batch, Work(100, 1000, 3.0)) == 1
+    # another group of the same round (a fixed layer) runs ahead of the backlog: 10 ms more push layer 3 out
+    assert controller.choose(batch, Work(50, 500, 3.0), fixed_ms=10.0) == 2
+    floored = DepthController([1, 2, 3, 4], 2, 50.0, fixed_cost(SYNTHETIC))
+    assert floored.layers == [2, 3, 4]
+    assert floored.choose(batch, Work(1000, 10000, 40.0)) == 2  # nothing meets it: the floor, never below
+
+
+def test_the_controller_refuses_a_floor_it_cannot_use_and_a_target_that_is_no_time():
+    with pytest.raises(ValueError, match="--min-layer 5"):
+        DepthController([1, 2, 3, 4], 5, 50.0, fixed_cost(SYNTHETIC))
+    with pytest.raises(ValueError, match="--target-ms must be positive"):
+        DepthController([1, 2, 3, 4], 1, 0.0, fixed_cost(SYNTHETIC))
+
+
+class Gate:
+    """A backend that answers each text with its layer (in every number), once its gate is open."""
+
+    def __init__(self, tokenizer, layers=4, width=8):
+        self.tokenizer, self.pooling, self.max_length = tokenizer, "mean", 128
+        self.num_layers, self.hidden_size, self.layers = layers, width, list(range(1, layers + 1))
+        self.open = threading.Event()
+        self.calls: list[tuple[int, int]] = []
+
+    def pooled(self, texts, layer, encoded=None):
+        self.open.wait(timeout=30)
+        self.calls.append((layer, len(texts)))
+        return np.full((len(texts), self.hidden_size), float(layer), dtype=np.float32)
+
+    def describe(self):
+        return {"backend": "gate", "precision": "fp32"}
+
+
+def test_the_batcher_asks_the_controller_per_batch_and_each_request_hears_its_layer(tokenizer):
+    from matryoshka2d.deploy.micro_batching import MicroBatcher
+
+    gate = Gate(tokenizer)
+    gate.open.set()
+    # layer 4 costs 30 ms a call whatever its size, layer 2 1 ms: one request alone fits layer 4 (30 < 50), a
+    # backlog behind a batch does not (30 + 30 > 50), so the batch goes to layer 2
+    cost = fixed_cost({2: (1.0, 0.0), 4: (30.0, 0.0)})
+    controller = DepthController([2, 4], 2, 50.0, cost)
+
+    async def run():
+        batcher = MicroBatcher(gate, max_batch=4, max_wait=0.0, controller=controller)
+        batcher.start()
+        try:
+            alone = await batcher.answer(["alone"], None)
+            crowd = await asyncio.gather(*(batcher.answer([f"t{i}"], None) for i in range(12)))
+            fixed = await batcher.answer(["named"], 3)
+            return alone, crowd, fixed
+        finally:
+            await batcher.stop()
+
+    (vectors, layer), crowd, fixed = asyncio.run(run())
+    assert layer == 4 and vectors[0, 0] == 4.0
+    layers = [layer for _, layer in crowd]
+    assert 2 in layers and all(v[0, 0] == layer for v, layer in crowd)  # each answer says the layer that made it
+    assert fixed[1] == 3 and fixed[0][0, 0] == 3.0  # a request that names its layer gets exactly that layer
+
+
+# -- the guards --------------------------------------------------------------------------------------------------
+def test_every_route_but_health_needs_the_key_in_openai_shape(plain):
+    app = create_app(plain, "tiny", admission=Admission(KEY))
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        for method, path, body in (
+            ("GET", "/v1/models", None),
+            ("GET", "/v1/models/tiny", None),
+            ("GET", "/metrics", None),
+            ("POST", "/v1/embeddings", {"model": "tiny", "input": "red cat"}),
+            ("GET", "/no/such/route", None),
+        ):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                reply = client.request(method, path, json=body, headers=headers)
+                assert reply.status_code == 401, (path, headers)
+                error = reply.json()["error"]
+                assert error["code"] == "invalid_api_key" and KEY not in error["message"]
+                assert reply.headers["www-authenticate"] == "Bearer"
+        good = {"Authorization": f"Bearer {KEY}"}
+        assert (
+            client.post("/v1/embeddings", json={"model": "tiny", "input": "red cat"}, headers=good).status_code == 200
+        )
+        assert client.get("/metrics", headers=good).status_code == 200
+
+
+def test_an_empty_key_is_refused_at_start(plain, monkeypatch):
+    with pytest.raises(ValueError, match="--api-key"):
+        Admission("  ")
+    monkeypatch.setenv("MATRYOSHKA2D_API_KEY", KEY)
+    assert Admission.from_options(None, 10).needs_key
+
+
+def test_metrics_parse_as_prometheus_text_and_count_what_happened(aligned):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = create_app(aligned, "tiny", depth=DepthController([1, 2, 3, 4], 1, 1e6, fixed_cost(SYNTHETIC)))
+    with TestClient(app) as client:
+        client.post("/v1/embeddings", json={"model": "tiny", "input": ["red cat", "blue dog"]})
+        client.post("/v1/embeddings", json={"model": "tiny", "input": "red cat", "layer": 2})
+        client.post("/v1/embeddings", json={"model": "nope", "input": "red cat"})
+        text = client.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("matryoshka2d_requests_total", (("route", "/v1/embeddings"), ("status", "200")))] == 2
+    assert samples[("matryoshka2d_requests_total", (("route", "/v1/embeddings"), ("status", "404")))] == 1
+    assert samples[("matryoshka2d_embeddings_total", (("encoder", "tiny"), ("layer", "4")))] == 2
+    assert samples[("matryoshka2d_embeddings_total", (("encoder", "tiny"), ("layer", "2")))] == 1
+    assert samples[("matryoshka2d_adaptive_batches_total", (("layer", "4"),))] == 1
+    assert samples[("matryoshka2d_tokens_total", (("encoder", "tiny"),))] > 0
+    assert samples[("matryoshka2d_queue_texts", ())] == 0
+    for name in (
+        "matryoshka2d_request_duration_seconds",
+        "matryoshka2d_batch_texts",
+        "matryoshka2d_model_duration_seconds",
+    ):
+        assert families[name].type == "histogram"
+
+
+def test_past_the_bound_a_request_gets_429_with_retry_after_and_nothing_queued_is_dropped(tokenizer):
+    gate = Gate(tokenizer)
+    app = create_app(gate, "gate", ServerLimits(max_batch=2, max_queued_texts=6))
+    with TestClient(app) as client, ThreadPoolExecutor(8) as pool:
+        body = {"model": "gate", "input": ["a b", "c d"], "layer": 2}
+        waiting = [pool.submit(client.post, "/v1/embeddings", json=body) for _ in range(4)]
+        deadline = time.monotonic() + 20  # one batch runs (held at the gate), three requests (6 texts) wait
+        while app.state.batcher.queued_texts < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = client.post("/v1/embeddings", json=body)
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "model_overloaded" and "--max-queued-texts" in refused.text
+        gate.open.set()
+        answers = [w.result(timeout=30) for w in waiting]
+    assert [a.status_code for a in answers] == [200] * 4  # every accepted request answered
+    assert sum(n for _, n in gate.calls) == 8
+
+
+def test_a_request_larger_than_the_bound_is_taken_when_nothing_waits(tokenizer):
+    gate = Gate(tokenizer)
+    gate.open.set()
+    app = create_app(gate, "gate", ServerLimits(max_queued_texts=2))
+    with TestClient(app) as client:
+        assert client.post("/v1/embeddings", json={"model": "gate", "input": ["a"] * 5}).status_code == 200
+
+
+def test_while_draining_every_request_gets_503_and_health_says_so(plain):
+    app = create_app(plain, "tiny")
+    with TestClient(app) as client:
+        app.state.admission.draining = True
+        for path in ("/health", "/v1/models"):
+            reply = client.get(path)
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_shutting_down"
+
+
+# -- request bodies: bounded before conversion, never a 500 ------------------------------------------------------
+HUGE = "9" * 5000
+BODIES = {
+    "dimensions": f'{{"model": "tiny", "input": "red cat", "dimensions": {HUGE}}}',
+    "layer": f'{{"model": "tiny", "input": "red cat", "layer": -{HUGE}}}',
+    "user": f'{{"model": "tiny", "input": "red cat", "user": {HUGE}}}',
+    "input": f'{{"model": "tiny", "input": {HUGE}}}',
+    "input[1]": f'{{"model": "tiny", "input": ["red cat", {HUGE}]}}',
+    "encoding_format": f'{{"model": "tiny", "input": "red cat", "encoding_format": {HUGE}}}',
+    "input_type": f'{{"model": "tiny", "input": "red cat", "input_type": {HUGE}}}',
+    "model": f'{{"model": {HUGE}, "input": "red cat"}}',
+}
+
+
+@pytest.mark.parametrize("field", list(BODIES))
+def test_a_number_of_thousands_of_digits_in_any_field_is_a_400(plain, field):
+    raw = BODIES[field]
+    app = create_app(plain, "tiny")
+    with TestClient(app) as client:
+        reply = client.post("/v1/embeddings", content=raw, headers={"Content-Type": "application/json"})
+    if field == "user":  # OpenAI's free-form field: taken and ignored, whatever it holds
+        assert reply.status_code == 200
+    else:
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field.split("[")[0]
+        assert "5000 digits" in reply.json()["error"]["message"]
+
+
+def test_a_body_nested_past_the_parser_is_a_400(plain):
+    app = create_app(plain, "tiny")
+    with TestClient(app) as client:
+        raw = '{"model": "tiny", "input": ' + "[" * 100000 + "]" * 100000 + "}"
+        reply = client.post("/v1/embeddings", content=raw)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+
+
+# -- queries and documents in one model ----------------------------------------------------------------------------
+def embed(client, **body):
+    reply = client.post("/v1/embeddings", json={"model": "tiny", "input": ["red cat sleeps", "blue dog"], **body})
+    return reply
+
+
+def test_input_type_routes_queries_to_the_query_encoder_and_documents_to_the_full_cell(plain, tokenizer):
+    import transformers as tf
+
+    config = tf.BertConfig(vocab_size=tokenizer.vocab_size, **{**TINY, "num_hidden_layers": 2})
+    query = ElasticEncoder.from_modules(tf.AutoModel.from_config(config).eval(), tokenizer, name="q")  # a "student"
+    texts = ["red cat sleeps", "blue dog"]
+    plain_app = create_app(plain, "tiny")
+    paired_app = create_app(plain, "tiny", query_models={"tiny-q": query})
+    with TestClient(plain_app) as before, TestClient(paired_app) as client:
+        listed = client.get("/v1/models").json()["data"][0]["input_types"]
+        assert listed["queries"] == {"encoder": "tiny-q", "layer": 2, "dimensions": 32}
+        queries = embed(client, input_type="query")
+        assert queries.status_code == 200 and queries.headers["x-matryoshka2d-encoder"] == "tiny-q"
+        got = np.array([d["embedding"] for d in queries.json()["data"]])
+        np.testing.assert_allclose(got, query.encode(texts, normalize=True), atol=1e-5)
+        assert {(d["layer"], d["encoder"]) for d in queries.json()["data"]} == {(2, "tiny-q")}
+        documents = embed(client, input_type="document")
+        got = np.array([d["embedding"] for d in documents.json()["data"]])
+        np.testing.assert_allclose(got, plain.encode(texts, normalize=True), atol=1e-5)
+        assert documents.json()["data"][0]["layer"] == 4
+        assert embed(client).content == embed(before).content  # no input_type: today's answer, byte for byte
+        wrong = embed(client, input_type="query", layer=3)
+        assert wrong.status_code == 400 and "query encoder" in wrong.json()["error"]["message"]
+        assert embed(client, input_type="passage").status_code == 400
+
+
+def test_a_query_cell_answers_queries_at_its_cell_and_documents_at_full_depth_and_its_width(plain):
+    app = create_app(plain, "tiny", query_cell=(2, 16))
+    texts = ["red cat sleeps", "blue dog"]
+    with TestClient(app) as client:
+        queries = embed(client, input_type="query").json()
+        np.testing.assert_allclose(
+            [d["embedding"] for d in queries["data"]], plain.encode(texts, layer=2, dim=16, normalize=True), atol=1e-5
+        )
+        documents = embed(client, input_type="document").json()
+        np.testing.assert_allclose(
+            [d["embedding"] for d in documents["data"]], plain.encode(texts, layer=4, dim=16, normalize=True), atol=1e-5
+        )
+        assert documents["data"][0]["layer"] == 4 and queries["data"][0]["layer"] == 2
+        cell = client.post("/v1/embeddings", json={"model": "tiny@2x16", "input": "a", "input_type": "query"})
+        assert cell.status_code == 400 and cell.json()["error"]["param"] == "input_type"
+
+
+def test_a_query_model_may_not_take_a_name_of_the_served_model(plain):
+    for name in ("tiny", "tiny@2x16"):
+        with pytest.raises(ValueError, match="is a name of the served model"):
+            create_app(plain, "tiny", query_models={name: plain})
+
+
+# -- adaptive depth ------------------------------------------------------------------------------------------------
+def test_adaptive_answers_say_their_layer_and_a_named_layer_is_kept(aligned):
+    controller = DepthController(aligned_layers(aligned), 1, 1e6, fixed_cost(SYNTHETIC))
+    app = create_app(aligned, "tiny", depth=controller)
+    with TestClient(app) as client:
+        adaptive = embed(client)
+        assert adaptive.headers["x-matryoshka2d-layer"] == "4"  # nothing waits: the full depth
+        assert [d["layer"] for d in adaptive.json()["data"]] == [4, 4]
+        assert embed(client, layer="auto").json()["layer"] == 4
+        named = embed(client, layer=2).json()
+        assert named["layer"] == 2 and named["data"][0]["layer"] == 2
+        np.testing.assert_allclose(
+            named["data"][0]["embedding"], aligned.encode("red cat sleeps", layer=2, normalize=True), atol=1e-5
+        )
+    with TestClient(create_app(aligned, "tiny")) as client:
+        refused = embed(client, layer="auto")
+        assert refused.status_code == 400 and "--adaptive-depth" in refused.json()["error"]["message"]
+
+
+def test_adaptive_depth_is_refused_on_a_model_without_aligned_exits(tiny_dir, capsys):
+    serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0", "--adaptive-depth"]
+    assert main(serve) == 2
+    err = capsys.readouterr().err
+    assert "not aligned to its last layer" in err and "distill --mode shared" in err
+    assert main(["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0", "--target-ms", "40"]) == 2
+    assert "add --adaptive-depth" in capsys.readouterr().err
+
+
+# -- a real server: the drain on SIGTERM, and a log without the key --------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_under_load_answers_every_accepted_request_and_exits_0_and_the_key_is_in_no_log(tiny_dir):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MATRYOSHKA2D_API_KEY": KEY}
+    command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", str(tiny_dir), "--pooling", "mean"]
+    server = subprocess.Popen(
+        [*command, "--port", str(port), "--log-level", "debug", "--served-name", "tiny"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def call(i: int):
+        data = json.dumps({"model": "tiny", "input": [f"{WORDS[i % len(WORDS)]} cat number {i}"] * 4}).encode()
+        request = urllib.request.Request(
+            url + "/v1/embeddings", data=data, headers={"Authorization": f"Bearer {KEY}"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            return "refused"  # not accepted: the listener is closed
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        assert call(0) == 200
+        with ThreadPoolExecutor(16) as pool:
+            replies = [pool.submit(call, i) for i in range(200)]
+            time.sleep(0.3)
+            server.send_signal(signal.SIGTERM)
+            code = server.wait(timeout=60)  # how long the drain takes under load: benchmarks/serve_overload.py
+            statuses = [r.result(timeout=60) for r in replies]
+    finally:
+        if server.poll() is None:
+            server.kill()
+    log = server.stdout.read().decode()
+    assert code == 0, log[-2000:]
+    assert set(statuses) <= {200, 503, "refused"} and statuses.count(200) > 0  # nothing accepted was lost
+    assert KEY not in log
