@@ -213,6 +213,29 @@ def test_distill_options_that_would_do_nothing_are_refused(teacher_dir, text_fil
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train", "--distill-weight", "0.5"], "--distill-weight would do nothing without --distill-from"),
+        (["train", "--lora-alpha", "8", "--lora-dropout", "0.1"], "--lora-alpha and --lora-dropout would do nothing"),
+        (["eval", "sts", "--reducer-corpus", "{text}"], "--reducer-corpus and --reducer-samples set how --reducer"),
+        (["eval", "sts", "--reducer-samples", "10"], "they need --reducer"),
+        (["eval", "retrieval", "--doc-cache", "{tmp}/cache"], "--doc-cache keeps the documents' pooled states"),
+        (["heads", "fit", "--data", "{text}", "--select", "mse", "--ridge", "1"], "--select mse chooses the ridge"),
+    ],
+    ids=lambda a: a if isinstance(a, str) else " ".join(a[:2]),
+)
+def test_other_options_that_would_do_nothing_are_refused(model, text_file, tmp_path, capsys, args, needle):
+    out = tmp_path / "out"
+    args = [a.format(text=text_file, tmp=tmp_path) for a in args]
+    args += ["--model", str(model), "--pooling", "mean", "--output", str(out)]
+    if args[0] == "train":
+        args += ["--data", str(text_file), "--steps", "1"]
+    assert main(args) == 2
+    assert needle in error_line(capsys)
+    assert not out.exists()
+
+
 def test_train_refuses_resume_with_overwrite(tiny_dir, triplets, sts_dev, tmp_path, capsys):
     out = tmp_path / "run"
     base = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]

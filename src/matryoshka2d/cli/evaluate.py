@@ -12,6 +12,8 @@ from pathlib import Path
 from matryoshka2d.cli.args import command, command_group, count, positive_int, reads_and_writes
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
 
+REDUCER_SAMPLES = 2000  # corpus sentences a reducer is fitted on, unless --reducer-samples says
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr)
@@ -107,6 +109,8 @@ def cmd_sts(args) -> int:
     from matryoshka2d.evaluate.sts import evaluate_sts
     from matryoshka2d.paths import data_dir
 
+    if not args.reducer and (args.reducer_corpus or args.reducer_samples is not None):
+        raise ValueError("--reducer-corpus and --reducer-samples set how --reducer is fitted; they need --reducer")
     if args.reducer and args.backend != "torch":  # before the model loads or a graph is built
         raise ValueError(
             f"--reducer {args.reducer} reduces the vectors torch computes; it does not run on --backend "
@@ -120,7 +124,8 @@ def cmd_sts(args) -> int:
         if args.compare_heads:
             raise ValueError("--compare-heads and --reducer exclude each other: a reducer makes its own cells")
         dims = parse_ints(args.dims, "dims")
-        embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, args.reducer_samples, _log)
+        samples = args.reducer_samples or REDUCER_SAMPLES
+        embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, samples, _log)
     return _evaluate(
         args, lambda cells: evaluate_sts(cells, root, variant=args.variant, datasets=args.datasets, log=_log), embedder
     )
@@ -163,6 +168,11 @@ def cmd_retrieval(args) -> int:
     from matryoshka2d.evaluate.retrieval import evaluate_retrieval
     from matryoshka2d.paths import data_dir
 
+    if args.doc_cache and not (args.cascade or args.query_layer or args.query_model or args.storage):
+        raise ValueError(
+            "--doc-cache keeps the documents' pooled states for --cascade, --query-layer, --query-model or "
+            "--storage; a grid evaluation does not use it"
+        )
     if any((args.corpus, args.queries, args.qrels)):
         return _from_files(args)
     dirs = [Path(d) for d in args.dataset_dir] if args.dataset_dir else [data_dir(args.data_dir) / "retrieval/scifact"]
@@ -306,7 +316,7 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--reducer-corpus", help="sentences to fit it on (default: DATA/nli/train_triplets.tsv)")
     p.add_argument(
-        "--reducer-samples", type=positive_int, default=2000, help="first N distinct corpus sentences (2000)"
+        "--reducer-samples", type=positive_int, help=f"first N distinct corpus sentences ({REDUCER_SAMPLES})"
     )
 
     p = command(

@@ -115,6 +115,10 @@ def cmd_heads_fit(args) -> int:
         raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
     args.no_heads = True  # fit on the backbone alone: heads already in the folder are replaced
     encoder = load_encoder(args, log=lambda _m: None)
+    if args.ridge is not None and args.select != "auto":
+        raise ValueError(
+            f"--select {args.select} chooses the ridge strength; --ridge {args.ridge:g} fixes it: give one"
+        )
     select, dev = args.select, None
     if args.ridge is None:
         from matryoshka2d.paths import sts_dev_file
@@ -176,7 +180,7 @@ def cmd_heads_fit(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    from matryoshka2d.cli.args import non_negative_float, positive_int, reads_and_writes
+    from matryoshka2d.cli.args import positive_float, positive_int, reads_and_writes
 
     p = sub.add_parser("heads", help="exit heads: a small map at every exit into the last layer's space")
     hsub = p.add_subparsers(dest="action", required=True)
@@ -217,7 +221,7 @@ def register(sub, model_args) -> None:
     )
     f.add_argument(
         "--ridge",
-        type=non_negative_float,
+        type=positive_float,
         help="a fixed ridge strength as a multiple of the number of sentences (no selection)",
     )
     f.add_argument("--max-sentences", type=positive_int, help="use at most this many distinct sentences (default: all)")

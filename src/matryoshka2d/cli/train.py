@@ -64,6 +64,24 @@ def read_config_file(path: Path) -> dict:
     return loaded
 
 
+# Options that only shape something another option turns on: given without it, they would do nothing (rule 4).
+NEEDS = {
+    "distill_from": ("distill_weight", "distill_loss"),
+    "lora_r": ("lora_alpha", "lora_dropout", "lora_target_modules"),
+}
+
+
+def refuse_idle_options(values: dict) -> None:
+    """The run's options (flags, --config and --preset together) hold no option whose switch is off."""
+    for switch, dependents in NEEDS.items():
+        given = [f"--{d.replace('_', '-')}" for d in dependents if values.get(d) is not None]
+        if given and values.get(switch) is None:
+            raise ValueError(
+                f"{' and '.join(given)} would do nothing without --{switch.replace('_', '-')}: give it, or leave "
+                f"{'them' if len(given) > 1 else 'it'} out"
+            )
+
+
 def cmd_train(args) -> int:
     if args.processes is not None:
         if args.processes < 1:
@@ -100,6 +118,7 @@ def cmd_train(args) -> int:
         values["method_options"]["sizes"] = [list(c) for c in args.sizes]
     if args.layer is not None or args.dim is not None:  # 0 is passed on, to be refused, not dropped
         values["method_options"].update({k: v for k, v in (("layer", args.layer), ("dim", args.dim)) if v is not None})
+    refuse_idle_options(values)
     missing = [k for k in ("data", "output") if not values.get(k)]
     if missing:
         raise ValueError(f"train needs {' and '.join('--' + m for m in missing)} (or in --config)")
