@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -58,8 +59,8 @@ def check_apart(output, flag: str, inputs, whole_folder: bool = True) -> None:
         if path is None:
             continue
         source = Path(path).expanduser().resolve()
-        if target == source:
-            how = "is"
+        if target == source or (target.exists() and source.exists() and os.path.samefile(target, source)):
+            how = "is"  # the same path, or the same file under another name (a hard link)
         elif source.is_relative_to(target):
             how = "holds"
         elif whole_folder and target.is_relative_to(source):
@@ -326,6 +327,7 @@ def check_grid_record(record, file: Path) -> dict:
         if not isinstance(record[key], str):
             raise ResultFileError(f"{file}: field '{key}' must be a string, got {record[key]!r}")
     metrics = _list_of(record, "metrics", file, str, required=False) or [record["metric"]]
+    _list_of(record, "datasets", file, str, required=False)
     for key in ("layers", "dims"):
         for i, value in enumerate(_list_of(record, key, file, object)):
             _whole_number(value, f"{file}: {key}[{i}]")

@@ -196,12 +196,15 @@ MODEL_OPTIONS = ("--model", "--models", "--teacher", "--query-model", "--distill
 RESULT_OPTIONS = ("--results", "results")  # result folders: the results.json / cascade.json read in them
 
 
-def reads_and_writes(p, reads: tuple[str, ...], output: str = "--output", files=None, default=None) -> None:
+def reads_and_writes(
+    p, reads: tuple[str, ...], output: str = "--output", files=None, default=None, caches: tuple[str, ...] = ()
+) -> None:
     """Declare a command's inputs (options, or positional names) and its output. `files` None: the output is a
     folder the command fills as a whole (a model, a run, an index); a tuple: the names of the result files it
     writes into the output folder (('',): the output is itself the file written). `default(args)`: where the
-    command writes when the output option is not given."""
-    p.set_defaults(reads=reads, output_option=output, output_files=files, output_default=default)
+    command writes when the output option is not given. `caches`: options naming a folder the command also
+    writes files into (a Qdrant local folder, a document cache): it may not be, or hold, an input either."""
+    p.set_defaults(reads=reads, output_option=output, output_files=files, output_default=default, caches=caches)
 
 
 def _dest(option: str) -> str:
@@ -234,12 +237,15 @@ def check_outputs(args) -> None:
     option = getattr(args, "output_option", None)
     if option is None:
         return
+    inputs = list(input_paths(args))
+    for cache in args.caches:
+        if (folder := getattr(args, _dest(cache), None)) is not None:
+            check_apart(folder, cache, inputs, whole_folder=False)
     output = getattr(args, _dest(option), None)
     if output is None and args.output_default is not None:
         output = args.output_default(args)
     if output is None:
         return
-    inputs = list(input_paths(args))
     if args.output_files is None:
         check_apart(output, option, inputs)
         return

@@ -269,7 +269,7 @@ EVAL_WRITES = ("results.json", "results.md", "results.csv", "heatmap.png", "casc
 
 
 def _common(p, model_args) -> None:
-    reads_and_writes(p, EVAL_READS, files=EVAL_WRITES)
+    reads_and_writes(p, EVAL_READS, files=EVAL_WRITES, caches=("--doc-cache",))
     model_args(p)
     p.add_argument("--layers", nargs="+", help="layers to evaluate: 1 2 3, 1,2,3 or 1-6")
     p.add_argument("--dims", nargs="+", help="leading dims to evaluate: 64 128 384, or 64,128,384")

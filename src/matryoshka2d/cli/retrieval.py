@@ -267,7 +267,7 @@ def register(sub, model_args) -> None:
     b.add_argument("--limit", type=positive_int, help="index only the first N documents")
     b.add_argument("--overwrite", action="store_true", help="replace a different build in --output")
     b.add_argument("--keep-shards", action="store_true", help="keep the per-shard vectors after the build")
-    reads_and_writes(b, ("--model", "--corpus"))
+    reads_and_writes(b, ("--model", "--corpus"), caches=("--path",))
 
     p = command(
         sub,
