@@ -45,7 +45,8 @@ def count(text: str) -> int:
     return value
 
 
-def _finite(text: str) -> float:
+def number(text: str) -> float:
+    """A finite number ('nan' and 'inf' are not)."""
     try:
         value = float(text)
     except ValueError:
@@ -55,21 +56,16 @@ def _finite(text: str) -> float:
     return value
 
 
-def number(text: str) -> float:
-    """A finite number ('nan' and 'inf' are not)."""
-    return _finite(text)
-
-
 def positive_float(text: str) -> float:
     """A finite number above 0 (a learning rate, a temperature, a budget)."""
-    value = _finite(text)
+    value = number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    value = _finite(text)
+    value = number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
@@ -77,7 +73,7 @@ def non_negative_float(text: str) -> float:
 
 def fraction(text: str) -> float:
     """A finite number from 0 to 1."""
-    value = _finite(text)
+    value = number(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
     return value
