@@ -215,7 +215,7 @@ def input_paths(args):
     for option in getattr(args, "reads", ()):
         value = getattr(args, _dest(option), None)
         for item in value if isinstance(value, list) else [value]:
-            if item is None:
+            if item is None or item == "":  # no path (the command says what is missing)
                 continue
             if option in MODEL_OPTIONS:
                 yield option, local_folder(item)
