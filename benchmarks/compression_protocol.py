@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from common import DEFAULT_DATA, header
+from matryoshka2d.files import read_result_record
 
 BIN = Path(sys.executable).parent / "matryoshka2d"
 CANDIDATES = "384,256,128,64,32,16,8"  # D and the halvings down to 8, as the paper's Figure 4 range
@@ -70,7 +71,8 @@ def sts(run: Runner, model: Path | str, out: Path, data: Path, layers: str, dims
 def averages(results: Path) -> dict[tuple[int, int], float]:
     if not results.is_file():
         return {}
-    return {(r["layer"], r["dim"]): r["spearman"] for r in json.loads(results.read_text())["average"]}
+    average = read_result_record(results, kinds=("grid",))[2]["average"]  # the one reader of result files (rule 6)
+    return {(r["layer"], r["dim"]): r["spearman"] for r in average}
 
 
 def part_a(run: Runner, loss: str, args, data: Path, dims: list[int]) -> dict:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from common import DEFAULT_DATA, header
+from matryoshka2d.files import read_result_record
 
 CELLS = [(1, 64), (2, 128), (3, 128), (5, 384), (6, 64)]
 ORDER = [
@@ -70,7 +71,7 @@ def scored(model: str, out: Path, data_dir: Path) -> dict:
         ]
         print("running:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    return json.loads(results.read_text())
+    return read_result_record(results, kinds=("grid",))[2]  # the one reader of result files (rule 6)
 
 
 def describe(run: Path) -> str:

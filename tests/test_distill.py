@@ -212,16 +212,14 @@ def test_bad_input_is_named_and_nothing_is_written(teacher_dir, text_file, sts_d
     ]
     assert main([*base, "--data", str(empty), "--output", str(tmp_path / "a")]) == 2
     assert "no sentences" in capsys.readouterr().err
-    for layer in ("0", "4"):
-        assert (
-            main(
-                [*base, "--data", str(text_file), "--output", str(tmp_path / "b"), "--mode", "query", "--layer", layer]
-            )
-            == 2
-        )
-        assert "n in 1..3" in capsys.readouterr().err
+    query = [*base, "--data", str(text_file), "--output", str(tmp_path / "b"), "--mode", "query", "--layer"]
+    assert main([*query, "4"]) == 2
+    assert "n in 1..3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_code:  # refused where it is parsed (rule 4)
+        main([*query, "0"])
+    assert exit_code.value.code == 2 and "argument --layer: must be at least 1, got 0" in capsys.readouterr().err
     assert main([*base, "--data", str(text_file), "--output", str(tmp_path / "c"), "--mode", "query"]) == 2
-    assert "--layer None" in capsys.readouterr().err
+    assert "--mode query needs --layer n" in capsys.readouterr().err
     assert main([*base, "--data", str(text_file), "--output", str(tmp_path / "d"), "--layer", "2"]) == 2
     assert "--layer is for --mode query" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "abcd")

@@ -43,7 +43,7 @@ def test_resume_never_replaces_a_finished_model(tiny_dir, files, tmp_path, capsy
     (plain / "config.json").write_text("{}")
     assert main(train_args(tiny_dir, files, plain, "--resume")) == 2
     one_line_error(capsys, "a saved model (config.json)")
-    assert main(train_args(tiny_dir, files, run, "--resume", "--overwrite", "--lr", "0.5")) == 0
+    assert main(train_args(tiny_dir, files, run, "--overwrite", "--lr", "0.5")) == 0  # not with --resume: rule 4
     assert snapshot(run) != before
 
 
@@ -148,8 +148,10 @@ def test_query_layer_deeper_than_the_documents_is_refused(built, capsys):
 
 @pytest.mark.parametrize(("flag", "kind"), [("--nprobe", "ivf"), ("--ef-search", "flat")])
 def test_search_breadth_must_be_positive(built, capsys, flag, kind):
-    assert main(search_args(built / kind, flag, "0")) == 2
-    one_line_error(capsys, f"{flag} must be at least 1, got 0")
+    with pytest.raises(SystemExit) as exit_code:  # refused where it is parsed (rule 4)
+        main(search_args(built / kind, flag, "0"))
+    assert exit_code.value.code == 2
+    one_line_error(capsys, f"{flag}: must be at least 1, got 0")
 
 
 def damage(index, how):

@@ -106,8 +106,10 @@ def test_a_two_process_run_with_accumulation_is_one_process_run_and_resumes_to_t
 
 
 def test_processes_must_be_positive(no_dropout_dir, data, tmp_path, capsys):
-    assert main(train_args(no_dropout_dir, data, tmp_path / "x", "--processes", "0")) == 2
-    assert "--processes must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_code:  # refused where it is parsed (rule 4)
+        main(train_args(no_dropout_dir, data, tmp_path / "x", "--processes", "0"))
+    assert exit_code.value.code == 2
+    assert "--processes: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_a_failing_process_stops_the_run_with_its_message(no_dropout_dir, data, tmp_path, capfd):

@@ -172,8 +172,10 @@ def test_pretrain_cli(tiny_dir, files, tmp_path, capsys):
     mean = tmp_path / "smae-mean"
     assert main([*args[:-5], "--output", str(mean), "--eval-file", str(files / "dev.tsv"), "--reduction", "mean"]) == 0
     assert json.loads((mean / "matryoshka2d.json").read_text())["method"]["reduction"] == "mean"
-    assert main([*args, "--encoder-mask-ratio", "1.5", "--output", str(tmp_path / "other")]) == 2
-    assert "encoder_mask_ratio must be between 0 and 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # refused where it is parsed (rule 4)
+        main([*args, "--encoder-mask-ratio", "1.5", "--output", str(tmp_path / "other")])
+    assert stopped.value.code == 2
+    assert "argument --encoder-mask-ratio: must be from 0 to 1, got 1.5" in capsys.readouterr().err
 
 
 def test_smae_errors(encoder, tokenizer, tiny_dir, files, tmp_path):

@@ -80,6 +80,8 @@ def test_the_card_shows_a_grid_an_evaluation_left_in_the_folder(tiny_bert, tmp_p
         "task": "sts",
         "metric": "spearman",
         "average": [{"layer": 2, "dim": 16, "spearman": 70.5}, {"layer": 4, "dim": 32, "spearman": 80.25}],
+        "layers": [2, 4],  # read by the one reader of result files (rule 6), which needs what `eval` writes
+        "dims": [16, 32],
     }
     (out / "eval" / "results.json").write_text(json.dumps(result))
     tiny_bert.save(out)

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from matryoshka2d.cli.args import model_args
+from matryoshka2d.cli.args import check_outputs, model_args
 
 # In the order `matryoshka2d --help` lists them.
 COMMAND_MODULES = (
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --processes` starts it again
     try:
+        check_outputs(args)  # rule 2: before the command deletes or writes anything
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         print(f"matryoshka2d {args.command}: error: {exc}", file=sys.stderr)

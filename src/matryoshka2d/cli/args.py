@@ -3,6 +3,9 @@ lists, the run-safety flags; and reading back which of them were given."""
 
 from __future__ import annotations
 
+import argparse
+import math
+import re
 from pathlib import Path
 
 import yaml
@@ -12,6 +15,111 @@ POOLING_CHOICES = ["mean", "cls", "last-token"]  # models.backbones.POOLING_MODE
 MODEL_HELP = "short name (minilm-l6, mpnet-base), directory or hub id"
 POOLING_HELP = "override the model's pooling"
 DEVICE_HELP = "cpu, cuda, ... (default: cuda if available)"
+
+
+# ---- Rule 4: every option is checked where it is parsed -------------------------------------------------------
+# Converters for argparse's `type=`: a bad value stops the command at parse time, before anything loads, with
+# argparse's one line `matryoshka2d CMD: error: argument --OPTION: WHAT` (exit 2). Each names the value it got.
+
+
+def _whole(text: str) -> int:
+    """A whole number written as one (digits, an optional sign): '1e3', '2.0', '' and 'abc' are not."""
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", text or ""):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (a count of steps, texts, workers, a layer, a width)."""
+    value = _whole(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number of at least 0 (0 meaning none or off, as the option's help says)."""
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def number(text: str) -> float:
+    """A finite number ('nan' and 'inf' are not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a learning rate, a temperature, a budget)."""
+    value = number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A finite number from 0 to 1."""
+    value = number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated whole numbers of at least 1, e.g. 64,128,384: an empty list or item is refused, not read
+    as "the default" or skipped."""
+    if not (text or "").strip():
+        raise argparse.ArgumentTypeError("is empty: give comma-separated numbers such as 64,128,384")
+    out = []
+    for position, part in enumerate(text.split(","), start=1):
+        if not part.strip():
+            raise argparse.ArgumentTypeError(f"item {position} of {text!r} is empty: write e.g. 64,128,384")
+        try:
+            out.append(positive_int(part))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"item {position} of {text!r}: {exc}") from None
+    return out
+
+
+def cell_list(text: str) -> list[tuple[int, int]]:
+    """layer:dim cells, e.g. 3:128,6:384, each number at least 1."""
+    from matryoshka2d.views import parse_cells
+
+    try:
+        cells = parse_cells(text or "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    for layer, dim in cells:
+        if layer < 1 or dim < 1:
+            raise argparse.ArgumentTypeError(f"cell {layer}:{dim}: a layer and a width are at least 1")
+    return cells
+
+
+def named_folder(text: str) -> tuple[str, str]:
+    """[NAME=]FOLDER: the text before the first '=' is a name only when it is a plain name (no '/', not empty),
+    so that a folder whose path holds '=' (q=/runs/a=b/q, /runs/a=b) keeps it whole. ('', FOLDER) without one."""
+    name, sep, folder = (text or "").partition("=")
+    if sep and name and "/" not in name and "\\" not in name:
+        if not folder:
+            raise argparse.ArgumentTypeError(f"{text!r}: no folder after '{name}='")
+        return name, folder
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: give a folder, or NAME=FOLDER")
+    return "", text
 
 
 def command(sub, name: str, func, **parser_options):
@@ -74,16 +182,77 @@ def load_encoder(args, model: str | None = None, log=None, **options):
     return encoder
 
 
+# ---- Rule 2: no output overlaps an input ----------------------------------------------------------------------
+# Each command that writes says, with `reads_and_writes`, which of its options name what it reads and which names
+# what it writes; `main` runs `check_outputs` on them before the command starts (files.check_apart), so nothing is
+# deleted or written over an input, with --overwrite or without. Training runs check the paths of their final
+# options again (a --config file may name them): training.rundir.RunDir.check.
+
+MODEL_OPTIONS = ("--model", "--models", "--teacher", "--query-model", "--distill-from")  # names or folders
+RESULT_OPTIONS = ("--results", "results")  # result folders: the results.json / cascade.json read in them
+
+
+def reads_and_writes(
+    p, reads: tuple[str, ...], output: str = "--output", files=None, default=None, caches: tuple[str, ...] = ()
+) -> None:
+    """Declare a command's inputs (options, or positional names) and its output. `files` None: the output is a
+    folder the command fills as a whole (a model, a run, an index); a tuple: the names of the result files it
+    writes into the output folder (('',): the output is itself the file written). `default(args)`: where the
+    command writes when the output option is not given. `caches`: options naming a folder the command also
+    writes files into (a Qdrant local folder, a document cache): it may not be, or hold, an input either."""
+    p.set_defaults(reads=reads, output_option=output, output_files=files, output_default=default, caches=caches)
+
+
+def _dest(option: str) -> str:
+    return option.lstrip("-").replace("-", "_")
+
+
+def input_paths(args):
+    """(option, path) of every input the command's options name; a model name is the folder it stands for, a
+    result folder the result files in it."""
+    from matryoshka2d.models.backbones import local_folder
+
+    for option in getattr(args, "reads", ()):
+        value = getattr(args, _dest(option), None)
+        for item in value if isinstance(value, list) else [value]:
+            if item is None or item == "":  # no path (the command says what is missing)
+                continue
+            if option in MODEL_OPTIONS:
+                yield option, local_folder(item)
+            elif option in RESULT_OPTIONS and Path(item).is_dir():
+                for name in ("results.json", "cascade.json"):
+                    yield option, Path(item) / name
+            else:
+                yield option, Path(item)
+
+
+def check_outputs(args) -> None:
+    """Rule 2 for the command `args` runs: its output lies apart from every input (see reads_and_writes)."""
+    from matryoshka2d.files import check_apart
+
+    option = getattr(args, "output_option", None)
+    if option is None:
+        return
+    inputs = list(input_paths(args))
+    for cache in args.caches:
+        if (folder := getattr(args, _dest(cache), None)) is not None:
+            check_apart(folder, cache, inputs, whole_folder=False)
+    output = getattr(args, _dest(option), None)
+    if output is None and args.output_default is not None:
+        output = args.output_default(args)
+    if output is None:
+        return
+    if args.output_files is None:
+        check_apart(output, option, inputs)
+        return
+    for name in args.output_files:
+        check_apart(Path(output) / name if name else output, option, inputs, whole_folder=False)
+
+
 def check_new_output(out: Path, overwrite: bool) -> None:
     """A command that writes a new model folder never replaces a user's folder unless told to."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ValueError(f"--output {out} already exists and is not empty; pass --overwrite or choose another folder")
-
-
-def check_not_an_input(out: Path, encoders, what: str) -> None:
-    """--output must not be the folder of a model the command reads (it would be replaced while in use)."""
-    if any(e.location and out.resolve() == Path(e.location).resolve() for e in encoders):
-        raise ValueError(f"--output {out} is the folder of a model it reads; write {what} to a new folder")
 
 
 def folder_metadata(encoder) -> dict:
@@ -97,17 +266,17 @@ def folder_metadata(encoder) -> dict:
 # The options of a training run that train, two-step and pretrain share: flag -> (argparse keywords, help).
 # Every one defaults to None, so that a command can tell what was given (see `given`) from its own defaults.
 RUN_OPTIONS = {
-    "--steps": ({"type": int}, "optimizer steps (default: one epoch)"),
-    "--epochs": ({"type": float}, None),
-    "--batch-size": ({"type": int}, None),
-    "--lr": ({"type": float}, None),
-    "--weight-decay": ({"type": float}, None),
+    "--steps": ({"type": positive_int}, "optimizer steps (default: one epoch)"),
+    "--epochs": ({"type": positive_float}, None),
+    "--batch-size": ({"type": positive_int}, None),
+    "--lr": ({"type": positive_float}, None),
+    "--weight-decay": ({"type": non_negative_float}, None),
     "--lr-schedule": ({"choices": ["cosine", "linear"]}, None),
-    "--warmup-ratio": ({"type": float}, None),
-    "--seed": ({"type": int}, None),
-    "--max-length": ({"type": int}, None),
-    "--save-steps": ({"type": int}, "checkpoint every N steps (default 200)"),
-    "--eval-steps": ({"type": int}, None),
+    "--warmup-ratio": ({"type": fraction}, None),
+    "--seed": ({"type": count}, None),
+    "--max-length": ({"type": positive_int}, None),
+    "--save-steps": ({"type": count}, "checkpoint every N steps (default 200; 0: none)"),
+    "--eval-steps": ({"type": count}, None),
     "--eval-file": ({}, None),
     "--resume": ({"action": "store_true"}, "continue from the last checkpoint in --output"),
     "--quiet": ({"action": "store_true"}, "no progress bars"),

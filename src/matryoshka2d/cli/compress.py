@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import json
 
-from matryoshka2d.cli.args import add_safety_flags, command, parse_options, run_options, run_training, training_options
+from matryoshka2d.cli.args import (
+    add_safety_flags,
+    cell_list,
+    command,
+    fraction,
+    parse_options,
+    positive_float,
+    positive_int,
+    reads_and_writes,
+    run_options,
+    run_training,
+    training_options,
+)
 from matryoshka2d.compress.smae import DECODER_MASK_RATIO, ENCODER_MASK_RATIO
 from matryoshka2d.losses import TASK_LOSSES
-from matryoshka2d.views import parse_cells
 
 
 def parse_dims(text: str, flag: str) -> list[int]:
@@ -67,7 +78,7 @@ def cmd_pretrain(args) -> int:
         "reduction": args.reduction,
     }
     if args.sizes:
-        options["sizes"] = [list(c) for c in parse_cells(args.sizes)]
+        options["sizes"] = [list(c) for c in args.sizes]
     values["method_options"] = options
     out = run_training(pretrain, values, args)
     meta = json.loads((out / "matryoshka2d.json").read_text())
@@ -107,13 +118,16 @@ def register(sub, model_args) -> None:
         *("--steps", "--epochs", "--batch-size", "--lr", "--warmup-ratio", "--seed", "--max-length", "--save-steps"),
         steps="optimizer steps of each step-1 run (default: one epoch)",
     )
-    p.add_argument("--pooler-steps", type=int, help="steps of the step-2 pooler fine-tuning (default: as step 1)")
-    p.add_argument("--pooler-lr", type=float, help="learning rate of step 2 (default: as step 1)")
+    p.add_argument(
+        "--pooler-steps", type=positive_int, help="steps of the step-2 pooler fine-tuning (default: as step 1)"
+    )
+    p.add_argument("--pooler-lr", type=positive_float, help="learning rate of step 2 (default: as step 1)")
     p.add_argument("--validation-file", help="STS file that selects encoder_opt (default: STS-B dev)")
     p.add_argument("--report-file", help="STS file of the report (default: STS-B test)")
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. temperature=0.05")
     add_safety_flags(p, overwrite=False)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    reads_and_writes(p, ("--model", "--data", "--validation-file", "--report-file"))
 
     p = command(
         sub,
@@ -138,9 +152,11 @@ def register(sub, model_args) -> None:
         lr_schedule="default cosine (paper sec. 4.1)",
         warmup_ratio="default 0.05 (paper sec. 4.1)",
     )
-    p.add_argument("--sizes", help="(layer,dim) list, e.g. 1:32,2:64,6:384 (default: the Starbucks SRL sizes)")
-    p.add_argument("--encoder-mask-ratio", type=float, help=f"alpha_e (default {ENCODER_MASK_RATIO})")
-    p.add_argument("--decoder-mask-ratio", type=float, help=f"alpha_d (default {DECODER_MASK_RATIO})")
+    p.add_argument(
+        "--sizes", type=cell_list, help="(layer,dim) list, e.g. 1:32,2:64,6:384 (default: the Starbucks SRL sizes)"
+    )
+    p.add_argument("--encoder-mask-ratio", type=fraction, help=f"alpha_e (default {ENCODER_MASK_RATIO})")
+    p.add_argument("--decoder-mask-ratio", type=fraction, help=f"alpha_d (default {DECODER_MASK_RATIO})")
     p.add_argument(
         "--bottleneck",
         choices=["pooled", "cls"],
@@ -161,3 +177,4 @@ def register(sub, model_args) -> None:
         eval_file="STS file for that check (default STS-B dev, skipped if absent)",
     )
     add_safety_flags(p)
+    reads_and_writes(p, ("--model", "--data", "--eval-file"))

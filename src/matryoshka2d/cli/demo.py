@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.cli.args import command
+from matryoshka2d.cli.args import command, positive_float, positive_int, reads_and_writes
 
 DEMO_SENTENCES = [
     "A man is playing a guitar on stage.",
@@ -367,18 +367,24 @@ def register(sub, model_args) -> None:
     )
     model_args(p)
     p.add_argument("--cells", action="store_true", help="the quick demo: a few sentences at several cells, timed")
-    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps (60)")
-    p.add_argument("--batch-size", type=int, default=16, help="triplets per step (16)")
+    p.add_argument("--steps", type=positive_int, default=60, help="fine-tuning steps (60)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="triplets per step (16)")
     p.add_argument(
-        "--head-sentences", type=int, default=10000, help="training sentences the exit heads are fitted on (10000)"
+        "--head-sentences",
+        type=positive_int,
+        default=10000,
+        help="training sentences the exit heads are fitted on (10000)",
     )
     p.add_argument("--sts", nargs="+", default=["stsb", "sts16"], help="STS sets for the grid (stsb sts16)")
-    p.add_argument("--budget-fraction", type=float, default=0.5, help="budget as a share of full query time (0.5)")
-    p.add_argument("--max-latency-ms", type=float, help="budget in ms per query instead of --budget-fraction")
-    p.add_argument("--queries", type=int, default=50, help="SciFact queries searched (50)")
     p.add_argument(
-        "--docs", type=int, default=1000, help="SciFact documents indexed, at least the relevant ones (1000)"
+        "--budget-fraction", type=positive_float, default=0.5, help="budget as a share of full query time (0.5)"
+    )
+    p.add_argument("--max-latency-ms", type=positive_float, help="budget in ms per query instead of --budget-fraction")
+    p.add_argument("--queries", type=positive_int, default=50, help="SciFact queries searched (50)")
+    p.add_argument(
+        "--docs", type=positive_int, default=1000, help="SciFact documents indexed, at least the relevant ones (1000)"
     )
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", default="runs/demo", help="where the results go (runs/demo)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or detail lines")
+    reads_and_writes(p, ("--model", "--data-dir"))

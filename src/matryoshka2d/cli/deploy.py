@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command
+from matryoshka2d.cli.args import command, positive_int, reads_and_writes
 
 
 def cmd_export(args) -> int:
@@ -195,13 +195,18 @@ def cmd_serve(args) -> int:
 def query_models(args, encoder) -> dict:
     """--query-model [NAME=]FOLDER ...: query encoders distilled from the served model, by the name clients send
     (default: the folder's name); one distilled from another model is refused before the server starts."""
-    from matryoshka2d.cli.args import load_encoder
+    import argparse
+
+    from matryoshka2d.cli.args import load_encoder, named_folder
     from matryoshka2d.models.identity import check_query_encoder, query_encoder_record_at, weights_sha256
 
     out = {}
     documents = {"model": encoder.name, "weights_sha256": weights_sha256(encoder), "pooling": encoder.pooling}
     for item in args.query_model or ():
-        name, _, folder = item.rpartition("=") if "=" in item else ("", "", item)
+        try:  # NAME=FOLDER splits at the first '=' after a plain name: q=/runs/a=b/q is q and /runs/a=b/q
+            name, folder = named_folder(item)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--query-model {exc}") from None
         record = query_encoder_record_at(folder)
         if record is None:
             raise ValueError(f"--query-model {folder}: not a query encoder (make one with `distill --mode query`)")
@@ -241,8 +246,8 @@ def register(sub, model_args) -> None:
         "parameters kept.",
     )
     model_args(p)
-    p.add_argument("--layer", type=int, required=True, help="keep this many transformer layers")
-    p.add_argument("--dim", type=int, required=True, help="keep the first DIM numbers of each embedding")
+    p.add_argument("--layer", type=positive_int, required=True, help="keep this many transformer layers")
+    p.add_argument("--dim", type=positive_int, required=True, help="keep the first DIM numbers of each embedding")
     p.add_argument("--output", required=True, help="folder to write (must be empty or absent, see --overwrite)")
     p.add_argument("--format", choices=["st", "onnx"], default="st", help="onnx adds onnx/cell.onnx (extra [onnx])")
     p.add_argument("--quantize", choices=["int8"], help="add onnx/cell_int8.onnx (dynamic int8; needs --format onnx)")
@@ -254,6 +259,7 @@ def register(sub, model_args) -> None:
         help="L2-normalise after slicing (default: as the model does; it has a Normalize module or not)",
     )
     p.add_argument("--sts-file", help="STS-B test TSV for the int8 score (default: the shared data's stsb_test.tsv)")
+    reads_and_writes(p, ("--model", "--sts-file"))
 
     p = command(
         sub,

@@ -5,16 +5,45 @@ from __future__ import annotations
 
 import argparse
 
-from matryoshka2d.cli.args import POOLING_CHOICES, add_safety_flags, run_options, run_training, training_options
-from matryoshka2d.views import parse_cells
+from matryoshka2d.cli.args import (
+    POOLING_CHOICES,
+    add_safety_flags,
+    cell_list,
+    int_list,
+    positive_float,
+    positive_int,
+    reads_and_writes,
+    run_options,
+    run_training,
+    training_options,
+)
 
 # The recipe's defaults (docs/distill.md says what they were measured with); every one can be given.
 DEFAULTS = {"epochs": 1.0, "batch_size": 64, "lr": 1e-4, "warmup_ratio": 0.05, "save_steps": 100}
 
 
+def check_combination(args) -> None:
+    """Options that would do nothing with the others given are refused, not ignored (rule 4)."""
+    if args.mode == "query" and args.layer is None:
+        raise ValueError("--mode query needs --layer n: the query encoder keeps the teacher's first n layers")
+    if args.mode != "query" and args.layer is not None:
+        raise ValueError(f"--layer is for --mode query (the shared mode trains every exit), got --layer {args.layer}")
+    deeper = [f"{n}:{d}" for n, d in args.eval_cell or () if args.mode == "query" and n > args.layer]
+    if deeper:
+        raise ValueError(
+            f"--eval-cell {','.join(deeper)}: the query encoder of --layer {args.layer} has {args.layer} layers; "
+            f"evaluate it at {args.layer}:DIM"
+        )
+    if args.temperature is not None and args.loss != "relational":
+        raise ValueError(f"--temperature is the softmax temperature of --loss relational; --loss {args.loss} has none")
+    if args.engine != "ray" and (args.address or args.workers is not None):
+        raise ValueError("--address and --workers are for --engine ray")
+
+
 def cmd_distill(args) -> int:
     from matryoshka2d.training.distill import distill
 
+    check_combination(args)
     values = {**DEFAULTS, **training_options(args, but=("eval_cell", "exclude_sts_test", "loss"))}
     values.update(
         model=args.teacher,
@@ -27,21 +56,19 @@ def cmd_distill(args) -> int:
     if args.layer is not None:
         options["layer"] = args.layer
     if args.widths:
-        options["widths"] = [int(w) for w in args.widths.split(",")]
+        options["widths"] = args.widths
     if args.max_texts is not None:
         options["max_texts"] = args.max_texts
     if args.temperature is not None:
         options["temperature"] = args.temperature
     values["method_options"] = options
     if args.eval_cell:
-        cells = [list(c) for c in parse_cells(args.eval_cell)]
+        cells = [list(c) for c in args.eval_cell]
         values["eval_cell"] = cells[0] if len(cells) == 1 else cells
     entry = distill
     if args.engine == "ray":
         engine = ray_targets(args, values)
         entry = lambda config, **kw: distill(config, targets_engine=engine, **kw)  # noqa: E731
-    elif args.address or args.workers:
-        raise ValueError("--address and --workers are for --engine ray")
     out = run_training(entry, values, args)
     print(f"student saved to {out}")
     return 0
@@ -104,10 +131,10 @@ def register(sub, model_args) -> None:
         help="training files (their texts, no labels), plain text files, or BEIR corpora (documents cut into "
         "passages of at most --max-length tokens); duplicates are dropped",
     )
-    p.add_argument("--max-texts", type=int, help="use the first N distinct texts of --data (default: all)")
+    p.add_argument("--max-texts", type=positive_int, help="use the first N distinct texts of --data (default: all)")
     p.add_argument("--output", required=True, help="folder for the student, its log, checkpoints and the targets")
     p.add_argument("--mode", choices=["shared", "query"], default="shared", help="one 2D model, or a query encoder")
-    p.add_argument("--layer", type=int, help="query mode: the student keeps this many of the teacher's layers")
+    p.add_argument("--layer", type=positive_int, help="query mode: the student keeps this many of the teacher's layers")
     p.add_argument(
         "--loss",
         choices=["cos", "mse", "relational"],
@@ -115,17 +142,21 @@ def register(sub, model_args) -> None:
         help="1 - cos (default), squared distance to the teacher's unit vector, or KL between in-batch "
         "similarity distributions; each on nested prefixes of --widths",
     )
-    p.add_argument("--widths", help="nested prefixes the loss covers, e.g. 64,128,256,384 (default: the model's)")
-    p.add_argument("--temperature", type=float, help="relational: the softmax temperature (default 0.05)")
+    p.add_argument(
+        "--widths", type=int_list, help="nested prefixes the loss covers, e.g. 64,128,256,384 (default: the model's)"
+    )
+    p.add_argument("--temperature", type=positive_float, help="relational: the softmax temperature (default 0.05)")
     p.add_argument(
         "--exit-heads",
         choices=["fit", "identity", "keep"],
         help="how the heads start: closed-form fit on the texts, identity, or the teacher's own (default: keep "
         "when the teacher has heads, else fit)",
     )
-    p.add_argument("--exit-heads-lr", type=float, help="learning rate of the heads (default: --lr)")
+    p.add_argument("--exit-heads-lr", type=positive_float, help="learning rate of the heads (default: --lr)")
     p.add_argument("--exit-heads-inputs", choices=["exit", "stack"], help="shared mode: what a head reads")
-    p.add_argument("--exit-heads-sentences", type=int, help="texts the closed-form start is fitted on (default 20000)")
+    p.add_argument(
+        "--exit-heads-sentences", type=positive_int, help="texts the closed-form start is fitted on (default 20000)"
+    )
     run_options(
         p,
         "--steps",
@@ -148,7 +179,7 @@ def register(sub, model_args) -> None:
         save_steps="checkpoint every N steps (default 100)",
         eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
     )
-    p.add_argument("--eval-cell", help="layer:dim to evaluate on STS-B dev, or several: 3:128,6:384")
+    p.add_argument("--eval-cell", type=cell_list, help="layer:dim to evaluate on STS-B dev, or several: 3:128,6:384")
     p.add_argument(
         "--exclude-sts-test",
         action=argparse.BooleanOptionalAction,
@@ -162,7 +193,8 @@ def register(sub, model_args) -> None:
         help="where the teacher's targets are computed: here, or on Ray (one model per actor, as index build does)",
     )
     p.add_argument("--address", help="--engine ray: a Ray cluster's HEAD:6379 (default: a local Ray)")
-    p.add_argument("--workers", type=int, help="--engine ray: actors (default: the cluster's CPUs)")
+    p.add_argument("--workers", type=positive_int, help="--engine ray: actors (default: the cluster's CPUs)")
     run_options(p, "--resume", "--quiet")
     add_safety_flags(p)
     p.set_defaults(func=cmd_distill)
+    reads_and_writes(p, ("--teacher", "--data", "--eval-file"))

@@ -12,7 +12,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
-from matryoshka2d.cli.args import POOLING_CHOICES, command, command_group, heads_flag
+from matryoshka2d.cli.args import POOLING_CHOICES, command, command_group, heads_flag, positive_int, reads_and_writes
 from matryoshka2d.files import iter_lines, open_input
 
 
@@ -121,14 +121,15 @@ def register(sub, model_args) -> None:
         sub, "encode", cmd_encode, help="embed one text per line of a file at one (layer, dim) cell into a .npy"
     )
     model_args(p)
-    p.add_argument("--layer", type=int, help="exit after this many layers (default: all)")
-    p.add_argument("--dim", type=int, help="keep the first DIM numbers (default: all)")
+    p.add_argument("--layer", type=positive_int, help="exit after this many layers (default: all)")
+    p.add_argument("--dim", type=positive_int, help="keep the first DIM numbers (default: all)")
     p.add_argument(
         "--input", required=True, help="UTF-8 text file, one text per line, split on \\n only ('-' for stdin)"
     )
     p.add_argument("--output", required=True, help="where to write the float32 .npy array ('.npy' is added if missing)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--normalize", action="store_true", help="L2-normalise each vector after slicing")
+    reads_and_writes(p, ("--input", "--model"), files=("",))
 
     msub = command_group(
         sub, "models", help="list short model names or prepare one offline", dest="action", func=cmd_models

@@ -9,8 +9,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, command_group
+from matryoshka2d.cli.args import command, command_group, count, positive_int, reads_and_writes
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
+
+REDUCER_SAMPLES = 2000  # corpus sentences a reducer is fitted on, unless --reducer-samples says
 
 
 def _log(message: str) -> None:
@@ -107,6 +109,13 @@ def cmd_sts(args) -> int:
     from matryoshka2d.evaluate.sts import evaluate_sts
     from matryoshka2d.paths import data_dir
 
+    if not args.reducer and (args.reducer_corpus or args.reducer_samples is not None):
+        raise ValueError("--reducer-corpus and --reducer-samples set how --reducer is fitted; they need --reducer")
+    if args.reducer and args.backend != "torch":  # before the model loads or a graph is built
+        raise ValueError(
+            f"--reducer {args.reducer} reduces the vectors torch computes; it does not run on --backend "
+            f"{args.backend} (the served graphs give truncated cells): drop one of them"
+        )
     root = data_dir(args.data_dir)
     embedder = _embedder(args)
     if args.reducer:  # post-hoc PCA / Isomap / LLE cells instead of truncated ones (matryoshka2d.compress.reducers)
@@ -115,7 +124,8 @@ def cmd_sts(args) -> int:
         if args.compare_heads:
             raise ValueError("--compare-heads and --reducer exclude each other: a reducer makes its own cells")
         dims = parse_ints(args.dims, "dims")
-        embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, args.reducer_samples, _log)
+        samples = args.reducer_samples or REDUCER_SAMPLES
+        embedder = reducer_cells(embedder, args.reducer, dims, args.reducer_corpus, root, samples, _log)
     return _evaluate(
         args, lambda cells: evaluate_sts(cells, root, variant=args.variant, datasets=args.datasets, log=_log), embedder
     )
@@ -158,6 +168,11 @@ def cmd_retrieval(args) -> int:
     from matryoshka2d.evaluate.retrieval import evaluate_retrieval
     from matryoshka2d.paths import data_dir
 
+    if args.doc_cache and not (args.cascade or args.query_layer or args.query_model or args.storage):
+        raise ValueError(
+            "--doc-cache keeps the documents' pooled states for --cascade, --query-layer, --query-model or "
+            "--storage; a grid evaluation does not use it"
+        )
     if any((args.corpus, args.queries, args.qrels)):
         return _from_files(args)
     dirs = [Path(d) for d in args.dataset_dir] if args.dataset_dir else [data_dir(args.data_dir) / "retrieval/scifact"]
@@ -247,12 +262,19 @@ def cmd_report(args) -> int:
     return 0
 
 
+# What an evaluation reads (the options each command has) and the files it writes into --output.
+EVAL_READS = ("--model", "--data-dir", "--reducer-corpus", "--classification-dir", "--dataset-dir", "--corpus")
+EVAL_READS += ("--queries", "--qrels", "--query-model")
+EVAL_WRITES = ("results.json", "results.md", "results.csv", "heatmap.png", "cascade.json", "cascade.md", "no-heads")
+
+
 def _common(p, model_args) -> None:
+    reads_and_writes(p, EVAL_READS, files=EVAL_WRITES, caches=("--doc-cache",))
     model_args(p)
     p.add_argument("--layers", nargs="+", help="layers to evaluate: 1 2 3, 1,2,3 or 1-6")
     p.add_argument("--dims", nargs="+", help="leading dims to evaluate: 64 128 384, or 64,128,384")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-length", type=int, help="truncate texts to this many tokens (default: the model's)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--max-length", type=positive_int, help="truncate texts to this many tokens (default: the model's)")
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", required=True, help="directory for results.json/.md/.csv and heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -293,7 +315,9 @@ def register(sub, model_args) -> None:
         "below the hidden size)",
     )
     p.add_argument("--reducer-corpus", help="sentences to fit it on (default: DATA/nli/train_triplets.tsv)")
-    p.add_argument("--reducer-samples", type=int, default=2000, help="first N distinct corpus sentences (2000)")
+    p.add_argument(
+        "--reducer-samples", type=positive_int, help=f"first N distinct corpus sentences ({REDUCER_SAMPLES})"
+    )
 
     p = command(
         esub,
@@ -307,10 +331,12 @@ def register(sub, model_args) -> None:
     p.add_argument("--classification-dir", help="folder of <name>_<split>.tsv files (default: DATA/classification)")
     p.add_argument("--datasets", nargs="+", help="names to evaluate (default: all found), e.g. sst2 trec mrpc")
     p.add_argument("--label-column", default="label", help="column holding the class (TREC: label or fine_label)")
-    p.add_argument("--folds", type=int, default=10, help="k of the k-fold cross-validation (SentEval test: 10)")
+    p.add_argument(
+        "--folds", type=positive_int, default=10, help="k of the k-fold cross-validation (SentEval test: 10)"
+    )
     p.add_argument(
         "--c-patience",
-        type=int,
+        type=count,
         default=2,
         help="stop the search over C after this many larger values in a row score below the best (2); 0 tries "
         "every C, exactly as SentEval",
@@ -334,7 +360,7 @@ def register(sub, model_args) -> None:
         help="small:full cells, e.g. 2:128,6:384: compare a cascade (shortlist from the small cell, rerank with the "
         "full one) with flat full-cell search; writes cascade.json/.md instead of the grid",
     )
-    p.add_argument("--shortlist", type=int, default=100, help="cascade candidates from the small cell (100)")
+    p.add_argument("--shortlist", type=positive_int, default=100, help="cascade candidates from the small cell (100)")
     p.add_argument(
         "--query-layer",
         nargs="+",
@@ -365,3 +391,4 @@ def register(sub, model_args) -> None:
     p.add_argument("results", nargs="+", help="result directories or results.json files (first = baseline)")
     p.add_argument("--output", required=True, help="directory for report.md and diff_*.png")
     p.add_argument("--names", nargs="+", help="a short name per result (default: model names)")
+    reads_and_writes(p, ("results",), files=("report.md",))

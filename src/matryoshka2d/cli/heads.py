@@ -104,7 +104,7 @@ def ridge_selection(select: str, dev_file: Path | None, missing: str | None = No
 
 def cmd_heads_fit(args) -> int:
 
-    from matryoshka2d.cli.args import check_new_output, check_not_an_input, folder_metadata, load_encoder
+    from matryoshka2d.cli.args import check_new_output, folder_metadata, load_encoder
     from matryoshka2d.evaluate.grid import parse_ints
     from matryoshka2d.models.heads import fit_heads
     from matryoshka2d.training.checkpoints import save_model_atomically
@@ -115,7 +115,10 @@ def cmd_heads_fit(args) -> int:
         raise ValueError(f"--max-sentences must be at least 1, got {args.max_sentences}")
     args.no_heads = True  # fit on the backbone alone: heads already in the folder are replaced
     encoder = load_encoder(args, log=lambda _m: None)
-    check_not_an_input(out, [encoder], "the model with its heads")
+    if args.ridge is not None and args.select != "auto":
+        raise ValueError(
+            f"--select {args.select} chooses the ridge strength; --ridge {args.ridge:g} fixes it: give one"
+        )
     select, dev = args.select, None
     if args.ridge is None:
         from matryoshka2d.paths import sts_dev_file
@@ -129,8 +132,15 @@ def cmd_heads_fit(args) -> int:
     texts = _fit_texts(args.data, excluded, args.max_sentences)
 
     def batches():
+        given = False
         while chunk := list(itertools.islice(texts, FIT_BATCH)):
+            given = True
             yield chunk
+        if not given and excluded is not None and excluded.count:
+            raise ValueError(
+                f"--data {' '.join(args.data)}: no sentences to fit on: all {excluded.count} of its sentences are "
+                "sentences of the STS test sets, left out by default; pass --no-exclude-sts-test to keep them"
+            )
 
     bar = _sentence_bar(args.data, excluded, args.max_sentences) if not args.quiet and sys.stderr.isatty() else None
     try:
@@ -170,6 +180,8 @@ def cmd_heads_fit(args) -> int:
 
 
 def register(sub, model_args) -> None:
+    from matryoshka2d.cli.args import positive_float, positive_int, reads_and_writes
+
     p = sub.add_parser("heads", help="exit heads: a small map at every exit into the last layer's space")
     hsub = p.add_subparsers(dest="action", required=True)
     f = hsub.add_parser(
@@ -208,9 +220,11 @@ def register(sub, model_args) -> None:
         "its cosine similarities there (similarity); auto: sts-dev where the STS-B dev file is found, else mse",
     )
     f.add_argument(
-        "--ridge", type=float, help="a fixed ridge strength as a multiple of the number of sentences (no selection)"
+        "--ridge",
+        type=positive_float,
+        help="a fixed ridge strength as a multiple of the number of sentences (no selection)",
     )
-    f.add_argument("--max-sentences", type=int, help="use at most this many distinct sentences (default: all)")
+    f.add_argument("--max-sentences", type=positive_int, help="use at most this many distinct sentences (default: all)")
     f.add_argument(
         "--exclude-sts-test",
         action=argparse.BooleanOptionalAction,
@@ -221,3 +235,4 @@ def register(sub, model_args) -> None:
     f.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     f.add_argument("--quiet", action="store_true", help="no progress lines")
     f.set_defaults(func=cmd_heads_fit)
+    reads_and_writes(f, ("--model", "--data"))

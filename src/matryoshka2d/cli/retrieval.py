@@ -6,7 +6,15 @@ import json
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, command_group, load_encoder
+from matryoshka2d.cli.args import (
+    command,
+    command_group,
+    load_encoder,
+    number,
+    positive_float,
+    positive_int,
+    reads_and_writes,
+)
 
 
 def _log(message: str) -> None:
@@ -139,6 +147,11 @@ def cmd_search(args) -> int:
 
     if (args.query is None) == (args.queries is None):
         raise ValueError("give either --query TEXT or --queries FILE")
+    if args.query_model and args.pooling:
+        raise ValueError(
+            f"--pooling {args.pooling} with --query-model: a query encoder pools as it was distilled (as its teacher "
+            "pooled the documents); leave --pooling out"
+        )
     query_ids, texts = (["1"], [args.query]) if args.query is not None else read_queries(args.queries)
     if not texts:
         raise ValueError(f"--queries {args.queries}: no queries in the file")
@@ -154,7 +167,7 @@ def cmd_search(args) -> int:
         if args.query_model:  # a student distilled for the index's model: its own pooling, checked against it
             if args.model:
                 raise ValueError("give --model (the index's model) or --query-model (a query encoder), not both")
-            encoder = load_encoder(args, model=args.query_model, pooling=args.pooling)
+            encoder = load_encoder(args, model=args.query_model)
         else:
             # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
             encoder = load_encoder(args, model=model, pooling=args.pooling or recorded.get("pooling"))
@@ -190,6 +203,12 @@ def cmd_search(args) -> int:
         f"search {1000 * hits.search_seconds / n:.3f} ms/query" + (f" -> {args.output}" if args.output else "")
     )
     return 0
+
+
+def pick_output(args) -> Path:
+    """Where pick writes without --output: beside the first results."""
+    first = Path(args.results[0])
+    return first if first.is_dir() else first.parent
 
 
 def cmd_pick(args) -> int:
@@ -231,19 +250,24 @@ def register(sub, model_args) -> None:
     b.add_argument(
         "--quantization", choices=["none", "scalar", "binary"], help="qdrant: quantise the small cells (none)"
     )
-    b.add_argument("--qdrant-shards", type=int, help="qdrant: shards of a new collection on a cluster")
-    b.add_argument("--qdrant-replicas", type=int, help="qdrant: replicas of each shard of a new collection")
+    b.add_argument("--qdrant-shards", type=positive_int, help="qdrant: shards of a new collection on a cluster")
+    b.add_argument("--qdrant-replicas", type=positive_int, help="qdrant: replicas of each shard of a new collection")
     b.add_argument("--engine", choices=["local", "ray"], default="local", help="run the encoder pass here or on Ray")
     b.add_argument(
         "--address", help="ray: the cluster to join, host:port or ray://host:10001 (default: start one here)"
     )
-    b.add_argument("--workers", type=int, help="ray: encoder actors, one model each (default: the cluster's CPUs)")
-    b.add_argument("--batch-size", type=int, default=64)
-    b.add_argument("--shard-size", type=int, default=2048, help="documents per resumable shard (2048)")
-    b.add_argument("--max-length", type=int, help="truncate documents to this many tokens (default: the model's)")
-    b.add_argument("--limit", type=int, help="index only the first N documents")
+    b.add_argument(
+        "--workers", type=positive_int, help="ray: encoder actors, one model each (default: the cluster's CPUs)"
+    )
+    b.add_argument("--batch-size", type=positive_int, default=64)
+    b.add_argument("--shard-size", type=positive_int, default=2048, help="documents per resumable shard (2048)")
+    b.add_argument(
+        "--max-length", type=positive_int, help="truncate documents to this many tokens (default: the model's)"
+    )
+    b.add_argument("--limit", type=positive_int, help="index only the first N documents")
     b.add_argument("--overwrite", action="store_true", help="replace a different build in --output")
     b.add_argument("--keep-shards", action="store_true", help="keep the per-shard vectors after the build")
+    reads_and_writes(b, ("--model", "--corpus"), caches=("--path",))
 
     p = command(
         sub,
@@ -263,16 +287,20 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--cascade", help="small:full cells, e.g. 2:128,6:384: shortlist with the first, rerank with the second"
     )
-    p.add_argument("--shortlist", type=int, default=100, help="candidates taken from the small cell (100)")
-    p.add_argument("--top-k", type=int, default=10)
-    p.add_argument("--query-layer", type=int, help="encode queries with only this many layers (asymmetric search)")
+    p.add_argument("--shortlist", type=positive_int, default=100, help="candidates taken from the small cell (100)")
+    p.add_argument("--top-k", type=positive_int, default=10)
+    p.add_argument(
+        "--query-layer", type=positive_int, help="encode queries with only this many layers (asymmetric search)"
+    )
     p.add_argument(
         "--query-model",
         help="encode queries with a query encoder distilled from the index's model (`distill --mode query`); "
         "it is accepted only against documents of its teacher",
     )
-    p.add_argument("--nprobe", type=int, default=16, help="IVF lists visited per query (ivf indexes)")
-    p.add_argument("--ef-search", type=int, default=64, help="HNSW search breadth (hnsw indexes; qdrant's hnsw_ef)")
+    p.add_argument("--nprobe", type=positive_int, default=16, help="IVF lists visited per query (ivf indexes)")
+    p.add_argument(
+        "--ef-search", type=positive_int, default=64, help="HNSW search breadth (hnsw indexes; qdrant's hnsw_ef)"
+    )
     p.add_argument(
         "--oversampling",
         type=float,
@@ -280,6 +308,7 @@ def register(sub, model_args) -> None:
         "them with the original vectors",
     )
     p.add_argument("--output", help="write one JSON line per query (query, ids, scores) instead of printing")
+    reads_and_writes(p, ("--index", "--queries", "--model", "--query-model"), files=("",))
 
     p = command(
         sub,
@@ -295,24 +324,29 @@ def register(sub, model_args) -> None:
         "--results", nargs="+", required=True, help="result folders or their results.json / cascade.json files"
     )
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--max-latency-ms", type=float, help="encode time per query at most this (ms)")
+    budget.add_argument("--max-latency-ms", type=positive_float, help="encode time per query at most this (ms)")
     budget.add_argument(
         "--max-latency-ratio",
-        type=float,
+        type=positive_float,
         help="encode time per query at most this share of the full model's on the reference backend (torch when "
         "timed), e.g. 0.5",
     )
-    budget.add_argument("--max-bytes", type=float, help="bytes per stored vector at most this")
-    budget.add_argument("--min-score", type=float, help="the cheapest cell scoring at least this")
+    budget.add_argument("--max-bytes", type=positive_float, help="bytes per stored vector at most this")
+    budget.add_argument("--min-score", type=number, help="the cheapest cell scoring at least this")
     p.add_argument(
         "--backend",
         nargs="+",
         choices=["torch", "onnx", "onnx-int8"],
         help="backends to time, each with results scored on it (default: the backends the results were scored with)",
     )
-    p.add_argument("--batch", type=int, help="also time calls of this many texts (ms per text, offline throughput)")
-    p.add_argument("--threads", type=int, help="threads for torch and onnxruntime while timing (default: torch's)")
+    p.add_argument(
+        "--batch", type=positive_int, help="also time calls of this many texts (ms per text, offline throughput)"
+    )
+    p.add_argument(
+        "--threads", type=positive_int, help="threads for torch and onnxruntime while timing (default: torch's)"
+    )
     p.add_argument("--storage", choices=["float32", "float16", "int8"], default="float32", help="for bytes/vector")
     p.add_argument("--model", help="model to time (default: the one named in the results)")
     p.add_argument("--remeasure", action="store_true", help="time the layers again instead of using the cache")
     p.add_argument("--output", help="directory for pick.md/.json/.png (default: the first results directory)")
+    reads_and_writes(p, ("--results", "--model"), files=("pick.md", "pick.json", "pick.png"), default=pick_output)

@@ -9,13 +9,24 @@ from pathlib import Path
 
 import yaml
 
-from matryoshka2d.cli.args import add_safety_flags, parse_options, run_options, run_training, training_options
+from matryoshka2d.cli.args import (
+    add_safety_flags,
+    cell_list,
+    fraction,
+    number,
+    parse_options,
+    positive_float,
+    positive_int,
+    reads_and_writes,
+    run_options,
+    run_training,
+    training_options,
+)
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.methods import METHODS
 from matryoshka2d.training import presets
 from matryoshka2d.training.config import DEFAULT_LOSSES
 from matryoshka2d.training.trainer import train
-from matryoshka2d.views import parse_cells
 
 
 def _method_help() -> str:
@@ -53,6 +64,24 @@ def read_config_file(path: Path) -> dict:
     return loaded
 
 
+# Options that only shape something another option turns on: given without it, they would do nothing (rule 4).
+NEEDS = {
+    "distill_from": ("distill_weight", "distill_loss"),
+    "lora_r": ("lora_alpha", "lora_dropout", "lora_target_modules"),
+}
+
+
+def refuse_idle_options(values: dict) -> None:
+    """The run's options (flags, --config and --preset together) hold no option whose switch is off."""
+    for switch, dependents in NEEDS.items():
+        given = [f"--{d.replace('_', '-')}" for d in dependents if values.get(d) is not None]
+        if given and values.get(switch) is None:
+            raise ValueError(
+                f"{' and '.join(given)} would do nothing without --{switch.replace('_', '-')}: give it, or leave "
+                f"{'them' if len(given) > 1 else 'it'} out"
+            )
+
+
 def cmd_train(args) -> int:
     if args.processes is not None:
         if args.processes < 1:
@@ -79,16 +108,17 @@ def cmd_train(args) -> int:
         values.update(loaded)
     values.update(training_options(args, but=("eval_cell",)))  # given flags override the preset and the config
     if args.eval_cell:
-        cells = [list(c) for c in parse_cells(args.eval_cell)]
+        cells = [list(c) for c in args.eval_cell]
         values["eval_cell"] = cells[0] if len(cells) == 1 else cells  # several: each is evaluated
     values["method_options"] = dict(values.get("method_options") or {})
     values["loss_options"] = dict(values.get("loss_options") or {})
     values["method_options"].update(parse_options(args.method_option, "--method-option"))
     values["loss_options"].update(parse_options(args.loss_option, "--loss-option"))
     if args.sizes:
-        values["method_options"]["sizes"] = [list(c) for c in parse_cells(args.sizes)]
+        values["method_options"]["sizes"] = [list(c) for c in args.sizes]
     if args.layer is not None or args.dim is not None:  # 0 is passed on, to be refused, not dropped
         values["method_options"].update({k: v for k, v in (("layer", args.layer), ("dim", args.dim)) if v is not None})
+    refuse_idle_options(values)
     missing = [k for k in ("data", "output") if not values.get(k)]
     if missing:
         raise ValueError(f"train needs {' and '.join('--' + m for m in missing)} (or in --config)")
@@ -114,7 +144,7 @@ def register(sub, model_args) -> None:
     )
     p.add_argument(
         "--processes",
-        type=int,
+        type=positive_int,
         help="data-parallel processes on this machine (torchrun; one GPU each with --device cuda, else CPU "
         "processes of one thread); a step sees the whole batch, as in one process",
     )
@@ -131,9 +161,11 @@ def register(sub, model_args) -> None:
         eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
         eval_file="STS file for the periodic evaluation (default STS-B dev)",
     )
-    p.add_argument("--eval-cell", help="layer:dim to evaluate, or several: 1:16,2:32 (default: the full model)")
+    p.add_argument(
+        "--eval-cell", type=cell_list, help="layer:dim to evaluate, or several: 1:16,2:32 (default: the full model)"
+    )
     run_options(p, "--save-steps")
-    p.add_argument("--sizes", help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
+    p.add_argument("--sizes", type=cell_list, help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
     p.add_argument("--layer", type=int, help="separate: train the model cut to this many layers")
     p.add_argument("--dim", type=int, help="separate: at this width")
     p.add_argument("--method-option", action="append", metavar="KEY=VALUE", help="e.g. k=64, kl_temperature=0.5")
@@ -165,7 +197,7 @@ def register(sub, model_args) -> None:
         help="train a head per exit with the backbone (2dmse, ese, starbucks, separate, asymmetric); it starts from "
         "the closed-form fit on the training sentences (fit, the default), the identity, or the model's own (keep)",
     )
-    heads.add_argument("--exit-heads-lr", type=float, help="learning rate of the heads (default: --lr)")
+    heads.add_argument("--exit-heads-lr", type=positive_float, help="learning rate of the heads (default: --lr)")
     heads.add_argument(
         "--exit-heads-inputs",
         choices=["exit", "stack"],
@@ -185,15 +217,17 @@ def register(sub, model_args) -> None:
         help="a frozen teacher (same tokenizer and width) whose unit vectors of each step's texts pull every view the "
         "method trains towards them",
     )
-    teach.add_argument("--distill-weight", type=float, help="weight of the term next to the method's loss (default 1)")
+    teach.add_argument(
+        "--distill-weight", type=positive_float, help="weight of the term next to the method's loss (default 1)"
+    )
     teach.add_argument("--distill-loss", choices=["cos", "mse", "relational"], help="the comparison (default cos)")
     decoder = p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)")
     decoder.add_argument(
         "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"
     )
-    decoder.add_argument("--lora-r", type=int, help="train LoRA adapters of this rank (peft); ESE uses 32")
-    decoder.add_argument("--lora-alpha", type=float, help="LoRA scaling alpha (default: the rank)")
-    decoder.add_argument("--lora-dropout", type=float, help="dropout on the LoRA path (ESE uses 0.1; default 0)")
+    decoder.add_argument("--lora-r", type=positive_int, help="train LoRA adapters of this rank (peft); ESE uses 32")
+    decoder.add_argument("--lora-alpha", type=positive_float, help="LoRA scaling alpha (default: the rank)")
+    decoder.add_argument("--lora-dropout", type=fraction, help="dropout on the LoRA path (ESE uses 0.1; default 0)")
     decoder.add_argument(
         "--lora-target-modules",
         nargs="+",
@@ -204,8 +238,10 @@ def register(sub, model_args) -> None:
     speed.add_argument(
         "--precision", choices=["bf16", "fp16", "fp32"], help="autocast precision (default bf16 on CUDA, else fp32)"
     )
-    speed.add_argument("--log-every", type=int, help="read the loss back from the device every N steps (default 10)")
-    speed.add_argument("--gradient-accumulation", type=int, help="micro-batches per batch (default 1)")
+    speed.add_argument(
+        "--log-every", type=positive_int, help="read the loss back from the device every N steps (default 10)"
+    )
+    speed.add_argument("--gradient-accumulation", type=positive_int, help="micro-batches per batch (default 1)")
     speed.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
     speed.add_argument(
@@ -218,11 +254,12 @@ def register(sub, model_args) -> None:
     run_options(p, "--resume", "--quiet")
     add_safety_flags(p)
     p.set_defaults(func=cmd_train)
+    reads_and_writes(p, ("--model", "--data", "--eval-file", "--distill-from", "--config"))
     register_merge(sub)
 
 
 def cmd_merge(args) -> int:
-    from matryoshka2d.cli.args import check_new_output, check_not_an_input, folder_metadata, load_encoder
+    from matryoshka2d.cli.args import check_new_output, folder_metadata, load_encoder
     from matryoshka2d.training.checkpoints import save_model_atomically
     from matryoshka2d.training.merge import merge_encoders, merge_weights
 
@@ -230,7 +267,6 @@ def cmd_merge(args) -> int:
     check_new_output(out, args.overwrite)
     weights = merge_weights(args.weights, len(args.models))  # before loading anything: a typo fails at once
     encoders = [load_encoder(args, model=m) for m in args.models]
-    check_not_an_input(out, encoders, "the average")
     metadata = folder_metadata(encoders[0])
     for stale in ("final_eval", "final_evals"):  # the first run's scores are not the average's
         metadata.pop(stale, None)
@@ -259,7 +295,7 @@ def register_merge(sub) -> None:
     p.add_argument(
         "--weights",
         nargs="+",
-        type=float,
+        type=number,
         help="one weight per model, in their order, summing to 1 (default: equal weights)",
     )
     p.add_argument("--output", required=True, help="folder for the averaged model")
@@ -271,3 +307,4 @@ def register_merge(sub) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     p.set_defaults(func=cmd_merge)
+    reads_and_writes(p, ("--models",))

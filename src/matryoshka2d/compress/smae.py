@@ -335,7 +335,8 @@ def pretrain_trainer(config) -> SMAETrainer:
 def pretrain(
     config, resume: bool = False, progress: bool = True, overwrite: bool = False, allow_pickle: bool = False
 ) -> Path:
-    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
+    # a taken --output, or one overlapping an input, is refused before the model loads
+    RunDir(config.output).check(resume, overwrite, config.inputs())
     return pretrain_trainer(config).run(
         resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle
     )

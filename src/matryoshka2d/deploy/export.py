@@ -37,6 +37,7 @@ from matryoshka2d.deploy.onnx_graphs import (
     quantize_int8,
     require_onnx,
 )
+from matryoshka2d.files import check_apart
 from matryoshka2d.models.backbones import count_parameters
 from matryoshka2d.models.encoder import ElasticEncoder
 
@@ -87,15 +88,11 @@ def check_output(output: Path, overwrite: bool) -> None:
 
 def check_not_overlapping(output: Path, encoder: ElasticEncoder) -> None:
     """The export must not replace the model it reads (its heads and the rest of the folder would be gone), nor
-    be written inside it, nor around it."""
-    if not encoder.location:
-        return
-    source, target = Path(encoder.location).resolve(), output.resolve()
-    if target == source or target.is_relative_to(source) or source.is_relative_to(target):
-        raise ExportError(
-            f"--output {output} {'is' if target == source else 'overlaps'} the folder of the model it exports "
-            f"({encoder.location}); --overwrite would replace that model: write the cell to a folder apart from it"
-        )
+    be written inside it, nor around it (rule 2, files.check_apart; the command checks it too, before loading)."""
+    try:
+        check_apart(output, "--output", [("--model", encoder.location)])
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def export_cell(

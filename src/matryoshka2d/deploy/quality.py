@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from matryoshka2d.deploy.served import served_as
 from matryoshka2d.evaluate.results import grid_of, result_of
-from matryoshka2d.files import read_json
+from matryoshka2d.files import read_result_record
 
 
 @dataclass
@@ -57,20 +56,10 @@ def _described(path: str, model: dict) -> str:
 
 
 def read_file(path: str) -> tuple[str, dict]:
-    """('grid', GridResult) or ('cascade', the cascade record) from a file or a result folder."""
-    given = Path(path)
-    candidates = [given / "results.json", given / "cascade.json"] if given.is_dir() else [given]
-    given = next((f for f in candidates if f.is_file()), None)
-    if given is None:
-        raise FileNotFoundError(
-            f"{path}: no results.json or cascade.json (give a folder or file that `matryoshka2d eval` wrote)"
-        )
-    record = read_json(given)
-    if isinstance(record, dict) and record.get("task") == "retrieval-cascade":
-        if not isinstance(record.get("rows"), list):
-            raise ValueError(f"{given}: not a cascade result of `matryoshka2d eval retrieval` (no rows)")
-        return "cascade", record
-    return "grid", result_of(record, given)
+    """('grid', GridResult) or ('cascade', the cascade record) from a file or a result folder, read by the one
+    reader of result files (files.read_result_record), which names the file and the field of anything wrong."""
+    kind, file, record = read_result_record(path)
+    return kind, (record if kind == "cascade" else result_of(record, file))
 
 
 CASCADE_MODES = [  # the `mode` of a cascade.json row -> an option

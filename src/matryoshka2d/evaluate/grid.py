@@ -151,7 +151,7 @@ def parse_ints(values: Sequence[str] | None, what: str) -> list[int] | None:
         for part in str(value).split(","):
             part = part.strip()
             if not part:
-                continue
+                raise ValueError(f"--{what}: {value!r} holds an empty item; write e.g. 1,2,3 or 1-6")
             try:
                 if "-" in part[1:]:
                     lo, hi = part.split("-", 1)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import Cell
-from matryoshka2d.files import read_json
+from matryoshka2d.files import check_grid_record, read_result_record
 
 TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
 
@@ -285,19 +285,12 @@ def _fmt(value) -> str:
 
 
 def load_result(path: str | Path) -> GridResult:
-    """Read a results.json, or the results.json inside a directory; the error says what was expected."""
-    path = Path(path)
-    file = path / "results.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{path}: no results.json (give a result directory or its results.json)")
-    return result_of(read_json(file), file)
+    """Read a results.json, or the results.json inside a directory, through the one reader of result files
+    (files.read_result_record): any malformed field is an error naming the file and the field."""
+    _, _, record = read_result_record(path, kinds=("grid",))
+    return GridResult.from_dict(record)
 
 
 def result_of(result, file: Path) -> GridResult:
-    """A GridResult from the parsed contents of `file`; the error says what was missing."""
-    missing = [
-        k for k in ("task", "metric", "average", "layers", "dims") if not isinstance(result, dict) or k not in result
-    ]
-    if missing:
-        raise ValueError(f"{file}: not a matryoshka2d result (missing {', '.join(missing)})")
-    return GridResult.from_dict(result)
+    """A GridResult from the parsed contents of `file`, checked as files.check_grid_record checks them."""
+    return GridResult.from_dict(check_grid_record(result, file))

@@ -137,6 +137,20 @@ def prepare_mpnet(force: bool = False) -> Path:
     return target
 
 
+def local_folder(name_or_path: str) -> Path | None:
+    """The folder on this machine that a model name or path stands for, without preparing anything (a short
+    name's folder, an existing path), or None (a hub id): what an output must not overlap."""
+    if name_or_path == "minilm-l6":
+        try:
+            return minilm_dir()
+        except BackboneError:
+            return None
+    if name_or_path == "mpnet-base":
+        return cache_dir() / "models" / "mpnet-base"
+    path = Path(name_or_path).expanduser()
+    return path if path.exists() or path.is_symlink() else None
+
+
 def resolve(name_or_path: str) -> tuple[str, str]:
     """Return (location, display name): a local directory for short names and paths, else the hub id."""
     if name_or_path == "minilm-l6":

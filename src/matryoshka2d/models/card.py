@@ -10,23 +10,25 @@ eval` afterwards. A field nobody recorded is left out rather than guessed.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+from matryoshka2d.files import read_result_record
 
 CARD_RESULTS_DEPTH = 3  # how deep under the model folder to look for results.json files of `matryoshka2d eval`
 
 
 def find_results(folder: Path) -> list[dict]:
-    """results.json files (the evaluate module's format) already inside the model folder."""
+    """results.json files of `eval` already inside the model folder, read by the one reader of result files
+    (files.read_result_record); one it cannot read is left off the card with a line naming the file and field."""
     found = []
     for path in sorted(folder.rglob("results.json")):
         if len(path.relative_to(folder).parts) > CARD_RESULTS_DEPTH:
             continue
         try:
-            result = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(result, dict) and isinstance(result.get("average"), list) and result.get("metric"):
-            found.append(result)
+            found.append(read_result_record(path, kinds=("grid",))[2])
+        except (OSError, ValueError) as exc:
+            print(f"model card: {exc}; that result is left off the card", file=sys.stderr)
     return found
 
 

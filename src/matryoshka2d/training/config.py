@@ -109,6 +109,18 @@ class TrainConfig:
     distill_loss: str = "cos"
     preset: str | None = None  # the --preset the options came from (recorded with the model; training/presets)
 
+    def inputs(self) -> list[tuple[str, object]]:
+        """(option, path) of everything the run reads from disk, which its output must lie apart from (rule 2):
+        the start model (or teacher), the training files, the evaluation file, a teacher to distill from."""
+        from matryoshka2d.models.backbones import local_folder
+
+        teacher = "--teacher" if self.method == "distill" else "--model"
+        found: list[tuple[str, object]] = [(teacher, local_folder(self.model))]
+        found += [("--data", d) for d in ([self.data] if isinstance(self.data, str) else self.data or [])]
+        found.append(("--eval-file", self.eval_file))
+        found.append(("--distill-from", local_folder(self.distill_from) if self.distill_from else None))
+        return found
+
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}

@@ -239,6 +239,12 @@ class DistillTrainer(Trainer):
                 ) from None
             texts = self.left_out.filter(texts)
         texts = list(itertools.islice(texts, self.max_texts))
+        if not texts and self.left_out is not None and self.left_out.count:
+            raise DistillError(
+                f"--data {' '.join(cfg.data)}: no texts to distill on: all {self.left_out.count} of its texts are "
+                "sentences of the STS test sets, which distill leaves out by default; pass --no-exclude-sts-test "
+                "to keep them (the STS test scores are then of sentences the student saw)"
+            )
         if not texts:
             raise DistillError(f"--data {' '.join(cfg.data)}: no texts to distill on (the files hold no text)")
         if self.left_out is not None and self.processes.main:
@@ -330,7 +336,8 @@ def distill(
 ):
     """Train the student of `config` (a TrainConfig with method "distill"); returns the saved folder.
     `targets_engine`: teacher name -> engine(texts, chunk) computing the targets elsewhere (Ray)."""
-    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the teacher loads
+    # a taken --output, or one overlapping an input, is refused before the teacher loads
+    RunDir(config.output).check(resume, overwrite, config.inputs())
     trainer = DistillTrainer(config)
     trainer.targets_engine = targets_engine
     return trainer.run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)

@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from matryoshka2d.files import check_apart
 from matryoshka2d.training import checkpoints
 
 # What makes a folder "hold a model or a run": `train` does not write into it without --resume or --overwrite.
@@ -42,8 +43,16 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
-    def check(self, resume: bool, overwrite: bool) -> None:
-        """A folder holding another model or run is not written into unless the user says so."""
+    def check(self, resume: bool, overwrite: bool, inputs=()) -> None:
+        """A folder holding another model or run is not written into unless the user says so; `inputs`, the
+        (option, path) pairs the run reads, must lie apart from it (rule 2, files.check_apart). --resume and
+        --overwrite are two answers to one question (continue the run there, or start it again), so not both."""
+        if resume and overwrite:
+            raise ValueError(
+                "--resume and --overwrite exclude each other: --resume continues the run in --output from its last "
+                "checkpoint, --overwrite deletes its checkpoints and log and trains afresh; give one"
+            )
+        check_apart(self.path, "--output", inputs)
         if not self.path.exists():
             return
         if not self.path.is_dir():
@@ -59,8 +68,8 @@ class RunDir:
             if model is not None:
                 raise ValueError(
                     f"--resume: {self.path} holds {model} and no checkpoint to resume from (no {self.checkpoints}); "
-                    "--resume never replaces a model: pass --overwrite to train a new one in its place, or choose "
-                    "another --output"
+                    "--resume never replaces a model: pass --overwrite instead to train a new one in its place, or "
+                    "choose another --output"
                 )
 
     def saved_model(self) -> str | None:

@@ -30,6 +30,7 @@ from matryoshka2d.paths import data_dir
 from matryoshka2d.training import exit_heads, gradcache, surgery
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, eval_cells
 from matryoshka2d.training.data import (
+    DataError,
     TrainingData,
     read_training_data,
     without_repeated_texts,
@@ -142,7 +143,13 @@ class Trainer(RunLoop):
             keys = sts_test_sentence_keys(data_dir(self.config.sts_data_dir))
         except (FileNotFoundError, DataFormatError) as exc:
             raise FileNotFoundError(f"exclude_sts_test: cannot read the STS test sets to exclude ({exc})") from None
-        data, dropped = without_rows_holding(data, keys, sentence_key)
+        try:
+            data, dropped = without_rows_holding(data, keys, sentence_key)
+        except DataError as exc:  # every row left out: say which sentences and how to keep them
+            raise DataError(
+                f"{exc}: all {len(data)} rows hold a sentence of the STS test sets (--exclude-sts-test); leave that "
+                "flag out to train on them"
+            ) from None
         if self.processes.main:
             print(f"exclude_sts_test: {dropped} rows hold an STS test sentence and are left out; {len(data)} remain")
         return data
@@ -278,5 +285,6 @@ def train(
     overwrite: bool = False,
     allow_pickle: bool = False,
 ) -> Path:
-    RunDir(config.output).check(resume, overwrite)  # a taken --output is refused before the model loads
+    # a taken --output, or one overlapping an input, is refused before the model loads
+    RunDir(config.output).check(resume, overwrite, config.inputs())
     return Trainer(config).run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
