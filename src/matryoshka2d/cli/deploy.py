@@ -151,10 +151,10 @@ def query_models(args, encoder) -> dict:
     """--query-model [NAME=]FOLDER ...: query encoders distilled from the served model, by the name clients send
     (default: the folder's name); one distilled from another model is refused before the server starts."""
     from matryoshka2d.cli.args import load_encoder
-    from matryoshka2d.models.identity import check_query_encoder, query_encoder_record_at, weights_sha256
+    from matryoshka2d.models.identity import check_query_encoder, documents_identity, query_encoder_record_at
 
     out = {}
-    documents = {"model": encoder.name, "weights_sha256": weights_sha256(encoder), "pooling": encoder.pooling}
+    documents = documents_identity(encoder)  # the student's width is checked against the served model's too
     for item in args.query_model or ():
         name, _, folder = item.rpartition("=") if "=" in item else ("", "", item)
         record = query_encoder_record_at(folder)
