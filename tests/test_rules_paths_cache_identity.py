@@ -208,6 +208,24 @@ def test_an_exported_graph_naming_external_data_outside_its_folder_is_refused_be
         OnnxCellEncoder(tmp_path / "cell")
 
 
+@pytest.mark.parametrize("name", ["ids.txt", "cell-4x32.faiss", "manifest.json"])
+def test_index_files_that_link_out_of_the_index_are_refused_before_they_are_read(student, tmp_path, capsys, name):
+    """The index's own files (named by its manifest, or the manifest itself) as links to copies outside it: was read
+    and hashed, the message differing with what the file outside held."""
+    from matryoshka2d.files import file_sha256 as real_sha256
+
+    _, built, _ = student
+    index, outside = tmp_path / "idx", tmp_path / f"outside-{name}"
+    shutil.copytree(built, index)
+    shutil.move(index / name, outside)
+    (index / name).symlink_to(outside)
+    hashed = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("matryoshka2d.retrieval.search.file_sha256", lambda p: hashed.append(p) or real_sha256(p))
+        assert main(["search", "--query", "red cat", "--index", str(index), "--cell", "4:32"]) == 2
+    assert "leaves" in capsys.readouterr().err and not [p for p in hashed if Path(p).name == name]
+
+
 # ---- rule 3: a cached graph is named by what it computes -----------------------------------------------------
 
 

@@ -63,7 +63,10 @@ def write_json(path: Path, value: dict) -> None:
 
 def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
-    path = directory / "manifest.json"
+    try:  # a manifest that links out of the index is not read
+        path = inside(directory, "manifest.json", directory, "the index manifest")
+    except OutsideFolderError as exc:
+        raise IndexBuildError(str(exc)) from None
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no manifest.json (not an index built by `matryoshka2d index build`)")
     manifest = read_json(path, IndexBuildError)
