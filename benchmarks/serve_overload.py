@@ -4,7 +4,7 @@
         [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive infinity] [--timeout 2]
         [--server-core 0] [--client-core 1] [--pause PATTERN] [--results FILE.json] [--plot FILE.png]
 
-Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact test query (how a query
+Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact query (how a query
 reaches a search service), sent whether or not earlier ones were answered: an open loop. A closed loop of N
 clients slows down with the server and never shows overload; here the offered rate is what it says, and a
 request's latency counts from its scheduled arrival, so a client that falls behind counts against the server, not
@@ -393,6 +393,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a model folder whose exits are aligned (distill --mode shared)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA / "retrieval" / "scifact")
+    parser.add_argument("--split", default="train", help="qrels split (the shared SciFact has train: 809 queries)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--modes", nargs="+", default=["full", "shallow", "adaptive", "infinity"])
@@ -424,7 +425,7 @@ def main() -> None:
 
     from matryoshka2d.evaluate.retrieval import load_beir
 
-    data = load_beir(ARGS.data, "test")
+    data = load_beir(ARGS.data, ARGS.split)
     queries = data.query_texts
     ours = start_ours()
     config = json.loads(Path(ARGS.model, "config.json").read_text())
