@@ -58,9 +58,12 @@ def cut_folder(source: Path, layers: int, out: Path) -> Path:
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, staging / name)
+    # The keys sentence-transformers 3 takes (a folder that sentence-transformers 6 wrote holds others, such as
+    # transformer_task, which version 3 refuses), and a length: 256 tokens, minilm-l6's, when the folder gives none.
     sentence = source / "sentence_bert_config.json"
-    settings = json.loads(sentence.read_text()) if sentence.is_file() else {"max_seq_length": 256}
-    (staging / "sentence_bert_config.json").write_text(json.dumps(settings))
+    settings = json.loads(sentence.read_text()) if sentence.is_file() else {}
+    settings = {k: settings[k] for k in ("max_seq_length", "do_lower_case") if k in settings}
+    (staging / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256, **settings}))
     (staging / "1_Pooling").mkdir()
     pooling = {"word_embedding_dimension": int(config["hidden_size"]), "pooling_mode_mean_tokens": True}
     pooling.update(dict.fromkeys(("pooling_mode_cls_token", "pooling_mode_max_tokens"), False))

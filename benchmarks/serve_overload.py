@@ -184,7 +184,20 @@ class Pool:
         self.port, self.idle = port, []
 
     async def send(self, request: bytes) -> tuple[int, dict, bytes]:
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+        """One request on an idle keep-alive connection, or a new one. A server closes a connection idle past its
+        keep-alive time (uvicorn: 5 s); a request that finds its reused connection closed before any byte of an
+        answer (it was never read) is sent again once on a new connection."""
+        while self.idle:
+            reader, writer = self.idle.pop()
+            try:
+                return await self._exchange(reader, writer, request)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                if getattr(exc, "partial", b"") != b"":
+                    raise
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        return await self._exchange(reader, writer, request)
+
+    async def _exchange(self, reader, writer, request: bytes) -> tuple[int, dict, bytes]:
         try:
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
@@ -296,6 +309,23 @@ def encode_all(server: Server, texts: list[str], layer: int | None, input_type: 
         return np.stack(out)
 
     return asyncio.run(run())
+
+
+def document_vectors(server: Server, texts: list[str]) -> np.ndarray:
+    """The corpus at full depth from the server (input_type "document"), unit rows; kept in the logs folder under a
+    key of the model's weight files and the length, so that a second run of the same model reads them back."""
+    import hashlib
+
+    files = sorted(Path(ARGS.model).glob("*.safetensors"))
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files] + [ARGS.max_length, len(texts)]
+    key = hashlib.sha256(json.dumps([str(Path(ARGS.model).resolve()), stamp]).encode()).hexdigest()[:16]
+    cached = Path(ARGS.logs) / f"documents-{key}.npy"
+    if cached.is_file():
+        return np.load(cached)
+    docs = encode_all(server, texts, None, "document")
+    docs = docs / np.linalg.norm(docs, axis=1, keepdims=True)
+    np.save(cached, docs)
+    return docs
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------------
@@ -431,8 +461,7 @@ def main() -> None:
     config = json.loads(Path(ARGS.model, "config.json").read_text())
     ARGS.layers = int(config["num_hidden_layers"])
     started = time.monotonic()
-    docs = encode_all(ours, data.doc_texts, None, "document")
-    docs = docs / np.linalg.norm(docs, axis=1, keepdims=True)
+    docs = document_vectors(ours, data.doc_texts)
     full_queries = encode_all(ours, queries, ARGS.layers)
     flat = ndcg_of(full_queries, list(range(len(queries))), docs, data.qrels)
     print(
