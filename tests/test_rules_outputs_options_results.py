@@ -117,6 +117,11 @@ def test_every_writing_command_refuses_an_output_over_an_input(model, tmp_path, 
     assert snapshot(tmp_path) == before
 
 
+def test_an_empty_output_is_not_the_current_folder(model, text_file, capsys):
+    assert main(["heads", "fit", "--model", str(model), "--data", str(text_file), "--output", ""]) == 2
+    assert "--output is empty" in error_line(capsys)
+
+
 def test_a_config_file_cannot_name_an_output_over_an_input(model, text_file, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {model}\ndata: [{text_file}]\noutput: {model}\n")
