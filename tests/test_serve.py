@@ -387,7 +387,8 @@ class CountedExport:
     counts the calls, so a test sees whether the cache was used or rebuilt."""
 
     def __init__(self, graphs):
-        self.source, self.calls = graphs / "layer-2.onnx", 0
+        (self.source,) = graphs.glob("weights-*/layer-2.onnx")
+        self.calls = 0
 
     def __call__(self, encoder, layer, path):
         assert layer == 2
@@ -399,15 +400,17 @@ class CountedExport:
 
 @pytest.fixture
 def graph_copy(onnx_graphs, tmp_path, monkeypatch):
-    folder = tmp_path / "graphs"
-    shutil.copytree(onnx_graphs, folder)
+    """A copy of the cache: the folder of the tiny model's graphs in it (named by its weights), the counted export."""
+    shutil.copytree(onnx_graphs, tmp_path / "graphs")
     export = CountedExport(onnx_graphs)
     monkeypatch.setattr("matryoshka2d.deploy.backends.export_exit", export)
+    (folder,) = (tmp_path / "graphs").glob("weights-*")
     return folder, export
 
 
 def onnx_backend(tiny_local, folder, quantize=None):
-    return OnnxBackend(tiny_local, quantize, layers=[2], cache_folder=folder, log=lambda _: None)
+    """A backend on the cache that holds `folder`, the folder of the model's graphs."""
+    return OnnxBackend(tiny_local, quantize, layers=[2], cache_folder=folder.parent, log=lambda _: None)
 
 
 def test_cached_graph_is_used_and_matches_the_encoder(graph_copy, tiny_local):

@@ -3,6 +3,7 @@ runs, and the results say which backend, precision and graphs made them."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,7 +42,8 @@ def test_onnx_fp32_scores_equal_torch_and_record_their_graphs(model_and_data, tm
     recorded = onnx_result["model"]
     assert recorded["backend"] == "onnx" and recorded["precision"] == "fp32"
     assert sorted(recorded["graphs_sha256"]) == ["1", "3"]  # only the evaluated layers' graphs are built
-    manifest = json.loads((model / "onnx-serve" / "manifest.json").read_text())
+    manifest = json.loads((Path(recorded["graphs"]) / "manifest.json").read_text())
+    assert Path(recorded["graphs"]).parent == model / "onnx-serve"
     assert recorded["graphs_sha256"]["3"] == manifest["graphs"]["layer-3.onnx"]["sha256"]
     assert recorded["weights_sha256"] == torch_result["model"]["weights_sha256"]  # one model, two backends
     scores = {r["dataset"] + str((r["layer"], r["dim"])): r["spearman"] for r in torch_result["scores"]}
@@ -54,7 +56,7 @@ def test_int8_scores_are_measured_on_int8_graphs(model_and_data, tmp_path):
     assert eval_sts(model, data, tmp_path / "int8", "--backend", "onnx", "--quantize", "int8") == 0
     recorded = json.loads((tmp_path / "int8" / "results.json").read_text())["model"]
     assert recorded["precision"] == "int8"
-    manifest = json.loads((model / "onnx-serve" / "manifest.json").read_text())
+    manifest = json.loads((Path(recorded["graphs"]) / "manifest.json").read_text())
     assert recorded["graphs_sha256"]["1"] == manifest["graphs"]["layer-1.int8.onnx"]["sha256"]
     scores = [r["spearman"] for r in json.loads((tmp_path / "int8" / "results.json").read_text())["scores"]]
     assert all(np.isfinite(scores))

@@ -35,16 +35,28 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def inside(folder: str | Path, name, what: str) -> Path:
-    """`folder / name` for a file name that a record or manifest inside `folder` gives, refused (ValueError, before
-    anything is opened) when it is not a plain relative name that stays inside the folder: an absolute path, `..`,
-    or a link out would let a planted folder read, or test the contents of, any file of the machine."""
+class OutsideFolderError(ValueError):
+    """A record, manifest or modules.json names a path that leaves the folder it describes."""
+
+
+def inside(folder: str | Path, name, named_by: str | Path, field: str, folder_itself: bool = False) -> Path:
+    """`folder / name` for a path that a file inside `folder` names (a record, a manifest, a sentence-transformers
+    modules.json): the one place such a path is resolved. Refused (OutsideFolderError, before anything there is
+    opened, whatever it holds) unless it is a plain relative name that stays inside the folder: an absolute path,
+    `..`, or a symbolic link (of the name or of a folder on its way) that resolves outside would let a planted
+    folder read, apply or test the contents of any file of the machine. `named_by` is the file that names the path,
+    `field` the field that holds it; `folder_itself` accepts "" (sentence-transformers' path of a module stored at
+    the folder's top)."""
     folder = Path(folder)
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or "\0" in name:
-        raise ValueError(f"{what} names {name!r}: only a file inside {folder} may be named there")
+    refused = f"{named_by}: {field} names {name!r}, which"
+    what = "only a file inside the folder, or a folder in it, may be named there"
+    if not isinstance(name, str) or (not name and not folder_itself) or "\0" in name:
+        raise OutsideFolderError(f"{refused} is not a name of a file inside {folder}; {what}")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise OutsideFolderError(f"{refused} leaves {folder} (an absolute path or '..'); {what}")
     path = folder / name
-    if ".." in Path(name).parts or not path.resolve().is_relative_to(folder.resolve()):
-        raise ValueError(f"{what} names {name!r}, which leaves {folder}: only a file inside the folder may be named")
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise OutsideFolderError(f"{refused} leaves {folder} through a symbolic link; {what}")
     return path
 
 

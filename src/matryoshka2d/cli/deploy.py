@@ -198,10 +198,10 @@ def query_models(args, encoder) -> dict:
     import argparse
 
     from matryoshka2d.cli.args import load_encoder, named_folder
-    from matryoshka2d.models.identity import check_query_encoder, query_encoder_record_at, weights_sha256
+    from matryoshka2d.models.identity import check_query_encoder, documents_identity, query_encoder_record_at
 
     out = {}
-    documents = {"model": encoder.name, "weights_sha256": weights_sha256(encoder), "pooling": encoder.pooling}
+    documents = documents_identity(encoder)  # the student's width is checked against the served model's too
     for item in args.query_model or ():
         try:  # NAME=FOLDER splits at the first '=' after a plain name: q=/runs/a=b/q is q and /runs/a=b/q
             name, folder = named_folder(item)

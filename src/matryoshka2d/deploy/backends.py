@@ -10,7 +10,8 @@ API, validation, micro-batching, slicing to `dimensions`, normalising, errors) t
   deploy/onnx_graphs.py: the layers up to the exit, pooling, and whatever forward applies after pooling), full
   width; the width is sliced after, by the server. `quantize="int8"` runs onnxruntime's dynamic int8
   quantization of each graph (only the int8 graphs are kept: build_graph). The graphs are cached beside the
-  model (GraphCache): a manifest holds the checksum of the source weights and of every graph; a graph that is
+  model (GraphCache), in a subfolder named by the checksum of the weights they are built from, so that models
+  share a cache folder: a manifest holds the checksum of the source weights and of every graph; a graph that is
   missing, whose file does not match its checksum, or that was built from other weights is rebuilt, never used,
   and so is one that, when a process first uses it, does not reproduce the model on a few fixed texts as the
   build checked, or does not load (deploy/graph_check.py). One onnxruntime session per layer,
@@ -20,6 +21,7 @@ API, validation, micro-batching, slicing to `dimensions`, normalising, errors) t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,7 +36,7 @@ import torch
 from matryoshka2d.deploy.graph_check import INT8_MIN_COSINE, check_graph, cosines, reference, run_reference
 from matryoshka2d.deploy.graph_check import session as _session
 from matryoshka2d.deploy.onnx_graphs import ExportError, export_exit, graph_metadata, quantize_int8
-from matryoshka2d.files import file_sha256
+from matryoshka2d.files import OutsideFolderError, file_sha256, inside
 from matryoshka2d.models.batching import inference_batches, pad_rows
 from matryoshka2d.models.encoder import ElasticEncoder
 
@@ -102,11 +104,13 @@ def weights_digest(encoder: ElasticEncoder) -> str:
 
 
 def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
-    """`onnx-serve/` inside the model's folder if that folder can be written and is not part of an installed
-    package (minilm-l6 lives in site-packages), else under matryoshka2d's cache, named by the weights."""
+    """`onnx-serve/` inside the model's folder if it is there already (a cache that came with a read-only model is
+    used read-only), or if that folder can be written and is not part of an installed package (minilm-l6 lives in
+    site-packages); else under matryoshka2d's cache, named by the weights."""
     location = Path(encoder.location) if encoder.location else None
     installed = location is not None and {"site-packages", "dist-packages"} & set(location.resolve().parts)
-    if location is not None and location.is_dir() and os.access(location, os.W_OK) and not installed:
+    beside = location is not None and location.is_dir() and not installed
+    if beside and ((location / CACHE_FOLDER).is_dir() or writing_problem(location) is None):
         return location / CACHE_FOLDER
     from matryoshka2d.models.backbones import cache_dir
 
@@ -114,9 +118,20 @@ def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
     return cache_dir() / CACHE_FOLDER / f"{name}-{digest[:12]}"
 
 
+def writing_problem(folder: Path) -> str | None:
+    """Why nothing can be written into the existing `folder` (by trying: a permission check does not see a
+    read-only mount or an immutable folder, and root passes it everywhere), or None."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".write-test-"):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
 def cache_folder_problem(folder: str | Path) -> str | None:
     """What stops `folder` from being (made) a graph cache, or None: it, or a folder above it, is a file; or it
-    does not exist and cannot be created where it would go."""
+    does not exist and cannot be created where it would go. (An existing folder that cannot be written is a
+    read-only cache: its graphs are used, and a missing one is a message then.)"""
     folder = Path(folder)
     for path in (folder, *folder.parents):
         if path.exists():
@@ -128,16 +143,30 @@ def cache_folder_problem(folder: str | Path) -> str | None:
     return None
 
 
-class GraphCache:
-    """The cache folder: `layer-N.onnx` / `layer-N.int8.onnx` and a manifest with the checksum of the source
-    weights and of each graph. A graph counts only if the manifest names it, for these weights, with the
-    checksum of the file as it is now."""
+def weights_folder(source: str) -> str:
+    """The name of the subfolder of a graph cache that holds the graphs built from the weights `source`."""
+    return f"weights-{source[:16]}"
 
-    def __init__(self, folder: Path, source: str):
-        self.folder, self.source = Path(folder), source
+
+class GraphCache:
+    """A cache folder (`root`) holds the graphs of any number of models, each model's in a subfolder named by the
+    checksum of the weights they were built from (`weights_folder`; weights_digest covers every tensor, exit heads
+    included), so that a query encoder and its teacher, or two versions of one model, share a cache folder without
+    replacing each other's graphs. A subfolder holds `layer-N.onnx` / `layer-N.int8.onnx` and a manifest with the
+    full checksum of the source weights and of each graph. A graph counts only if the manifest names it, for these
+    weights, with the checksum of the file as it is now; every name is resolved inside the subfolder
+    (files.inside: a link out is refused before it is read). A cache that cannot be written is used as it is."""
+
+    def __init__(self, root: Path, source: str):
+        self.root, self.source = Path(root), source
         self.graphs: dict[str, dict] = {}
         try:
-            manifest = json.loads((self.folder / MANIFEST).read_text())
+            self.folder = inside(self.root, weights_folder(source), self.root, "the graph folder of these weights")
+            manifest_path = inside(self.folder, MANIFEST, self.folder, "the graph manifest")
+        except OutsideFolderError as exc:
+            raise ExportError(f"{exc}: remove it, or pass another --onnx-cache") from None
+        try:
+            manifest = json.loads(manifest_path.read_text())
             if isinstance(manifest, dict) and manifest.get("source_sha256") == source:
                 self.graphs = dict(manifest.get("graphs") or {})
         except (OSError, ValueError):
@@ -148,19 +177,32 @@ class GraphCache:
         return f"layer-{layer}{'.' + quantize if quantize else ''}.onnx"
 
     def valid(self, layer: int, quantize: str | None) -> Path | None:
+        """The graph's path if the manifest vouches for the file as it is; OutsideFolderError, before the file is
+        opened, if its name leads out of the folder."""
         name = self.file_name(layer, quantize)
-        entry, path = self.graphs.get(name), self.folder / name
-        if entry is None or entry.get("recipe") != RECIPES[quantize] or not path.is_file():
+        entry = self.graphs.get(name)
+        if not isinstance(entry, dict) or entry.get("recipe") != RECIPES[quantize]:
             return None
-        if file_sha256(path) != entry.get("sha256"):
+        path = inside(self.folder, name, self.folder / MANIFEST, f"graphs[{name!r}]")
+        if not path.is_file() or file_sha256(path) != entry.get("sha256"):
             return None
         return path
 
     def drop(self, layer: int, quantize: str | None) -> None:
-        """Forget a graph that failed its check (and remove its file), so that it is rebuilt."""
+        """Forget a graph that failed its check (and remove its file, or the link in its place, where the folder
+        can be written), so that it is rebuilt."""
         name = self.file_name(layer, quantize)
         self.graphs.pop(name, None)
-        (self.folder / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only cache: not used; building one is refused with a message
+            (self.folder / name).unlink(missing_ok=True)
+
+    def writing_problem(self) -> str | None:
+        """Why a graph cannot be added here (the cache, or the folder that would hold it, cannot be written)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        return writing_problem(self.folder)
 
     def add(self, built: Path, layer: int, quantize: str | None, details: dict) -> Path:
         """Move a built graph into place and record it (the manifest is rewritten atomically)."""
@@ -183,9 +225,15 @@ class GraphCache:
 
 def trusted(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize: str | None, log) -> Path | None:
     """The cached graph of `layer`, if the manifest vouches for it and it computes this model's layer
-    (graph_check.check_graph: fp32 within ONNX_ATOL of torch, int8 by cosine, on the fixed check sentences);
-    a graph that fails is dropped from the cache, with a line saying why, and None returned (build it)."""
-    path = cache.valid(layer, quantize)
+    (graph_check.check_graph: fp32 within ONNX_ATOL of torch, int8 by cosine and by holding quantized operators,
+    on the fixed check sentences); a graph that fails, or whose name leads out of the cache, is dropped from the
+    cache, with a line saying why, and None returned (build it)."""
+    try:
+        path = cache.valid(layer, quantize)
+    except OutsideFolderError as exc:
+        log(f"{exc}: it is not read, and the graph is rebuilt")
+        cache.drop(layer, quantize)
+        return None
     if path is None:
         return None
     problem = check_graph(encoder, path, layer, quantize, cache.graphs[path.name])
@@ -206,7 +254,14 @@ def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize
     written: the fp32 graphs of an int8 server would be four times the disk of its int8 graphs (minilm-l6: 535 MB
     for six layers of both, of which int8 about 130), and rebuilding one costs seconds per layer."""
     log = log or (lambda message: print(message, file=sys.stderr))
-    cache.folder.mkdir(parents=True, exist_ok=True)
+    problem = cache.writing_problem()
+    if problem is not None:
+        kind = "int8 graph" if quantize else "graph"
+        raise ExportError(
+            f"the ONNX graph cache {cache.root} holds no usable {kind} of layer {layer} for the weights of "
+            f"{encoder.name} (in {cache.folder.name}), and cannot be written ({problem}): pass --onnx-cache with a "
+            "folder that can be written, where the graphs are built once"
+        )
     with tempfile.TemporaryDirectory(dir=cache.folder, prefix=".build-") as tmp:
         fp32 = trusted(encoder, cache, layer, None, log) if quantize else None
         if fp32 is None:
@@ -269,7 +324,7 @@ class OnnxBackend:
         for n in self.layers:
             path = trusted(encoder, self.cache, n, quantize, self.log)
             if path is None:
-                self.log(f"building the ONNX graph of layer {n}{' (int8)' if quantize else ''} in {folder}")
+                self.log(f"building the ONNX graph of layer {n}{' (int8)' if quantize else ''} in {self.cache.folder}")
                 path = build_graph(encoder, self.cache, n, quantize, self.log)
             self.paths[n] = path
         self.sessions: dict[int, object] = {}

@@ -40,6 +40,7 @@ from matryoshka2d.deploy.onnx_graphs import (
 from matryoshka2d.files import check_apart
 from matryoshka2d.models.backbones import count_parameters
 from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.identity import record_own_identity, without_own_identity
 
 FORMATS = ("st", "onnx")
 QUANTIZE = ("int8",)
@@ -136,6 +137,7 @@ def export_cell(
         staging = Path(tmp) / "cell"
         encoder.save(staging, keep_layers=layer, dim=dim, normalize=normalize, metadata=metadata)
         cut = ElasticEncoder(str(staging), device="cpu")
+        record_own_identity(staging, cut)  # a query encoder's cell: its own checksum and width
         report = ExportReport(
             output, layer, dim, normalize, count_parameters(cut.model), count_parameters(encoder.model)
         )
@@ -225,7 +227,7 @@ def _source_metadata(encoder: ElasticEncoder) -> dict:
         record = Path(encoder.location) / "matryoshka2d.json"
         if record.is_file():
             try:
-                return json.loads(record.read_text())
+                return without_own_identity(json.loads(record.read_text()))
             except json.JSONDecodeError:
                 pass
     return {}

@@ -5,8 +5,9 @@ manifest can be edited, a folder copied from another model). So a cached graph, 
 it, must do what the build checked: reproduce `encoder.forward` at its layer on the fixed CHECK_SENTENCES, fp32
 within ONNX_ATOL (as export_onnx checks it), int8 with a lowest cosine no worse than the build recorded and at
 least INT8_MIN_COSINE. A graph onnxruntime cannot load or run (an unknown or custom op, a damaged file) fails the
-check the same way, and so does one whose external data is named outside the cache folder: that is refused
-before onnxruntime opens anything. A graph that fails is rebuilt, never served (`check_graph` says why).
+check the same way, and so does one whose external data is named outside the cache folder (refused before
+onnxruntime opens anything), and one that is not the precision its name says (an int8 graph must hold quantized
+operators, an fp32 one none). A graph that fails is rebuilt, never served (`check_graph` says why).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matryoshka2d.deploy.onnx_graphs import CHECK_SENTENCES, ONNX_ATOL
-from matryoshka2d.files import inside
+from matryoshka2d.deploy.onnx_graphs import CHECK_SENTENCES, ONNX_ATOL, external_data_inside, graph_precision
 from matryoshka2d.models.encoder import ElasticEncoder
 
 # The lowest cosine an int8 graph may have against torch on CHECK_SENTENCES: dynamic int8 quantization with one
@@ -57,19 +57,6 @@ def run_reference(path: Path, features: dict[str, np.ndarray], threads: int = 1)
     return graph.run(None, {i.name: features[i.name] for i in graph.get_inputs()})[0]
 
 
-def external_data_inside(path: Path) -> None:
-    """Refuse (ValueError) a graph whose tensors name external data outside its folder, before anything but the
-    graph file itself is read."""
-    import onnx
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
-
-    model = onnx.load(str(path), load_external_data=False)
-    for tensor in _get_all_tensors(model):
-        if uses_external_data(tensor):
-            location = {e.key: e.value for e in tensor.external_data}.get("location")
-            inside(path.parent, location, f"the ONNX graph {path}, tensor {tensor.name!r},")
-
-
 def int8_floor(entry: dict) -> float:
     recorded = entry.get("min_cosine_vs_torch")
     recorded = float(recorded) if isinstance(recorded, int | float) and np.isfinite(recorded) else INT8_MIN_COSINE
@@ -80,11 +67,16 @@ def check_graph(encoder: ElasticEncoder, path: Path, layer: int, quantize: str |
     """None if the cached graph at `path` computes layer `layer` of `encoder` (as `entry`, its manifest record,
     says it was built), else what is wrong with it."""
     try:
-        external_data_inside(path)
+        graph = external_data_inside(path)
     except ValueError as exc:
         return str(exc)
     except Exception as exc:  # onnx cannot parse it
         return f"is not a readable ONNX graph ({type(exc).__name__}: {_first_line(exc)})"
+    precision = graph_precision(graph)
+    if precision != (quantize or "fp32"):
+        # An fp32 graph under the int8 name would pass the cosine check and be scored and served as int8.
+        held = "no quantized operator" if precision == "fp32" else "quantized operators"
+        return f"holds {held}: it is an {precision} graph, not the {quantize or 'fp32'} graph its name says"
     features, expected = reference(encoder, layer)
     try:
         got = run_reference(path, features)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from matryoshka2d.files import OutsideFolderError, inside
 from matryoshka2d.models.batching import length_batches
 from matryoshka2d.models.encoder import ElasticEncoder, pool
 
@@ -240,6 +241,52 @@ def quantize_int8(source: Path, target: Path) -> Path:
     return target
 
 
+def external_data_inside(path: Path):
+    """The graph (onnx's ModelProto, without its external data), after refusing (OutsideFolderError) one whose
+    tensors name external data outside its folder, before anything but the graph file itself is read (onnxruntime,
+    and an older one without its own check, would read it)."""
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            location = {e.key: e.value for e in tensor.external_data}.get("location")
+            inside(path.parent, location, path, f"tensor {tensor.name!r} external_data location")
+    return model
+
+
+# The operators onnxruntime's dynamic quantization puts in a graph (MatMul -> DynamicQuantizeLinear + MatMulInteger,
+# or the fused forms); an fp32 graph has none of them.
+QUANTIZED_OPS = frozenset(
+    {
+        "DynamicQuantizeLinear",
+        "MatMulInteger",
+        "DynamicQuantizeMatMul",
+        "MatMulIntegerToFloat",
+        "QLinearMatMul",
+        "QAttention",
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "ConvInteger",
+        "QLinearConv",
+        "QGemm",
+    }
+)
+
+
+def graph_precision(model) -> str:
+    """'int8' when the graph (a ModelProto) computes with quantized operators, else 'fp32': what the graph is, not
+    what its file name or a manifest says."""
+    nodes = list(model.graph.node)
+    while nodes:
+        node = nodes.pop()
+        if node.op_type in QUANTIZED_OPS:
+            return "int8"
+        nodes.extend(n for attribute in node.attribute for g in [attribute.g, *attribute.graphs] for n in g.node)
+    return "fp32"
+
+
 class OnnxCellEncoder:
     """Run an exported cell's ONNX graph in onnxruntime: the folder's tokenizer, sorted batches, no torch model."""
 
@@ -250,12 +297,17 @@ class OnnxCellEncoder:
         from matryoshka2d.models.st_folder import read_sentence_config
 
         folder = Path(folder)
-        if not (folder / file).is_file():
-            raise ExportError(f"{folder / file}: no such ONNX file; export with --format onnx")
+        try:
+            graph = inside(folder, file, folder, "the exported cell's graph")
+            if not graph.is_file():
+                raise ExportError(f"{graph}: no such ONNX file; export with --format onnx")
+            external_data_inside(graph)
+        except OutsideFolderError as exc:
+            raise ExportError(str(exc)) from None
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(folder / file), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.max_length = (
             read_sentence_config(str(folder)).max_length

@@ -21,9 +21,11 @@ them (`Plan.annotate`); the endpoint also sends both as response headers on ever
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from matryoshka2d.deploy.api import (
+    EMBEDDING_TYPES,
     ApiError,
     check_formats,
     check_input_type,
@@ -78,12 +80,14 @@ class Catalog:
         default_layer: int | None = None,
         default_dimensions: int | None = None,
         query_cell: tuple[int, int] | None = None,
-        adaptive: bool = False,
-        max_inputs: int = 2048,
+        depth=None,
+        limits=None,
     ):
+        """`depth`: the server's DepthController, or None; `limits`: its ServerLimits."""
         backend = main.backend
-        self.main, self.model_id, self.queries, self.adaptive = main, model_id, queries, adaptive
-        self.max_inputs = max_inputs
+        self.main, self.model_id, self.queries, self.depth = main, model_id, queries, depth
+        self.adaptive, self.limits, self.created = depth is not None, limits, int(time.time())
+        self.max_inputs = limits.max_inputs
         self.num_layers, self.hidden_size = backend.num_layers, backend.hidden_size
         self.served = list(backend.layers)
         self.alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
@@ -120,6 +124,61 @@ class Catalog:
             )
 
     # -- what /v1/models shows ----------------------------------------------------------------------------------
+    def describe_all(self) -> list[dict]:
+        cells = [self.describe_cell(*cell) for cell in cell_names(self.model_id, self.num_layers, self.hidden_size)]
+        return [self.describe_model(), *cells, *map(self.describe_query_model, self.queries.values())]
+
+    def describe(self, name: str) -> dict:
+        if name in self.queries:
+            return self.describe_query_model(self.queries[name])
+        layer, dim = self.resolve(name)
+        return self.describe_model() if layer is None else self.describe_cell(name, layer, dim)
+
+    def _entry(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "matryoshka2d"}
+
+    def describe_model(self) -> dict:
+        backend, served, width = self.main.backend, self.served, self.hidden_size
+        cells = (
+            f"any (layer, dimensions) with layer in {served} and 1 <= dimensions <= {width}"
+            if len(served) < self.num_layers
+            else f"any (layer, dimensions) with 1 <= layer <= {self.num_layers} and 1 <= dimensions <= {width}"
+        )
+        return {
+            **self._entry(self.model_id),
+            "layers": served,
+            "dimensions": width,
+            "cells": cells,
+            "max_input_tokens": backend.max_length,
+            "truncates_long_inputs": self.limits.truncate,
+            "max_inputs_per_request": self.limits.max_inputs,
+            "pooling": backend.pooling,
+            "normalized": True,
+            **backend.describe(),
+            "default_layer": self.default_layer,
+            "default_dimensions": self.default_dimensions,
+            "embedding_types": list(EMBEDDING_TYPES),
+            "input_types": self.pairing(),
+            "adaptive_depth": self.depth.describe() if self.depth is not None else None,
+        }
+
+    def describe_cell(self, name: str, layer: int, dim: int) -> dict:
+        return {**self._entry(name), "parent": self.model_id, "layer": layer, "dimensions": dim}
+
+    def describe_query_model(self, served) -> dict:
+        q = served.backend
+        return {
+            **self._entry(served.name),
+            "query_encoder_of": self.model_id,
+            "answers_input_type_query": served is self.query_model,
+            "layers": [q.num_layers],
+            "dimensions": q.hidden_size,
+            "max_input_tokens": q.max_length,
+            "pooling": q.pooling,
+            "normalized": True,
+            **q.describe(),
+        }
+
     def pairing(self) -> dict | None:
         if self.query_cell is not None:
             layer, dim = self.query_cell

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import signal
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -46,14 +45,14 @@ import uvicorn
 from fastapi import Request, Response
 
 from matryoshka2d.deploy.admission import Admission, Guard
-from matryoshka2d.deploy.api import EMBEDDING_TYPES, ApiError, encode_rows, parse_body, reply_bytes
+from matryoshka2d.deploy.api import ApiError, encode_rows, parse_body, reply_bytes
 from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.deploy.metrics import ServerMetrics
 from matryoshka2d.deploy.micro_batching import MicroBatcher
-from matryoshka2d.deploy.routing import Catalog, cell_names
+from matryoshka2d.deploy.routing import Catalog
 from matryoshka2d.models.encoder import ElasticEncoder
 
-__all__ = ["ServerLimits", "cell_names", "create_app", "serve"]
+__all__ = ["ServerLimits", "create_app", "serve"]
 
 
 @dataclass
@@ -118,11 +117,8 @@ def create_app(
     metrics = ServerMetrics()
     main = _Served.of(model_id, model, limits, metrics, depth)
     queries = {name: _Served.of(name, q, limits, metrics) for name, q in (query_models or {}).items()}
-    catalog = Catalog(
-        main, model_id, queries, default_layer, default_dimensions, query_cell, depth is not None, limits.max_inputs
-    )
+    catalog = Catalog(main, model_id, queries, default_layer, default_dimensions, query_cell, depth, limits)
     everyone = (main, *queries.values())
-    backend, created = main.backend, int(time.time())
     metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone))
 
     @asynccontextmanager
@@ -155,60 +151,6 @@ def create_app(
         message = f"The server failed on this request ({type(exc).__name__}: {str(exc)[:200]})"
         return _error_response(ApiError(500, message, None, "internal_error", kind="server_error"))
 
-    def describe_model() -> dict:
-        served = catalog.served
-        return {
-            "id": model_id,
-            "object": "model",
-            "created": created,
-            "owned_by": "matryoshka2d",
-            "layers": served,
-            "dimensions": catalog.hidden_size,
-            "cells": f"any (layer, dimensions) with layer in {served} and 1 <= dimensions <= {catalog.hidden_size}"
-            if len(served) < catalog.num_layers
-            else f"any (layer, dimensions) with 1 <= layer <= {catalog.num_layers} and "
-            f"1 <= dimensions <= {catalog.hidden_size}",
-            "max_input_tokens": backend.max_length,
-            "truncates_long_inputs": limits.truncate,
-            "max_inputs_per_request": limits.max_inputs,
-            "pooling": backend.pooling,
-            "normalized": True,
-            **backend.describe(),
-            "default_layer": catalog.default_layer,
-            "default_dimensions": catalog.default_dimensions,
-            "embedding_types": list(EMBEDDING_TYPES),
-            "input_types": catalog.pairing(),
-            "adaptive_depth": depth.describe() if depth is not None else None,
-        }
-
-    def describe_cell(name: str, layer: int, dim: int) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "matryoshka2d",
-            "parent": model_id,
-            "layer": layer,
-            "dimensions": dim,
-        }
-
-    def describe_query_model(served: _Served) -> dict:
-        q = served.backend
-        return {
-            "id": served.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "matryoshka2d",
-            "query_encoder_of": model_id,
-            "answers_input_type_query": served is catalog.query_model,
-            "layers": [q.num_layers],
-            "dimensions": q.hidden_size,
-            "max_input_tokens": q.max_length,
-            "pooling": q.pooling,
-            "normalized": True,
-            **q.describe(),
-        }
-
     @app.get("/health")  # open without the key; 503 while draining (admission.Guard), so a balancer moves on
     async def health():
         return {"status": "ok", "model": model_id, "queued_requests": len(main.batcher.queue)}
@@ -220,15 +162,11 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        cells = [describe_cell(*cell) for cell in cell_names(model_id, catalog.num_layers, catalog.hidden_size)]
-        return {"object": "list", "data": [describe_model(), *cells, *map(describe_query_model, queries.values())]}
+        return {"object": "list", "data": catalog.describe_all()}
 
     @app.get("/v1/models/{name:path}")
     async def model_by_name(name: str):
-        if name in queries:
-            return describe_query_model(queries[name])
-        layer, dim = catalog.resolve(name)
-        return describe_model() if layer is None else describe_cell(name, layer, dim)
+        return catalog.describe(name)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):

@@ -86,6 +86,9 @@ class ElasticEncoder(nn.Module):
         self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
         if heads and record is not None:
             self.set_exit_heads(load_heads(location, record, self))
+        from matryoshka2d.models.identity import check_own_weights
+
+        check_own_weights(self)  # a query encoder's record vouches for these weights and this width
 
     @classmethod
     def from_modules(

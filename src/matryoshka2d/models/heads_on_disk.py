@@ -71,7 +71,7 @@ def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
     except (KeyError, TypeError, ValueError) as exc:
         raise HeadsError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
     try:
-        path = inside(folder, name, where)  # before anything is opened or hashed
+        path = inside(folder, name, folder / "matryoshka2d.json", f"{RECORD_KEY}.file")  # before it is opened or hashed
     except ValueError as exc:
         raise HeadsError(str(exc)) from None
     if not path.is_file():

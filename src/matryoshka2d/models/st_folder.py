@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from matryoshka2d.files import OutsideFolderError, inside
 from matryoshka2d.models.backbones import POOLING_MODES, BackboneError, layer_stack
 from matryoshka2d.models.card import write_model_card
 from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError
 from matryoshka2d.models.heads_on_disk import save_heads
-from matryoshka2d.models.identity import backbone_sha256
+from matryoshka2d.models.identity import backbone_sha256, without_own_identity
 from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
 
 # sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
@@ -109,10 +110,16 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
     except json.JSONDecodeError as exc:
         raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
     dense_dirs = []
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise BackboneError(f"{modules_file}: not a list of modules (objects with 'type' and 'path')")
     for i, module in enumerate(modules):
         kind, sub = module.get("type", ""), module.get("path", "")
         where = f"{modules_file} entry {i} ({kind or 'no type'}, path '{sub}')"
-        plain = settings_module(kind, root / sub)
+        try:  # before any of the module's files is read, here or by sentence-transformers
+            folder = inside(root, sub, modules_file, f"entry {i} ({kind or 'no type'}) path", folder_itself=True)
+        except OutsideFolderError as exc:
+            raise BackboneError(str(exc)) from None
+        plain = settings_module(kind, folder)
         if plain is None:
             from sentence_transformers.util.misc import import_module_class
 
@@ -129,7 +136,7 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
                 mode = plain[1]["pooling_mode"] if plain else module_class.load(str(root), subfolder=sub).pooling_mode
                 if mode not in ST_POOLING:
                     raise BackboneError(
-                        f"{root / sub / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
+                        f"{folder / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
                         f"supports {', '.join(ST_POOLING)} (its names: {', '.join(POOLING_MODES)})"
                     )
                 cfg.pooling = ST_POOLING[mode]
@@ -139,7 +146,7 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
                 if cfg.normalize:
                     raise BackboneError(f"{where}: a Dense module after Normalize is not supported")
                 cfg.dense = module_class.load(str(root), subfolder=sub, trust_remote_code=False)
-                cfg.pooler_dir = str(root / sub)
+                cfg.pooler_dir = str(folder)
                 dense_dirs.append(sub)
             else:
                 raise BackboneError(
@@ -239,6 +246,7 @@ def save_folder(
     width = self.check_dim(dim) if dim is not None else None
     normalize = self.normalize_output if normalize is None else bool(normalize)
     metadata = None if metadata is None else {k: v for k, v in metadata.items() if k != RECORD_KEY}
+    metadata = without_own_identity(metadata)  # a query encoder's checksum is of its folder, not of this one
     heads = self.exit_heads if self.use_heads else None
     cell_head = heads.heads[str(n)] if heads is not None and n < self.num_layers and heads.has(n) else None
     if cell_head is not None and cell_head.kind != "affine":

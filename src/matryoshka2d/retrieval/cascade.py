@@ -173,10 +173,14 @@ def _check_query_encoders(encoder, students: Sequence, full) -> None:
     """Each query encoder must be distilled from `encoder` (the documents' model), for its last layer."""
     if not students:
         return
-    from matryoshka2d.models.identity import check_query_cells, check_query_encoder, query_encoder_record
-    from matryoshka2d.models.identity import weights_sha256 as sha
+    from matryoshka2d.models.identity import (
+        check_query_cells,
+        check_query_encoder,
+        documents_identity,
+        query_encoder_record,
+    )
 
-    documents = {"model": encoder.name, "weights_sha256": sha(encoder), "pooling": encoder.pooling}
+    documents = documents_identity(encoder)
     for student in students:
         record = query_encoder_record(student)
         if record is None:

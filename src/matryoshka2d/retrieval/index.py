@@ -42,7 +42,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.files import DataFormatError, file_sha256
-from matryoshka2d.models.identity import vectors_identity
+from matryoshka2d.models.identity import refuse_query_encoder_for_documents, vectors_identity
 from matryoshka2d.retrieval.faiss_indexes import HNSW_EF_CONSTRUCTION, factory_string, make_index
 from matryoshka2d.retrieval.shards import (
     FORMAT,
@@ -106,6 +106,7 @@ def build_index(
     `overwrite`. Returns the final manifest.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    refuse_query_encoder_for_documents(encoder, "--model")
     cells = sorted({(encoder.check_layer(n), encoder.check_dim(d)) for n, d in cells})
     if not cells:
         raise IndexBuildError("--cells: need at least one cell")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import file_sha256
+from matryoshka2d.files import OutsideFolderError, file_sha256, inside
 from matryoshka2d.retrieval.faiss_indexes import hnsw_graph, searchable
 from matryoshka2d.retrieval.shards import RESCORED_STORAGES, Cell, IndexBuildError, cell_name, read_manifest
 from matryoshka2d.views import unit_rows
@@ -255,8 +255,12 @@ class CellIndex(SearchIndex):
 
     def _checked_file(self, name: str) -> Path:
         """The file, after its size and sha256 matched what the build recorded (indexes built before the
-        record was kept are checked by shape only, in `index`)."""
-        path = self.directory / name
+        record was kept are checked by shape only, in `index`). A name that leads out of the directory (a link)
+        is refused before the file is opened."""
+        try:
+            path = inside(self.directory, name, self.directory / "manifest.json", "files")
+        except OutsideFolderError as exc:
+            raise IndexBuildError(f"{exc}; {REBUILD}") from None
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing from the index directory; {REBUILD}")
         want = self.manifest.get("files", {}).get(name)

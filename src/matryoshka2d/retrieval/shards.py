@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import read_beir, read_json
+from matryoshka2d.files import OutsideFolderError, inside, read_beir, read_json
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
@@ -63,7 +63,10 @@ def write_json(path: Path, value: dict) -> None:
 
 def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
-    path = directory / "manifest.json"
+    try:  # a manifest that links out of the index is not read
+        path = inside(directory, "manifest.json", directory, "the index manifest")
+    except OutsideFolderError as exc:
+        raise IndexBuildError(str(exc)) from None
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no manifest.json (not an index built by `matryoshka2d index build`)")
     manifest = read_json(path, IndexBuildError)
@@ -162,7 +165,10 @@ def load_shards(out: Path, manifest: dict) -> list:
     """The manifest's shard files, in order; a missing or unreadable one is named, with what to do."""
     shards = []
     for name in manifest["shards"]:
-        path = out / "shards" / name
+        try:
+            path = inside(out, f"shards/{name}", out / "manifest.json", "shards")
+        except OutsideFolderError as exc:
+            raise IndexBuildError(f"{exc}; rebuild with --overwrite") from None
         try:
             shards.append(np.load(path, allow_pickle=False))
         except (OSError, ValueError) as exc:

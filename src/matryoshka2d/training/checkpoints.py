@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matryoshka2d.files import file_sha256
+from matryoshka2d.files import file_sha256, inside
 
 TENSORS, STATE, CONFIG, MANIFEST = "tensors.safetensors", "state.json", "config.json", "manifest.json"
 LEGACY = "state.pt"
@@ -119,7 +119,10 @@ def write_checkpoint(
 
 def verify(folder: Path) -> None:
     """Check the manifest against the files (sizes, then sha256); raise CheckpointError naming the problem."""
-    manifest_path = folder / MANIFEST
+    try:
+        manifest_path = inside(folder, MANIFEST, folder, "the checkpoint's manifest")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not manifest_path.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST} (the checkpoint was not finished)")
     try:
@@ -128,7 +131,10 @@ def verify(folder: Path) -> None:
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
     for name in (TENSORS, STATE, CONFIG):
-        path = folder / name
+        try:  # before the file is opened or hashed: a link out of the checkpoint is never read
+            path = inside(folder, name, manifest_path, "files")
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         expected = files.get(name) if isinstance(files, dict) else None
         if not expected:
             raise CheckpointError(f"{manifest_path}: does not list {name}")
@@ -143,7 +149,11 @@ def verify(folder: Path) -> None:
 
 def read_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+        path = inside(folder, CONFIG, folder / MANIFEST, "files")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder / CONFIG}: unreadable ({exc})") from None
 
@@ -246,6 +256,10 @@ def load_latest(root: Path, device, allow_pickle: bool = False, check_config=Non
     for folder in candidates(root):
         legacy = not (folder / MANIFEST).exists() and (folder / LEGACY).exists()
         try:
+            try:  # a checkpoint folder that is a link out of the run is not read
+                inside(root, folder.name, root, "a checkpoint folder")
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
             if check_config is not None and (folder / CONFIG).is_file():
                 check_config(folder, read_config(folder))
             state = read_legacy(folder, device, allow_pickle) if legacy else read_checkpoint(folder, device)

@@ -315,6 +315,18 @@ class DistillTrainer(Trainer):
             }
         }
 
+    def complete_saved(self, folder: Path) -> None:
+        """A query encoder's record gets the checksum of its own weights and the width of its vectors, read from the
+        folder as saved (cut to n layers, its head a Dense module): what every command that loads it checks
+        (models.identity.check_own_weights), so that other weights under this record, or the record under other
+        weights, are refused."""
+        if self.method.mode != "query":
+            return
+        from matryoshka2d.models.encoder import ElasticEncoder
+        from matryoshka2d.models.identity import record_own_identity
+
+        record_own_identity(folder, ElasticEncoder(str(folder), device="cpu"))
+
 
 def _folder_record(encoder) -> dict:
     """The teacher folder's matryoshka2d.json, or {} (a short name or a folder without one)."""

@@ -195,6 +195,10 @@ class RunLoop:
         """What a subclass records with the model beside the run's record (distillation: its teacher)."""
         return {}
 
+    def complete_saved(self, folder: Path) -> None:
+        """What a subclass adds to the saved folder before it is moved into place (distillation: the checksum of a
+        query encoder's own weights, read back from the folder)."""
+
     def save_model(self, seconds: float, steps_run: int) -> Path:
         """The final evaluation, then the model with what the run recorded (matryoshka2d.json), atomically."""
         from matryoshka2d.models.lora import save_and_merge_lora
@@ -223,6 +227,8 @@ class RunLoop:
 
         def save(folder: Path) -> Path:
             save_and_merge_lora(self.encoder, folder)  # the adapter beside the model; the model saved merged
-            return self.encoder.save(folder, keep_layers=keep, metadata=metadata)
+            saved = self.encoder.save(folder, keep_layers=keep, metadata=metadata)
+            self.complete_saved(Path(saved))
+            return saved
 
         return checkpoints.save_model_atomically(save, self.out)

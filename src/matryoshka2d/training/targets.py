@@ -10,7 +10,8 @@ OUTPUT/teacher-targets/
                   weights sha256), how long the pass took
 
 A resumed run reads them again only if every one of those still holds: a deleted or damaged file, other texts or
-another teacher's weights are refused by name, and nothing in the folder is replaced (start again with --overwrite).
+another teacher's weights are refused by name, and so is a file whose rows are not unit vectors (re-signed to pass
+the checksums); nothing in the folder is replaced (start again with --overwrite).
 float16 keeps 3 significant digits; a cosine between a float16 and a float32 unit vector of minilm-l6 differs from 1
 by about 1e-7, far below what a student learns.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import file_sha256
+from matryoshka2d.files import OutsideFolderError, file_sha256, inside
 from matryoshka2d.models.identity import short
 
 FOLDER = "teacher-targets"
@@ -59,7 +60,8 @@ class TeacherTargets:
     """The targets folder of one run: `compute` writes it, `load` checks and maps it."""
 
     def __init__(self, run_folder: str | Path):
-        self.folder = Path(run_folder) / FOLDER
+        self.run_folder = Path(run_folder)
+        self.folder = self.run_folder / FOLDER
 
     @property
     def vectors_path(self) -> Path:
@@ -95,6 +97,7 @@ class TeacherTargets:
         self.folder.mkdir(parents=True, exist_ok=True)
         dim = teacher.hidden_size
         tmp = self.folder / f".{VECTORS}.tmp"
+        tmp.unlink(missing_ok=True)  # a link left in its place is removed, never written through
         start = time.perf_counter()
         bar = tqdm(total=len(texts), desc="teacher targets", unit="text", disable=not progress)
         try:
@@ -136,6 +139,11 @@ class TeacherTargets:
         """The cached targets, memory-mapped, after checking that they are this run's: complete, undamaged, of
         these texts and of this teacher."""
         again = "start the run again with --overwrite (it recomputes them), or choose another --output"
+        try:  # before either file is opened: a link out of the run folder would be read and hashed
+            inside(self.run_folder, f"{FOLDER}/{RECORD}", self.run_folder, "the teacher targets' record")
+            inside(self.run_folder, f"{FOLDER}/{VECTORS}", self.record_path, "the teacher targets' vectors")
+        except OutsideFolderError as exc:
+            raise TargetsError(f"{exc}; {again}") from None
         if not self.record_path.is_file():
             raise TargetsError(f"{self.record_path} is missing: the cached teacher targets cannot be checked; {again}")
         try:
@@ -163,4 +171,27 @@ class TeacherTargets:
             )
         if width != dim:
             raise TargetsError(f"{self.record_path}: targets of {width} numbers, the model outputs {dim}; {again}")
-        return np.memmap(self.vectors_path, dtype=np.float16, mode="r", shape=(rows, width))
+        targets = np.memmap(self.vectors_path, dtype=np.float16, mode="r", shape=(rows, width))
+        check_unit_rows(targets, self.vectors_path, again)
+        return targets
+
+
+# A unit vector stored in float16 has a length within about 1e-3 of 1 (3 significant digits per number); anything
+# further off (zeros, NaN, a scaled or random file re-signed to pass the checksums) is not a target.
+UNIT_TOLERANCE = 1e-2
+
+
+def check_unit_rows(targets: np.ndarray, path: Path, again: str) -> None:
+    """Refuse targets that are not unit vectors, naming the file and the first such row: they are written at unit
+    length, so any other is a file that was replaced (and re-signed), not the teacher's vectors. Read in chunks of
+    CHUNK rows (a pass over the file, as its checksum was)."""
+    for start in range(0, len(targets), CHUNK):
+        lengths = np.linalg.norm(np.asarray(targets[start : start + CHUNK], dtype=np.float32), axis=1)
+        bad = np.flatnonzero(~(np.abs(lengths - 1) <= UNIT_TOLERANCE))
+        if bad.size:
+            row = start + int(bad[0])
+            raise TargetsError(
+                f"{path}: row {row + 1} has length {float(lengths[bad[0]]):.4g}, not 1 ({bad.size} such rows in rows "
+                f"{start + 1}..{start + len(lengths)}): the teacher's targets are unit vectors, so the file is not "
+                f"the one the teacher wrote; {again}"
+            )

@@ -1,0 +1,521 @@
+"""Open-loop overload, side by side: fixed full depth, a fixed shallow cell, adaptive depth and infinity-emb.
+
+    python benchmarks/serve_overload.py --model DIR [--rates 0.5 1 1.5 2 3] [--seconds 60] [--target-ms 50]
+        [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive infinity] [--timeout 2]
+        [--server-core 0] [--client-core 1] [--pause PATTERN] [--results FILE.json] [--plot FILE.png]
+
+Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact query (how a query
+reaches a search service), sent whether or not earlier ones were answered: an open loop. A closed loop of N
+clients slows down with the server and never shows overload; here the offered rate is what it says, and a
+request's latency counts from its scheduled arrival, so a client that falls behind counts against the server, not
+for it (the client's own lag is printed). Each rate is a multiple of the full-depth capacity measured in the same
+run (a closed loop of --capacity-clients at full depth for --capacity-seconds: requests per second).
+
+Our server is one `matryoshka2d serve --backend onnx --quantize int8 --adaptive-depth` process on --server-core
+with one thread; the modes differ only in the request: `layer: N` (full), `layer: --shallow-layer` (shallow),
+no layer (adaptive: the server's depth controller chooses per batch). The peer is infinity-emb (engine torch, one
+thread, same core) serving the model's full depth from a folder of it. The client is this process on
+--client-core. Every request has a deadline (--timeout s from its scheduled arrival); past it the request counts
+as a timeout. Goodput: answers (200) within the deadline per second.
+
+Quality of what was answered: the documents are the model's full-depth vectors of the SciFact corpus (made by the
+same server, input_type "document"); every answered query vector is searched flat against them and its nDCG@10
+set against the full-depth query vector's nDCG@10 for the same query: the share of flat full-depth quality the
+answers kept. Server memory (RSS) is sampled through each span. At the end, a drain check: SIGTERM in the middle
+of a span at 1.5x, how long the server takes to exit, its exit code, and whether any accepted request went
+unanswered.
+
+--pause PATTERN (a regular expression for pkill -f; default: this machine's training runs and test suites)
+SIGSTOPs matching processes for each timed span only and SIGCONTs them after, also on errors and interrupts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from common import DEFAULT_DATA, header
+
+# Built in pieces so that this process's own command line never matches what it stops.
+DEFAULT_PAUSE = "matryoshka2d" + " (train|distill|eval|heads)|pyt" + "est|with-cpu" + "-slot"
+ARGS = argparse.Namespace()
+
+
+# ---- the machine -----------------------------------------------------------------------------------------------
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PAUSED = {"on": False}
+
+
+def _signal_others(sig: str) -> None:
+    if ARGS.pause:
+        subprocess.run(["pkill", f"-{sig}", "-f", ARGS.pause], check=False)
+
+
+def _resume_others() -> None:
+    if _PAUSED["on"]:
+        _signal_others("CONT")
+        _PAUSED["on"] = False
+
+
+@contextmanager
+def others_paused():
+    _PAUSED["on"] = True
+    _signal_others("STOP")
+    try:
+        yield
+    finally:
+        _resume_others()
+
+
+# ---- servers ---------------------------------------------------------------------------------------------------
+class Server:
+    """A server process pinned to the server core; `body(text, layer)` is a request to it."""
+
+    def __init__(self, kind: str, command: list[str], port: int, env: dict, cwd=None):
+        self.kind, self.port = kind, port
+        self.log = open(Path(ARGS.logs) / f"{kind}.log", "w")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            ["taskset", "-c", str(ARGS.server_core), *command],
+            env=env,
+            cwd=cwd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + ARGS.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{kind} exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{kind} did not answer /health within {ARGS.start_timeout} s; see {self.log.name}")
+
+    def body(self, text: str, layer: int | None, input_type: str | None = None) -> bytes:
+        if self.kind == "infinity":
+            body = {"model": "bench", "input": [text], "encoding_format": "base64"}
+            return request_bytes("/embeddings", body)
+        body = {"model": "bench", "input": [text], "encoding_format": "base64"}
+        if layer is not None:
+            body["layer"] = layer
+        if input_type is not None:
+            body["input_type"] = input_type
+        return request_bytes("/v1/embeddings", body)
+
+    def queued(self) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10) as reply:
+            return int(json.loads(reply.read()).get("queued_requests", 0))
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+def start_ours() -> Server:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", ARGS.model, "--served-name", "bench"]
+    command += ["--port", str(port), "--device", "cpu", "--log-level", "warning", "--backend", "onnx"]
+    command += ["--quantize", "int8", "--truncate", "--adaptive-depth", "--target-ms", str(ARGS.target_ms)]
+    command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
+    command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
+    return Server("ours", command, port, env)
+
+
+def start_infinity(layers: int) -> Server:
+    from infinity_peer import cut_folder, server_command
+
+    folder = Path(ARGS.logs) / f"infinity-L{layers}"
+    if not (folder / "modules.json").is_file():
+        cut_folder(Path(ARGS.model), layers, folder)
+    port = free_port()
+    command, cwd, env = server_command("torch", folder, port, Path(ARGS.infinity_venv))
+    env["OMP_NUM_THREADS"] = "1"
+    return Server("infinity", command, port, env, cwd)
+
+
+# ---- the client: HTTP/1.1 on asyncio streams, a pool of keep-alive connections --------------------------------
+def request_bytes(path: str, body: dict) -> bytes:
+    payload = orjson.dumps(body)
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+class Pool:
+    def __init__(self, port: int):
+        self.port, self.idle = port, []
+
+    async def send(self, request: bytes) -> tuple[int, dict, bytes]:
+        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            status = int(lines[0].split()[1])
+            headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+            body = await reader.readexactly(int(headers.get("content-length", 0)))
+        except BaseException:
+            writer.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self.idle.append((reader, writer))
+        return status, headers, body
+
+
+def vector_of(body: bytes) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(orjson.loads(body)["data"][0]["embedding"]), dtype="<f4")
+
+
+async def _open_loop(server: Server, rate: float, seconds: float, layer, queries: list[str], seed: int) -> dict:
+    """Poisson arrivals at `rate` per second for `seconds`; each arrival one query (the next in a shuffled order)."""
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.5) + 10))
+    times = times[times < seconds]
+    order = rng.permutation(len(times)) % len(queries)
+    pool, loop = Pool(server.port), asyncio.get_running_loop()
+    records: list[tuple] = []
+    lags: list[float] = []
+    requests = [server.body(queries[q], layer) for q in order]
+    rss, sampling = [rss_mb(server.process.pid)], [True]
+
+    async def sample_rss():
+        while sampling[0]:
+            rss.append(rss_mb(server.process.pid))
+            await asyncio.sleep(0.5)
+
+    async def one(i: int, scheduled: float):
+        left = scheduled + ARGS.timeout - loop.time()
+        try:
+            status, headers, body = await asyncio.wait_for(pool.send(requests[i]), left)
+        except TimeoutError:
+            records.append((int(order[i]), "timeout", None, None, None))
+            return
+        except OSError as exc:
+            records.append((int(order[i]), f"refused ({type(exc).__name__})", None, None, None))
+            return
+        latency = loop.time() - scheduled
+        layer_used = int(headers.get("x-matryoshka2d-layer", ARGS.layers)) if status == 200 else None
+        vector = vector_of(body) if status == 200 else None
+        records.append((int(order[i]), status, latency, layer_used, vector))
+
+    sampler = asyncio.create_task(sample_rss())
+    start = loop.time() + 0.1
+    tasks = []
+    for i, t in enumerate(times):
+        delay = start + t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lags.append(max(0.0, loop.time() - start - t))
+        tasks.append(asyncio.create_task(one(i, start + t)))
+    await asyncio.gather(*tasks)
+    sampling[0] = False
+    await sampler
+    for _, writer in pool.idle:
+        writer.close()
+    return {"records": records, "lag_p99_ms": 1000 * float(np.percentile(lags, 99)) if lags else 0.0, "rss": rss}
+
+
+async def _closed_loop(server: Server, clients: int, seconds: float, layer, queries: list[str]) -> float:
+    """Requests per second that `clients` back-to-back clients get answered at `layer`."""
+    loop = asyncio.get_running_loop()
+    stop = loop.time() + seconds
+    done = [0]
+
+    async def client(c: int):
+        pool, i = Pool(server.port), c
+        while loop.time() < stop:
+            status, _, _ = await pool.send(server.body(queries[i % len(queries)], layer))
+            done[0] += status == 200
+            i += clients
+
+    start = loop.time()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return done[0] / (loop.time() - start)
+
+
+def encode_all(server: Server, texts: list[str], layer: int | None, input_type: str | None = None) -> np.ndarray:
+    """Vectors of `texts` from the server, one request per 32 texts, 4 at a time."""
+
+    async def run():
+        pool, out = Pool(server.port), [None] * len(texts)
+
+        async def chunk(start: int):
+            part = texts[start : start + 32]
+            body = {"model": "bench", "input": part, "encoding_format": "base64", "layer": layer}
+            if input_type is not None:
+                body = {k: v for k, v in body.items() if k != "layer"} | {"input_type": input_type}
+            status, _, raw = await pool.send(request_bytes("/v1/embeddings", body))
+            if status != 200:
+                raise RuntimeError(f"encoding failed: {status} {raw[:300]!r}")
+            for j, item in enumerate(orjson.loads(raw)["data"]):
+                out[start + j] = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+
+        starts = list(range(0, len(texts), 32))
+        for k in range(0, len(starts), 4):
+            await asyncio.gather(*(chunk(s) for s in starts[k : k + 4]))
+        return np.stack(out)
+
+    return asyncio.run(run())
+
+
+# ---- scoring ---------------------------------------------------------------------------------------------------
+def ndcg_of(vectors: np.ndarray, qids: list[int], docs: np.ndarray, qrels) -> np.ndarray:
+    """nDCG@10 of each row (the query qids[i]) searched flat against the documents."""
+    from matryoshka2d.evaluate.retrieval import search
+
+    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    ranked = search(unit.astype(np.float32), docs, 10)
+    discount = 1.0 / np.log2(np.arange(2, 12))
+    out = np.empty(len(qids))
+    for i, (row, q) in enumerate(zip(ranked, qids, strict=True)):
+        rel = qrels[q]
+        gains = np.array([rel.get(int(d), 0) for d in row], dtype=np.float64)
+        ideal = np.sort(np.fromiter(rel.values(), dtype=np.float64))[::-1][:10]
+        out[i] = float(gains @ discount[: len(gains)]) / float(ideal @ discount[: len(ideal)])
+    return out
+
+
+def summarize(mode: str, multiple: float, rate: float, run: dict, docs, qrels, flat: np.ndarray) -> dict:
+    records = run["records"]
+    ok = [r for r in records if r[1] == 200]
+    latencies = np.array([r[2] for r in ok]) * 1000
+    within = int(np.sum(latencies <= ARGS.timeout * 1000))
+    layers = [r[3] for r in ok]
+    share = {str(n): layers.count(n) / len(layers) for n in sorted(set(layers))} if layers else {}
+    quality = None
+    if ok:
+        vectors = np.stack([r[4] for r in ok])
+        qids = [r[0] for r in ok]
+        got = ndcg_of(vectors, qids, docs, qrels)
+        quality = 100 * float(got.mean() / flat[qids].mean())
+    status = [r[1] for r in records]
+    return {
+        "mode": mode,
+        "load": multiple,
+        "offered_per_s": rate,
+        "sent": len(records),
+        "answered": len(ok),
+        "goodput_per_s": within / ARGS.seconds,
+        "p50_ms": float(np.percentile(latencies, 50)) if len(latencies) else None,
+        "p99_ms": float(np.percentile(latencies, 99)) if len(latencies) else None,
+        "429": status.count(429),
+        "timeouts": status.count("timeout"),
+        "other_errors": len(records) - len(ok) - status.count(429) - status.count("timeout"),
+        "layer_share": share,
+        "ndcg_share_of_flat": quality,
+        "client_lag_p99_ms": run["lag_p99_ms"],
+        "rss_mb": [round(run["rss"][0], 1), round(max(run["rss"]), 1), round(run["rss"][-1], 1)],
+    }
+
+
+def wait_idle(server: Server) -> None:
+    if server.kind == "ours":
+        deadline = time.monotonic() + 60
+        while server.queued() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    time.sleep(ARGS.settle)
+
+
+def drain_check(capacity: float, queries: list[str]) -> dict:
+    """SIGTERM to a fresh server in the middle of an open-loop span at 1.5x: exit code, seconds to exit, and
+    whether any request the server accepted went unanswered (a timeout, or an error other than 503)."""
+    server = start_ours()
+    wait_idle(server)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        span = asyncio.create_task(_open_loop(server, 1.5 * capacity, ARGS.drain_span, None, queries, 7))
+        await asyncio.sleep(ARGS.drain_span / 2)
+        sent = loop.time()
+        server.process.send_signal(signal.SIGTERM)
+        code = await loop.run_in_executor(None, server.process.wait, 60)
+        took = loop.time() - sent
+        return await span, code, took
+
+    with others_paused():
+        run_, code, took = asyncio.run(run())
+    server.stop()
+    status = [r[1] for r in run_["records"]]
+    refused = sum(isinstance(s, str) and s.startswith("refused") for s in status)
+    return {
+        "exit_code": code,
+        "seconds_to_exit": round(took, 2),
+        "answered_200": status.count(200),
+        "answered_503": status.count(503),
+        "not_accepted_connection_closed": refused,
+        "timeouts": status.count("timeout"),
+        "other": len(status) - status.count(200) - status.count(503) - refused - status.count("timeout"),
+    }
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a model folder whose exits are aligned (distill --mode shared)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA / "retrieval" / "scifact")
+    parser.add_argument("--split", default="train", help="qrels split (the shared SciFact has train: 809 queries)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--modes", nargs="+", default=["full", "shallow", "adaptive", "infinity"])
+    parser.add_argument("--shallow-layer", type=int, default=3)
+    parser.add_argument("--target-ms", type=float, default=50.0)
+    parser.add_argument("--min-layer", type=int)
+    parser.add_argument("--max-length", type=int, help="tokens per text for the server (default: the model's)")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds from a request's arrival to its deadline")
+    parser.add_argument("--capacity-clients", type=int, default=64)
+    parser.add_argument("--capacity-seconds", type=float, default=20.0)
+    parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")
+    parser.add_argument("--server-core", type=int, default=0)
+    parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--settle", type=float, default=2.0)
+    parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument("--pause", default=DEFAULT_PAUSE, help="pkill -f pattern stopped during timed spans ('' none)")
+    parser.add_argument("--infinity-venv", default="/work/venvs/infinity")
+    parser.add_argument("--logs", default="/tmp/serve-overload")
+    parser.add_argument("--results", help="write every row as JSON here")
+    parser.add_argument("--plot", help="latency against offered load, a line per mode, as PNG")
+    parser.parse_args(namespace=ARGS)
+    Path(ARGS.logs).mkdir(parents=True, exist_ok=True)
+    atexit.register(_resume_others)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: (_resume_others(), sys.exit(128 + s)))
+    os.sched_setaffinity(0, {ARGS.client_core})
+    print(header())
+    print(f"server core {ARGS.server_core}, client core {ARGS.client_core}; load average {os.getloadavg()}")
+
+    from matryoshka2d.evaluate.retrieval import load_beir
+
+    data = load_beir(ARGS.data, ARGS.split)
+    queries = data.query_texts
+    ours = start_ours()
+    config = json.loads(Path(ARGS.model, "config.json").read_text())
+    ARGS.layers = int(config["num_hidden_layers"])
+    started = time.monotonic()
+    docs = encode_all(ours, data.doc_texts, None, "document")
+    docs = docs / np.linalg.norm(docs, axis=1, keepdims=True)
+    full_queries = encode_all(ours, queries, ARGS.layers)
+    flat = ndcg_of(full_queries, list(range(len(queries))), docs, data.qrels)
+    print(
+        f"{len(data.doc_texts)} documents and {len(queries)} queries encoded at full depth in "
+        f"{time.monotonic() - started:.0f} s; flat nDCG@10 at full depth {100 * flat.mean():.2f}"
+    )
+    with others_paused():
+        capacity = asyncio.run(_closed_loop(ours, ARGS.capacity_clients, ARGS.capacity_seconds, ARGS.layers, queries))
+    print(f"full-depth capacity: {capacity:.1f} requests/s ({ARGS.capacity_clients} closed-loop clients)", flush=True)
+    layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None}
+    rows = []
+    for mode in ARGS.modes:
+        server = start_infinity(ARGS.layers) if mode == "infinity" else ours
+        for multiple in ARGS.rates:
+            rate = multiple * capacity
+            wait_idle(server)
+            with others_paused():
+                run = asyncio.run(
+                    _open_loop(server, rate, ARGS.seconds, layer_of[mode], queries, seed=int(10 * multiple))
+                )
+            rows.append(summarize(mode, multiple, rate, run, docs, data.qrels, flat))
+            print(json.dumps(rows[-1]), flush=True)
+            if ARGS.results:
+                Path(ARGS.results).write_text(json.dumps({"capacity": capacity, "rows": rows}, indent=1))
+        if server is not ours:
+            server.stop()
+    ours.stop()
+    drain = drain_check(capacity, queries) if ARGS.drain_span > 0 else None
+    report(capacity, rows, drain)
+    if ARGS.results:
+        Path(ARGS.results).write_text(json.dumps({"capacity": capacity, "rows": rows, "drain": drain}, indent=1))
+    if ARGS.plot:
+        plot(rows, ARGS.plot)
+
+
+def report(capacity: float, rows: list[dict], drain: dict | None) -> None:
+    print(
+        f"\nfull-depth capacity {capacity:.1f} requests/s; deadline {ARGS.timeout:g} s; {ARGS.seconds:g} s per rate\n"
+    )
+    print("| mode | load | offered/s | p50 ms | p99 ms | goodput/s | 429 | timeouts | other | layers | nDCG share |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        layers = ", ".join(f"{n}: {100 * s:.0f}%" for n, s in r["layer_share"].items())
+        p50, p99 = (f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("p50_ms", "p99_ms"))
+        quality = f"{r['ndcg_share_of_flat']:.1f}%" if r["ndcg_share_of_flat"] is not None else "-"
+        print(
+            f"| {r['mode']} | {r['load']:g}x | {r['offered_per_s']:.0f} | {p50} | {p99} | {r['goodput_per_s']:.1f} | "
+            f"{r['429']} | {r['timeouts']} | {r['other_errors']} | {layers} | {quality} |"
+        )
+    by = {(r["mode"], r["load"]): r for r in rows}
+    print()
+    for load in sorted({r["load"] for r in rows}):
+        a, i = by.get(("adaptive", load)), by.get(("infinity", load))
+        if a and i and i["goodput_per_s"]:
+            print(f"goodput, adaptive / infinity at {load:g}x: {a['goodput_per_s'] / i['goodput_per_s']:.2f}x")
+        f = by.get(("full", load))
+        if a and f and f["goodput_per_s"]:
+            print(f"goodput, adaptive / fixed full depth at {load:g}x: {a['goodput_per_s'] / f['goodput_per_s']:.2f}x")
+    if drain:
+        print(f"\ndrain on SIGTERM at 1.5x: {json.dumps(drain)}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode and r["p99_ms"] is not None]
+        axes[0].plot([r["load"] for r in mine], [r["p99_ms"] for r in mine], marker="o", label=mode)
+        axes[1].plot([r["load"] for r in mine], [r["goodput_per_s"] for r in mine], marker="o", label=mode)
+    axes[0].set(xlabel="offered load (x full-depth capacity)", ylabel="p99 latency (ms)", yscale="log")
+    axes[1].set(xlabel="offered load (x full-depth capacity)", ylabel="goodput (answers within deadline / s)")
+    axes[0].legend()
+    fig.suptitle("Open-loop overload: minilm-l6 distilled (--mode shared), int8, one core")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        _resume_others()
