@@ -250,11 +250,11 @@ def test_other_options_that_would_do_nothing_are_refused(model, text_file, tmp_p
 
 def test_train_refuses_resume_with_overwrite(tiny_dir, triplets, sts_dev, tmp_path, capsys):
     out = tmp_path / "run"
-    base = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
-    base += ["--batch-size", "8", "--eval-file", str(sts_dev), "--save-steps", "0", "--quiet", "--output", str(out)]
-    assert main(base) == 0
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "train_log.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # a run the flags would continue or delete
     before = snapshot(out)
-    assert main([*base, "--resume", "--overwrite"]) == 2
+    base = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
+    assert main([*base, "--eval-file", str(sts_dev), "--output", str(out), "--resume", "--overwrite"]) == 2
     assert "--resume and --overwrite exclude each other" in error_line(capsys)
     assert snapshot(out) == before
 
