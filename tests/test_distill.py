@@ -333,7 +333,7 @@ def test_serve_runs_a_query_encoder_next_to_its_teacher(teacher_dir, tiny_dir, t
         )
         wrong = client.post("/v1/embeddings", json={"model": "teacher-query", "input": ["a"], "layer": 4})
         assert wrong.status_code == 400 and "query encoder of 2 layers" in wrong.json()["error"]["message"]
-    serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "1"]
+    serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0"]
     assert main([*serve, "--query-model", str(out)]) == 2
     assert "was distilled from" in capsys.readouterr().err
     assert main([*serve, "--query-model", str(tiny_dir)]) == 2
