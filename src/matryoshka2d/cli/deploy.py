@@ -92,7 +92,8 @@ def cmd_serve(args) -> int:
     if args.backend == "onnx" and args.device not in (None, "cpu"):
         raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
     check_listen(args.host, args.port)
-    encoder = load_encoder(args, device="cpu" if args.backend == "onnx" else args.device)
+    lengths = {"max_length": args.max_length} if args.max_length else {}
+    encoder = load_encoder(args, device="cpu" if args.backend == "onnx" else args.device, **lengths)
     # Checked on the encoder, before any ONNX graph is built (a backend has no check_layer / check_dim).
     for flag, value, check in (
         ("--default-layer", args.default_layer, encoder.check_layer),
@@ -288,6 +289,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
+    p.add_argument(
+        "--max-length",
+        type=positive_int,
+        help="tokens per text (default: the model's own); longer texts get a 400, or are cut with --truncate",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--backend",
