@@ -155,6 +155,7 @@ def start_ours() -> Server:
     command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", ARGS.model, "--served-name", "bench"]
     command += ["--port", str(port), "--device", "cpu", "--log-level", "warning", "--backend", "onnx"]
     command += ["--quantize", "int8", "--truncate", "--adaptive-depth", "--target-ms", str(ARGS.target_ms)]
+    command += ["--max-queued-texts", str(ARGS.max_queued_texts)]
     command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
     return Server("ours", command, port, env)
@@ -432,6 +433,12 @@ def main() -> None:
     parser.add_argument("--min-layer", type=int)
     parser.add_argument("--max-length", type=int, help="tokens per text for the server (default: the model's)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds from a request's arrival to its deadline")
+    parser.add_argument(
+        "--max-queued-texts",
+        type=int,
+        default=256,
+        help="our server's bound on waiting texts: what it answers within the deadline at full depth, about",
+    )
     parser.add_argument("--capacity-clients", type=int, default=64)
     parser.add_argument("--capacity-seconds", type=float, default=20.0)
     parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")

@@ -332,8 +332,9 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--max-queued-texts",
         type=int,
-        default=4096,
-        help="texts waiting for the model past which a request is answered 429 with Retry-After",
+        default=1024,
+        help="texts waiting for the model past which a request is answered 429 with Retry-After (size it to what "
+        "your clients wait: about the texts per second the model answers, times their timeout)",
     )
     p.add_argument(
         "--drain-seconds",
