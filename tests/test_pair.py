@@ -146,3 +146,18 @@ def test_onnx_writes_each_routes_transformer_where_sentence_transformers_onnx_ba
         assert model.config.num_hidden_layers == layers
         expected = model(**{k: torch.from_numpy(v) for k, v in feed.items()}).last_hidden_state
         np.testing.assert_allclose(session.run(None, feed)[0], expected.detach().numpy(), atol=1e-4)
+
+
+def test_langchain_huggingface_embeddings_reach_the_query_route(teacher_dir, student_dir, tmp_path):
+    from langchain_huggingface import HuggingFaceEmbeddings
+    from sentence_transformers import SentenceTransformer
+
+    out = tmp_path / "pair"
+    assert export("--model", teacher_dir, "--query-model", student_dir, "--output", out) == 0
+    embeddings = HuggingFaceEmbeddings(
+        model_name=str(out), encode_kwargs={"task": "document"}, query_encode_kwargs={"task": "query"}
+    )
+    student = SentenceTransformer(str(student_dir), device="cpu")
+    teacher = ElasticEncoder(str(teacher_dir), pooling="mean", device="cpu")
+    np.testing.assert_allclose(embeddings.embed_query(TEXTS[0]), student.encode(TEXTS[:1])[0], atol=1e-5)
+    np.testing.assert_allclose(embeddings.embed_documents(TEXTS), teacher.encode(TEXTS), atol=1e-5)
