@@ -8,6 +8,12 @@ run as the torch modules they are. So each route's graph is its transformer alon
 checked in onnxruntime against torch on other texts than it was exported with. `--quantize int8` adds
 `onnx/model_qint8.onnx` beside it (onnxruntime's dynamic quantization, as `export` does for a cell), which
 sentence-transformers loads with `model_kwargs={"file_name": "onnx/model_qint8.onnx"}`.
+
+That backend cannot run today (2026-11-26) with the only transformers sentence-transformers 6.2 accepts: its
+`[onnx]` extra needs optimum-onnx, whose newest release (0.1.0) requires transformers<4.58 while sentence-transformers
+6.2 requires transformers>=5, so `pip install "sentence-transformers[onnx]==6.2.0"` fails to resolve, and optimum
+installed over its pin fails to import (`is_offline_mode`). The graphs are therefore written where the backend's
+source says it reads them and checked here in onnxruntime against torch; the report says so.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ def write_route_graphs(folder: Path, quantize: str | None, report) -> None:
             int8 = quantize_int8(graph, where / ROUTE_ONNX_INT8)
             report.files[f"ONNX int8 ({where.name}/{ROUTE_ONNX_INT8})"] = int8.stat().st_size
     report.notes.append(
-        '(ONNX: SentenceTransformer(folder, backend="onnx") runs each route\'s graph through optimum, which it needs: '
-        "pip install 'sentence-transformers[onnx]'; "
-        + (f'int8: model_kwargs={{"file_name": "{ROUTE_ONNX_INT8}"}})' if quantize == "int8" else "fp32 only)")
+        f"(ONNX: each route's transformer as {{route}}_0_Transformer/{ROUTE_ONNX}, where "
+        'SentenceTransformer(folder, backend="onnx") reads it through optimum'
+        + (f' (int8: model_kwargs={{"file_name": "{ROUTE_ONNX_INT8}"}})' if quantize == "int8" else "")
+        + "; sentence-transformers 6.2's [onnx] extra does not install today (optimum-onnx 0.1.0 requires "
+        "transformers<4.58, sentence-transformers 6.2 transformers>=5), so run the graphs with onnxruntime)"
     )
