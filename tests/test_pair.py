@@ -84,6 +84,8 @@ def test_search_takes_the_pairs_query_route_for_an_index_of_its_teacher(
     assert main([*search, "--model", str(out)]) == 0  # the pair's documents route is the teacher itself
     assert "d3" in capsys.readouterr().out
     assert "d3" in expected
+    assert main([*search, "--query-model", str(out)]) == 0  # the pair as --query-model: its query route
+    assert capsys.readouterr().out == expected
 
 
 def test_a_query_cell_and_the_last_layer_at_its_width(tiny_dir, tmp_path):
