@@ -64,6 +64,10 @@ def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir,
     from matryoshka2d.models.identity import query_encoder_record, weights_sha256
 
     assert weights_sha256(loaded) == weights_sha256(teacher)  # an index of the teacher is an index of the pair
+    from matryoshka2d.deploy.backends import default_cache_folder
+
+    # the ONNX backend's graphs of each route in a folder of their own (both are layer-N.onnx)
+    assert default_cache_folder(loaded, "x") != default_cache_folder(loaded.query_encoder, "x")
     assert query_encoder_record(loaded) is None and query_encoder_record(loaded.query_encoder)["layer"] == 2
 
 

@@ -107,7 +107,8 @@ def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
     location = Path(encoder.location) if encoder.location else None
     installed = location is not None and {"site-packages", "dist-packages"} & set(location.resolve().parts)
     if location is not None and location.is_dir() and os.access(location, os.W_OK) and not installed:
-        return location / CACHE_FOLDER
+        route = getattr(encoder, "route", None)  # the two routes of a pair folder share its location
+        return location / CACHE_FOLDER / route if route else location / CACHE_FOLDER
     from matryoshka2d.models.backbones import cache_dir
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(encoder.name)).strip("-") or "model"
