@@ -13,6 +13,10 @@ def cmd_export(args) -> int:
     from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.export import export_cell
 
+    if args.query_model or args.query_cell:
+        return export_pair_command(args)
+    if args.layer is None or args.dim is None:
+        raise ValueError("export needs --layer and --dim (a cell), or --query-model / --query-cell (a pair)")
     encoder = load_encoder(args, device="cpu")
     report = export_cell(
         encoder,
@@ -24,6 +28,33 @@ def cmd_export(args) -> int:
         overwrite=args.overwrite,
         normalize=args.normalize,
         sts_file=args.sts_file,
+    )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def export_pair_command(args) -> int:
+    """export --query-model FOLDER | --query-cell LAYERxDIM: the model and its query side as one folder."""
+    from matryoshka2d.cli.args import load_encoder
+    from matryoshka2d.deploy.pair import check_apart, export_pair, parse_query_cell
+
+    if args.query_model and args.query_cell:
+        raise ValueError("give --query-model or --query-cell, not both: a pair has one query side")
+    if args.layer is not None or args.dim is not None or args.normalize is not None:
+        raise ValueError("--layer, --dim and --normalize export one cell; a pair's cells are its query side's")
+    cell = parse_query_cell(args.query_cell) if args.query_cell else None
+    output = Path(args.output)
+    check_apart(output, args.model, "--model")  # before anything loads
+    check_apart(output, args.query_model, "--query-model")
+    encoder = load_encoder(args, device="cpu")
+    report = export_pair(
+        encoder,
+        output,
+        query_model=args.query_model,
+        query_cell=cell,
+        fmt=args.format,
+        quantize=args.quantize,
+        overwrite=args.overwrite,
     )
     print("\n".join(report.lines()))
     return 0
@@ -247,8 +278,19 @@ def register(sub, model_args) -> None:
         "parameters kept.",
     )
     model_args(p)
-    p.add_argument("--layer", type=positive_int, required=True, help="keep this many transformer layers")
-    p.add_argument("--dim", type=positive_int, required=True, help="keep the first DIM numbers of each embedding")
+    p.add_argument("--layer", type=positive_int, help="keep this many transformer layers (one cell)")
+    p.add_argument("--dim", type=positive_int, help="keep the first DIM numbers of each embedding (one cell)")
+    p.add_argument(
+        "--query-model",
+        help="a pair: this query encoder (`distill --mode query` from --model) for encode_query, --model for "
+        "encode_document, as one sentence-transformers folder (Router.for_query_document)",
+    )
+    p.add_argument(
+        "--query-cell",
+        metavar="LAYERxDIM",
+        help="a pair: this shallow cell of --model for encode_query, its last layer at the same width for "
+        "encode_document, as one sentence-transformers folder",
+    )
     p.add_argument("--output", required=True, help="folder to write (must be empty or absent, see --overwrite)")
     p.add_argument("--format", choices=["st", "onnx"], default="st", help="onnx adds onnx/cell.onnx (extra [onnx])")
     p.add_argument("--quantize", choices=["int8"], help="add onnx/cell_int8.onnx (dynamic int8; needs --format onnx)")

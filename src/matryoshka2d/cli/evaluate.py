@@ -239,9 +239,10 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
         _log,
         not args.quiet,
         args.doc_cache,
-        [
-            load_encoder(args, model=m, pooling=None, max_length=args.max_length, log=_log)
+        [  # a pair folder (export --query-model) stands for its query route
+            (e.query_encoder or e)
             for m in args.query_model or ()
+            for e in [load_encoder(args, model=m, pooling=None, max_length=args.max_length, log=_log)]
         ],
         args.storage or (),
     )

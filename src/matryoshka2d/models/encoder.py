@@ -34,7 +34,14 @@ from matryoshka2d.models.batching import check_texts, inference_batches, pad_row
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.exits import install_exit_hooks, run_to_exits
 from matryoshka2d.models.pooler import PoolerHead
-from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config, save_folder
+from matryoshka2d.models.st_folder import (
+    PAIR_ROUTES,
+    head_from_dense,
+    read_sentence_config,
+    route_transformer_dir,
+    router_routes,
+    save_folder,
+)
 from matryoshka2d.views import unit_rows
 
 # The fixed cost of one inference forward pass in token positions, fp32 on a CPU with one thread: about 5 ms
@@ -73,16 +80,34 @@ class ElasticEncoder(nn.Module):
         max_length: int | None = None,
         device: str | torch.device | None = None,
         heads: bool = True,
+        route: str | None = None,
     ):
-        """`heads=False` leaves a folder's exit heads unloaded and unused (to compare both sides)."""
+        """`heads=False` leaves a folder's exit heads unloaded and unused (to compare both sides).
+
+        A query/document pair (one folder with sentence-transformers' Router, `export --query-model` or
+        `--query-cell`) loads as its document route, the model whose vectors an index holds, with the query route
+        as `query_encoder`; `route="query"` loads the query route alone."""
         super().__init__()
         location, display = resolve(model)
-        transformer, tokenizer = load_transformer(location, display)
-        sentence_cfg = read_sentence_config(location)
+        routes = router_routes(location)
+        if routes is not None:
+            route = route or "document"
+            if route not in PAIR_ROUTES:
+                raise BackboneError(f"route {route!r}: a pair folder has routes {', '.join(PAIR_ROUTES)}")
+            display = display if route == "document" else f"{display}#{route}"
+            weights = str(route_transformer_dir(location, route))
+        elif route is not None:
+            raise BackboneError(f"{display} is not a query/document pair folder; route={route!r} is for one")
+        transformer, tokenizer = load_transformer(weights if routes else location, display)
+        sentence_cfg = read_sentence_config(location, route)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
+        self.route = route
+        if route == "document":  # kept out of this module's parameters: the weights checksum stays the route's own
+            query = ElasticEncoder(model, max_length=max_length, device=device, route="query")
+            object.__setattr__(self, "query_encoder", query)
         from matryoshka2d.models.heads_on_disk import load_heads, read_record
 
-        record = read_record(location)
+        record = read_record(location) if routes is None else None  # a pair's routes hold cells, not exit heads
         self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
         if heads and record is not None:
             self.set_exit_heads(load_heads(location, record, self))
@@ -139,6 +164,8 @@ class ElasticEncoder(nn.Module):
         self.exit_heads = None  # ExitHeads (matryoshka2d.models.heads), set by set_exit_heads
         self.use_heads = True  # apply the exit heads, when there are any, unless a call says otherwise
         self.folder_has_heads = False
+        self.route = None  # "document" or "query" for a route of a query/document pair folder
+        object.__setattr__(self, "query_encoder", None)  # a pair's query route (not a submodule: see __init__)
         self.to(torch.device(device) if device is not None else default_device())
         self.model.eval()
 

@@ -57,11 +57,15 @@ def query_encoder_record(encoder) -> dict | None:
     """The `distill` record of a query encoder's folder (a student trained with --mode query to land on its
     teacher's vectors), or None for any other model."""
     location = getattr(encoder, "location", None)
-    return query_encoder_record_at(location) if location else None
+    return query_encoder_record_at(location, getattr(encoder, "route", None)) if location else None
 
 
-def query_encoder_record_at(folder) -> dict | None:
-    """query_encoder_record of a model folder, read before the model is loaded."""
+PAIR_KEY = "pair"  # matryoshka2d.json of a query/document pair folder: what each route holds (deploy.pair)
+
+
+def query_encoder_record_at(folder, route: str | None = None) -> dict | None:
+    """query_encoder_record of a model folder, read before the model is loaded; of a pair folder's query route
+    with `route="query"` (the student's record, kept under `pair`)."""
     import json
     from pathlib import Path
 
@@ -70,6 +74,8 @@ def query_encoder_record_at(folder) -> dict | None:
         meta = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         return None
+    if route == "query" and isinstance(meta, dict):
+        meta = (meta.get(PAIR_KEY) or {}).get("query") or {}
     record = meta.get(DISTILL_KEY) if isinstance(meta, dict) else None
     return record if isinstance(record, dict) and record.get("mode") == "query" else None
 

@@ -84,14 +84,58 @@ def settings_module(kind: str, folder: Path):
     return (name, {"pooling_mode": mode}) if isinstance(mode, str) else None
 
 
-def read_sentence_config(model_dir: str | None) -> SentenceConfig:
+# ---- a query/document pair: one folder whose only module is sentence-transformers' Router ---------------------
+
+ROUTER_CONFIG = "router_config.json"  # Router.save writes it beside modules.json
+PAIR_ROUTES = ("query", "document")  # Router.for_query_document's routes; "document" is its default route
+
+
+def router_routes(model_dir) -> dict[str, list[tuple[str, str]]] | None:
+    """The routes of a folder that sentence-transformers' Router.for_query_document wrote (route -> its modules as
+    (type, subfolder), in order), read from router_config.json; None for a folder whose modules.json lists no
+    Router. A Router of other routes (modalities, several tasks) is refused, naming what it holds."""
+    root = Path(model_dir) if model_dir else None
+    if root is None or not (root / "modules.json").is_file():
+        return None
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise BackboneError(f"{root / 'modules.json'}: not valid JSON ({exc})") from None
+    if not any(str(m.get("type", "")).rpartition(".")[2] in ("Router", "Asym") for m in modules):
+        return None
+    where = root / ROUTER_CONFIG
+    try:
+        config = json.loads(where.read_text())
+        types, structure = config["types"], config["structure"]
+        routes = {name: [(types[module], module) for module in structure[name]] for name in structure}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BackboneError(f"{where}: not a Router config sentence-transformers wrote ({exc!r})") from None
+    if len(modules) != 1 or sorted(routes) != sorted(PAIR_ROUTES) or config.get("parameters", {}).get("route_mappings"):
+        raise BackboneError(
+            f"{root}: a Router with routes {sorted(routes)} and {len(modules)} top-level modules; matryoshka2d reads "
+            "the Router of Router.for_query_document alone (routes 'query' and 'document')"
+        )
+    return routes
+
+
+def route_transformer_dir(model_dir, route: str) -> Path:
+    """The subfolder holding the Transformer (weights, config, tokenizer) of one route of a pair folder."""
+    routes = router_routes(model_dir) or {}
+    kind, sub = (routes.get(route) or [("", "")])[0]
+    if kind.rpartition(".")[2] != "Transformer":
+        raise BackboneError(f"{Path(model_dir) / ROUTER_CONFIG}: the {route} route does not start with a Transformer")
+    return Path(model_dir) / sub
+
+
+def read_sentence_config(model_dir: str | None, route: str | None = None) -> SentenceConfig:
     """Read a sentence-transformers folder's modules: Transformer, Pooling and Normalize from their JSON where it
     reads plainly (`settings_module`), anything else through sentence-transformers' own module classes.
 
     Each module that modules.json lists is resolved and loaded by the installed sentence-transformers (so every
     config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
     except the Transformer, whose weights `load_transformer` loads; only its settings (max_seq_length) are read.
-    A plain Hugging Face folder (no modules.json) gives an empty config.
+    A plain Hugging Face folder (no modules.json) gives an empty config. A query/document pair (router_routes)
+    gives the modules of `route`, by default its document route.
     """
     cfg = SentenceConfig()
     if model_dir is None:
@@ -105,10 +149,15 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
         if bert_cfg.is_file():
             cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
         return cfg
-    try:
-        modules = json.loads(modules_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
+    routes = router_routes(root)
+    if routes is not None:
+        modules = [{"type": kind, "path": sub} for kind, sub in routes[route or "document"]]
+        modules_file = root / ROUTER_CONFIG
+    else:
+        try:
+            modules = json.loads(modules_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
     dense_dirs = []
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise BackboneError(f"{modules_file}: not a list of modules (objects with 'type' and 'path')")
