@@ -141,6 +141,14 @@ def cmd_serve(args) -> int:
         except ValueError as exc:
             raise ValueError(f"--query-cell {args.query_cell}: {exc}") from None
     students = query_models(args, encoder)  # name -> query encoder, each checked against this model
+    pair = getattr(encoder, "query_encoder", None)  # a query/document pair folder (export --query-model/-cell)
+    if pair is not None:
+        if args.query_model or args.query_cell:
+            raise ValueError(
+                f"--model {args.model} is a query/document pair: its query route answers input_type \"query\"; "
+                "drop --query-model / --query-cell"
+            )
+        students = {f"{args.served_name or args.model}-query": pair}  # checked against the teacher at export
     adaptive_layers = None
     if args.adaptive_depth:  # checked on the encoder (its heads), before any graph is built
         from matryoshka2d.deploy.depth import check_aligned
