@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, command_group
+from matryoshka2d.cli.args import DEVICE_HELP, MODEL_HELP, POOLING_CHOICES, POOLING_HELP, command, command_group
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
 
 
@@ -239,11 +239,72 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
     return 0
 
 
+COMPRESSION_OPTIONS = (
+    "model",
+    "pooling",
+    "device",
+    "layer",
+    "dims",
+    "exit",
+    "sentences",
+    "seed",
+    "perplexity",
+    "overwrite",
+)
+
+
 def cmd_report(args) -> int:
     from matryoshka2d.evaluate.report import write_report
 
+    if args.results[0] == "compression":
+        return _compression(args)
+    if given := [name for name in COMPRESSION_OPTIONS if getattr(args, name) not in (None, False)]:
+        raise ValueError(f"--{given[0]} belongs to `report compression`; `report RESULTS` puts results side by side")
     paths = write_report(args.results, args.output, names=args.names)
     print(f"report -> {', '.join(map(str, paths))}")
+    return 0
+
+
+def _compression(args) -> int:
+    """`report compression`: ESE's Figure 7 for each --model (evaluate/compression.py)."""
+    from matryoshka2d.cli.args import load_encoder
+    from matryoshka2d.evaluate import compression
+    from matryoshka2d.paths import data_dir
+
+    if len(args.results) > 1:
+        raise ValueError(f"`report compression` reads models (--model), not results: drop {' '.join(args.results[1:])}")
+    if not args.model:
+        raise ValueError("`report compression` needs at least one --model")
+    if args.names and len(args.names) != len(args.model):
+        raise ValueError(f"--names: {len(args.names)} names for {len(args.model)} models")
+    dims = parse_ints(args.dims, "dims")
+    if args.exit is None and dims is None:
+        raise ValueError("give --dims K FULL (the width view), --exit N (the depth view), or both")
+    texts = compression.stsb_sentences(data_dir(args.data_dir), args.sentences)
+    seed = 0 if args.seed is None else args.seed
+    perplexity = 30.0 if args.perplexity is None else args.perplexity
+    panels, records = [], []
+    for i, model in enumerate(args.model):
+        encoder = load_encoder(args, model=model, log=_log)
+        name = args.names[i] if args.names else Path(model).name
+        layer = args.layer or encoder.num_layers
+        compression.check_views(layer, dims, args.exit, encoder.num_layers, encoder.hidden_size, f"--model {model}")
+        full = dims[1] if dims else encoder.hidden_size
+        cells = EncoderCells(encoder, [layer, args.exit or layer], [*(dims or ()), full], show_progress=not args.quiet)
+        _log(f"{name}: {len(texts)} STS-B test sentences, t-SNE per view")
+        panels += compression.model_panels(cells, name, layer, dims, args.exit, texts, seed, perplexity)
+        records.append(cells.info())
+    settings = {
+        "sentences": len(texts),
+        "data": "STS-B test (raw), distinct sentences",
+        "seed": seed,
+        "perplexity": perplexity,
+        "tsne": "scikit-learn TSNE, cosine metric, PCA init; first-K vectors zero-padded to FULL; one t-SNE per panel",
+        "models": records,
+    }
+    paths = compression.write_report(panels, args.output, settings, overwrite=args.overwrite)
+    print(compression.markdown(panels), end="")
+    print(f"report compression -> {', '.join(map(str, paths))}")
     return 0
 
 
@@ -361,7 +422,33 @@ def register(sub, model_args) -> None:
         "without heads, other heads) encode the corpus once",
     )
 
-    p = command(sub, "report", cmd_report, help="put results side by side: markdown table and difference heatmaps")
+    p = command(
+        sub,
+        "report",
+        cmd_report,
+        help="put results side by side: markdown table and difference heatmaps; `report compression`: what a "
+        "width cut or an exit keeps (ESE's Figure 7)",
+        description="`report RESULTS...` puts eval results side by side. `report compression --model M [--model M2 "
+        "...] --dims K FULL [--exit N]` draws, per model, a t-SNE of the STS-B test sentences at (L, FULL) next to "
+        "(L, K) (the width view) and to (N, FULL) (the depth view), with the average distance between each "
+        "sentence's two points under each panel (ESE, Figure 7) and two distances that do not depend on the "
+        "layout; a results folder named compression is given as ./compression.",
+    )
     p.add_argument("results", nargs="+", help="result directories or results.json files (first = baseline)")
-    p.add_argument("--output", required=True, help="directory for report.md and diff_*.png")
-    p.add_argument("--names", nargs="+", help="a short name per result (default: model names)")
+    p.add_argument(
+        "--output", required=True, help="directory for report.md and diff_*.png (compression: .json/.md/.png)"
+    )
+    p.add_argument("--names", nargs="+", help="a short name per result, or per --model (default: model names)")
+    g = p.add_argument_group("report compression")
+    g.add_argument("--model", action="append", help="a model to draw (again for more): " + MODEL_HELP)
+    g.add_argument("--pooling", choices=POOLING_CHOICES, help=POOLING_HELP)
+    g.add_argument("--device", help=DEVICE_HELP)
+    g.add_argument("--layer", type=int, help="L, the layer of the whole vector (default: the model's last)")
+    g.add_argument("--dims", nargs="+", help="K FULL: the width view, (L, FULL) against its first K numbers (L, K)")
+    g.add_argument("--exit", type=int, help="N: the depth view, (L, FULL) against the exit's (N, FULL)")
+    g.add_argument("--sentences", type=int, help="the first N distinct STS-B test sentences (default: all)")
+    g.add_argument("--seed", type=int, help="t-SNE's random_state (default 0)")
+    g.add_argument("--perplexity", type=float, help="t-SNE's perplexity (default 30)")
+    g.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--overwrite", action="store_true", help="replace a compression report already in --output")
