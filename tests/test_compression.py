@@ -130,6 +130,7 @@ def test_report_of_a_tiny_model(tiny_dir, stsb_dir, tmp_path, capsys):
     [
         (["--dims", "64", "32"], "--dims 64 32: K must be at least 1 and smaller than FULL (32)"),
         (["--dims", "8", "32", "--layer", "9"], "--layer 9: --model "),
+        (["--dims", "8", "32", "--layer", "0"], "--layer 0: --model "),
         (["--exit", "2", "--layer", "2"], "--exit 2: the exit must be a layer below --layer 2"),
         ([], "give --dims K FULL (the width view), --exit N (the depth view), or both"),
         (["--dims", "8", "32", "--sentences", "5"], "--sentences 5: give more than 10"),

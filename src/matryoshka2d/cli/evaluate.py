@@ -287,7 +287,7 @@ def _compression(args) -> int:
     for i, model in enumerate(args.model):
         encoder = load_encoder(args, model=model, log=_log)
         name = args.names[i] if args.names else Path(model).name
-        layer = args.layer or encoder.num_layers
+        layer = encoder.num_layers if args.layer is None else args.layer
         compression.check_views(layer, dims, args.exit, encoder.num_layers, encoder.hidden_size, f"--model {model}")
         full = dims[1] if dims else encoder.hidden_size
         cells = EncoderCells(encoder, [layer, args.exit or layer], [*(dims or ()), full], show_progress=not args.quiet)
