@@ -38,6 +38,18 @@ def test_a_cut_that_keeps_everything_is_at_distance_zero():
     assert (panel.full, panel.cut, panel.sentences) == ((2, 32), (2, 8), 40)
 
 
+def test_separate_layouts_of_the_same_neighbourhoods_coincide():
+    """--layout separate: a t-SNE per set, the cut's turned onto the whole's. A cut that keeps everything lands on
+    the whole's points; so does a turned copy of the same neighbourhoods (the turn is undone)."""
+    first = vectors(40, 8)
+    whole = np.hstack([first, np.zeros((40, 24))])
+    points, cut_points = compression.tsne_pairs(whole, first, perplexity=5, layout="separate")
+    assert compression.paired_distance(points, cut_points) == pytest.approx(0.0, abs=1e-3)
+    assert compression.paired_distance(points, cut_points @ np.array([[0.0, -1.0], [1.0, 0.0]])) > 1
+    with pytest.raises(ValueError, match="--layout flat: choose one of joint, separate"):
+        compression.tsne_pairs(whole, first, layout="flat")
+
+
 def test_known_cosine_and_neighbour_distances():
     # The first number of (1, 1) keeps cos 45 degrees of it; of (1, 0) all of it.
     whole = np.array([[1.0, 1.0], [1.0, 0.0]])
@@ -123,6 +135,9 @@ def test_report_of_a_tiny_model(tiny_dir, stsb_dir, tmp_path, capsys):
     # Never over an earlier report without --overwrite.
     assert report(tiny_dir, stsb_dir, out, "--dims", "8", "32") == 2
     assert "already holds compression.json; pass --overwrite" in capsys.readouterr().err
+    assert report(tiny_dir, stsb_dir, out, "--dims", "8", "32", "--layout", "separate", "--overwrite") == 0
+    record = json.loads((out / "compression.json").read_text())
+    assert record["settings"]["layout"] == "separate" and [p["view"] for p in record["panels"]] == ["width"]
 
 
 @pytest.mark.parametrize(

@@ -249,6 +249,7 @@ COMPRESSION_OPTIONS = (
     "sentences",
     "seed",
     "perplexity",
+    "layout",
     "overwrite",
 )
 
@@ -283,6 +284,7 @@ def _compression(args) -> int:
     texts = compression.stsb_sentences(data_dir(args.data_dir), args.sentences)
     seed = 0 if args.seed is None else args.seed
     perplexity = 30.0 if args.perplexity is None else args.perplexity
+    layout = args.layout or "joint"
     panels, records = [], []
     for i, model in enumerate(args.model):
         encoder = load_encoder(args, model=model, log=_log)
@@ -292,14 +294,16 @@ def _compression(args) -> int:
         full = dims[1] if dims else encoder.hidden_size
         cells = EncoderCells(encoder, [layer, args.exit or layer], [*(dims or ()), full], show_progress=not args.quiet)
         _log(f"{name}: {len(texts)} STS-B test sentences, t-SNE per view")
-        panels += compression.model_panels(cells, name, layer, dims, args.exit, texts, seed, perplexity)
+        panels += compression.model_panels(cells, name, layer, dims, args.exit, texts, seed, perplexity, layout)
         records.append(cells.info())
     settings = {
         "sentences": len(texts),
         "data": "STS-B test (raw), distinct sentences",
         "seed": seed,
         "perplexity": perplexity,
-        "tsne": "scikit-learn TSNE, cosine metric, PCA init; first-K vectors zero-padded to FULL; one t-SNE per panel",
+        "layout": layout,
+        "tsne": "scikit-learn TSNE, cosine metric, PCA init; joint: one t-SNE per panel, first-K vectors zero-padded "
+        "to FULL; separate: one per set, the cut's layout turned onto the whole's (orthogonal Procrustes)",
         "models": records,
     }
     paths = compression.write_report(panels, args.output, settings, overwrite=args.overwrite)
@@ -449,6 +453,12 @@ def register(sub, model_args) -> None:
     g.add_argument("--sentences", type=int, help="the first N distinct STS-B test sentences (default: all)")
     g.add_argument("--seed", type=int, help="t-SNE's random_state (default 0)")
     g.add_argument("--perplexity", type=float, help="t-SNE's perplexity (default 30)")
+    g.add_argument(
+        "--layout",
+        choices=["joint", "separate"],
+        help="joint (default): one t-SNE of both sets, cuts zero-padded; separate: a t-SNE per set, the cut's "
+        "turned onto the whole's",
+    )
     g.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.add_argument("--overwrite", action="store_true", help="replace a compression report already in --output")

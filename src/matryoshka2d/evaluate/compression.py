@@ -22,12 +22,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from scipy.linalg import orthogonal_procrustes
 
 from matryoshka2d.evaluate.plots import paired_points
 from matryoshka2d.evaluate.sts import distinct_rows, load_pairs, sts_file
 from matryoshka2d.views import unit_rows
 
 NEIGHBOURS = 10
+LAYOUTS = ("joint", "separate")
 
 
 @dataclass
@@ -90,19 +92,33 @@ def neighbour_loss(full: np.ndarray, cut: np.ndarray, k: int = NEIGHBOURS) -> fl
     return float(1.0 - np.mean(kept) / k)
 
 
-def tsne_pairs(full: np.ndarray, cut: np.ndarray, seed: int = 0, perplexity: float = 30.0):
-    """One t-SNE (scikit-learn, cosine metric, PCA start, fixed seed) of the whole vectors and their zero-padded
-    cuts together; the plane points of each. Vectors of the same direction go in once and share their point:
-    scikit-learn's neighbour search breaks ties between copies unevenly, and would pull two copies apart."""
+def tsne_pairs(full: np.ndarray, cut: np.ndarray, seed: int = 0, perplexity: float = 30.0, layout: str = "joint"):
+    """The plane points of the whole vectors and of their cuts (scikit-learn TSNE, cosine metric, PCA start,
+    fixed seed). "joint": one t-SNE of both sets, the cuts zero-padded to the whole width; vectors of the same
+    direction go in once and share their point (scikit-learn's neighbour search breaks ties between copies
+    unevenly, and would pull two copies apart). "separate": a t-SNE of each set at its own width, the cuts' layout
+    then turned onto the whole's (orthogonal Procrustes, no scaling), so that the distance compares the two
+    neighbourhood structures, not where two clouds happen to land."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout {layout}: choose one of {', '.join(LAYOUTS)}")
+    if layout == "separate":
+        whole, part = _tsne(full, seed, perplexity), _tsne(cut, seed, perplexity)
+        whole -= whole.mean(axis=0)
+        part -= part.mean(axis=0)
+        rotation, _ = orthogonal_procrustes(part, whole)
+        return whole, part @ rotation
+    points = _tsne(np.vstack([full, padded(cut, full.shape[1])]), seed, perplexity)
+    return points[: len(full)], points[len(full) :]
+
+
+def _tsne(vectors: np.ndarray, seed: int, perplexity: float) -> np.ndarray:
+    """t-SNE of the unit rows, each distinct row once, every row given its point."""
     from sklearn.manifold import TSNE
 
-    both = unit_rows(np.vstack([full, padded(cut, full.shape[1])]).astype(np.float64))
-    distinct, row = np.unique(both, axis=0, return_inverse=True)
+    distinct, row = np.unique(unit_rows(vectors).astype(np.float64), axis=0, return_inverse=True)
     perplexity = min(perplexity, (len(distinct) - 1) / 3)  # scikit-learn needs fewer than the points
-    points = TSNE(n_components=2, metric="cosine", init="pca", perplexity=perplexity, random_state=seed).fit_transform(
-        distinct
-    )[row.reshape(-1)]
-    return points[: len(full)], points[len(full) :]
+    points = TSNE(n_components=2, metric="cosine", init="pca", perplexity=perplexity, random_state=seed)
+    return points.fit_transform(distinct)[row.reshape(-1)]
 
 
 def compare(
@@ -113,10 +129,11 @@ def compare(
     cut: tuple[int, int],
     seed: int = 0,
     perplexity: float = 30.0,
+    layout: str = "joint",
 ) -> Panel:
     """The panel of one model: `cells` holds a row per sentence at both cells."""
     whole, part = cells[full], cells[cut]
-    full_points, cut_points = tsne_pairs(whole, part, seed, perplexity)
+    full_points, cut_points = tsne_pairs(whole, part, seed, perplexity, layout)
     return Panel(
         name,
         view,
@@ -172,7 +189,15 @@ def check_views(layer: int, dims: Sequence[int] | None, exit: int | None, num_la
 
 
 def model_panels(
-    embedder, name: str, layer: int, dims, exit: int | None, texts: Sequence[str], seed: int, perplexity: float
+    embedder,
+    name: str,
+    layer: int,
+    dims,
+    exit: int | None,
+    texts: Sequence[str],
+    seed: int,
+    perplexity: float,
+    layout: str = "joint",
 ) -> list[Panel]:
     """One model's panels from one pass over `texts` (an EncoderCells giving every needed cell): the width view
     (layer, FULL) vs (layer, K) and the depth view (layer, FULL) vs (exit, FULL), those asked for."""
@@ -180,9 +205,9 @@ def model_panels(
     full = dims[1] if dims is not None else max(d for _, d in cells)
     panels = []
     if dims is not None:
-        panels.append(compare(name, "width", cells, (layer, full), (layer, dims[0]), seed, perplexity))
+        panels.append(compare(name, "width", cells, (layer, full), (layer, dims[0]), seed, perplexity, layout))
     if exit is not None:
-        panels.append(compare(name, "depth", cells, (layer, full), (exit, full), seed, perplexity))
+        panels.append(compare(name, "depth", cells, (layer, full), (exit, full), seed, perplexity, layout))
     return panels
 
 
