@@ -196,7 +196,12 @@ def register(sub, model_args) -> None:
         "parameters kept.",
     )
     model_args(p)
-    p.add_argument("--layer", type=int, required=True, help="keep this many transformer layers")
+    p.add_argument(
+        "--layer",
+        type=int,
+        required=True,
+        help="keep this many transformer layers; 0: the model's static cell, as StaticEmbedding and Dense modules",
+    )
     p.add_argument("--dim", type=int, required=True, help="keep the first DIM numbers of each embedding")
     p.add_argument("--output", required=True, help="folder to write (must be empty or absent, see --overwrite)")
     p.add_argument("--format", choices=["st", "onnx"], default="st", help="onnx adds onnx/cell.onnx (extra [onnx])")

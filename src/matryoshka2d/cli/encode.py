@@ -121,7 +121,11 @@ def register(sub, model_args) -> None:
         sub, "encode", cmd_encode, help="embed one text per line of a file at one (layer, dim) cell into a .npy"
     )
     model_args(p)
-    p.add_argument("--layer", type=int, help="exit after this many layers (default: all)")
+    p.add_argument(
+        "--layer",
+        type=int,
+        help="exit after this many layers (default: all); 0: the model's static cell (distill --mode static)",
+    )
     p.add_argument("--dim", type=int, help="keep the first DIM numbers (default: all)")
     p.add_argument(
         "--input", required=True, help="UTF-8 text file, one text per line, split on \\n only ('-' for stdin)"

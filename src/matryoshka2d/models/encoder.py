@@ -221,11 +221,7 @@ class ElasticEncoder(nn.Module):
             "transformer_size": self.transformer_size,
             "pooler": self.head.describe() if self.head is not None else None,
             "exit_heads": self.exit_heads.describe() if self.exit_heads is not None else None,
-            "static_cell": (
-                f"layer 0: {self.static_cell.vocabulary} tokens x {self.static_cell.dim_in} -> {self.static_cell.dim_out}"
-                if self.static_cell is not None
-                else None
-            ),
+            "static_cell": self.static_cell.describe() if self.static_cell is not None else None,
             "pooling": self.pooling,
             "normalize": self.normalize_output,
             "max_length": self.max_length,
@@ -402,6 +398,11 @@ class ElasticEncoder(nn.Module):
         static = not pooled and 0 in layers
         if static:
             layers.remove(0)
+            if not layers:  # the static cell alone: a table lookup per text, no de-duplication to gain from
+                vectors = self.static_cell.encode(texts)
+                if progress is not None:
+                    progress(len(texts))
+                return {0: vectors}
         if batch_size < 1:
             raise BackboneError(f"batch_size must be at least 1, got {batch_size}")
         unique: dict[str, int] = {}
@@ -412,9 +413,7 @@ class ElasticEncoder(nn.Module):
             raise BackboneError(f"encoded holds {len(encoded['input_ids'])} rows for {len(texts)} texts")
         if static:
             out[0] = self.static_cell.encode(list(unique))
-            if progress is not None and not layers:
-                progress(len(unique))
-        if unique and layers:
+        if unique:
             if encoded is None:
                 encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)
             elif len(unique) < len(texts):  # the rows of each text's first occurrence

@@ -80,7 +80,9 @@ class StaticCell(nn.Module):
         table = torch.as_tensor(np.asarray(table, dtype=np.float32) if isinstance(table, np.ndarray) else table)
         embedding = StaticEmbedding(tokenizer, embedding_weights=table.float().contiguous())
         dim_in = embedding.embedding_dim
-        head = Dense(dim_in, dim_out, bias=True, activation_function=nn.Identity(), init_weight=torch.eye(dim_in)[:dim_out])
+        head = Dense(
+            dim_in, dim_out, bias=True, activation_function=nn.Identity(), init_weight=torch.eye(dim_in)[:dim_out]
+        )
         nn.init.zeros_(head.linear.bias)
         return cls(embedding, head)
 
@@ -96,6 +98,9 @@ class StaticCell(nn.Module):
     def vocabulary(self) -> int:
         return int(self.embedding.num_embeddings)
 
+    def describe(self) -> str:
+        return f"layer 0: a table of {self.vocabulary} tokens x {self.dim_in}, head {self.dim_in} -> {self.dim_out}"
+
     def features(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """The texts' token ids and offsets, as StaticEmbedding tokenizes them (no special tokens, no limit)."""
         device = self.head.linear.weight.device
@@ -103,18 +108,24 @@ class StaticCell(nn.Module):
 
     def forward(self, features: dict[str, torch.Tensor], head: bool = True) -> torch.Tensor:
         """(B, dim_out) vectors (with head=False the tokens' mean, (B, dim_in))."""
-        mean = self.embedding({"input_ids": features["input_ids"], "offsets": features["offsets"]})["sentence_embedding"]
+        mean = self.embedding({"input_ids": features["input_ids"], "offsets": features["offsets"]})[
+            "sentence_embedding"
+        ]
         return self.head({"sentence_embedding": mean})["sentence_embedding"] if head else mean
 
     def encode(self, texts: Sequence[str], head: bool = True, batch_size: int = ENCODE_BATCH) -> np.ndarray:
-        """float32 (len(texts), dim_out) vectors (the tokens' mean with head=False)."""
-        width = self.dim_out if head else self.dim_in
-        out = np.zeros((len(texts), width), dtype=np.float32)
-        with torch.inference_mode():
-            for b in range(0, len(texts), batch_size):
-                chunk = list(texts[b : b + batch_size])
-                out[b : b + len(chunk)] = self(self.features(chunk), head=head).float().cpu().numpy()
-        return out
+        """float32 (len(texts), dim_out) vectors (the tokens' mean with head=False): the modules' own arithmetic
+        (EmbeddingBag's mean, then the head's linear map), called directly, without their dict wrappers (a
+        query's whole call is a tenth of a millisecond, and they cost a fifth of it)."""
+        if len(texts) <= batch_size:
+            with torch.inference_mode():
+                return self._vectors(list(texts), head).numpy()
+        return np.concatenate([self.encode(texts[b : b + batch_size], head) for b in range(0, len(texts), batch_size)])
+
+    def _vectors(self, texts: list[str], head: bool) -> torch.Tensor:
+        features = self.features(texts)
+        mean = self.embedding.embedding(features["input_ids"], features["offsets"])
+        return (self.head.linear(mean) if head else mean).float().cpu()
 
     def sentence_transformer(self, dim: int | None = None, normalize: bool = False):
         """A plain SentenceTransformer of this cell: the table, the head cut to its first `dim` rows (exact: the

@@ -296,7 +296,9 @@ class DistillTrainer(Trainer):
             from matryoshka2d.models.static import fit_head
 
             report = fit_head(self.encoder.static_cell, texts, self.targets)
-            print(f"static cell: head fitted in closed form on {report['head_texts']} texts in {report['head_seconds']} s")
+            print(
+                f"static cell: head fitted in closed form on {report['head_texts']} texts in {report['head_seconds']} s"
+            )
             self.save_closed_form()
 
     def save_closed_form(self) -> Path:
