@@ -199,6 +199,23 @@ def test_a_static_cell_searches_its_teachers_index_only(student, teacher, other_
     assert "was distilled from" in capsys.readouterr().err
     assert main([*search, "--index", str(tmp_path / "idx"), "--query-layer", "2"]) == 2
     assert "query encoder" in capsys.readouterr().err
+    # eval retrieval --query-model: its layer-0 queries against the teacher's documents, next to flat search
+    from matryoshka2d.retrieval.cascade import evaluate_cascade
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text(corpus.read_text())
+    (beir / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": lines[i]}) + "\n" for i in range(5))
+    )
+    (beir / "qrels/test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    model = ElasticEncoder(str(student), device="cpu")
+    result = evaluate_cascade(
+        ElasticEncoder(str(teacher), device="cpu"), [beir], "test", None, query_encoders=[model], show_progress=False
+    )
+    assert result["rows"][1]["mode"].startswith(f"query encoder {model.name} (its static cell, layer 0)")
+    with pytest.raises(ValueError, match="was distilled from"):
+        evaluate_cascade(ElasticEncoder(str(other_teacher), device="cpu"), [beir], "test", None, query_encoders=[model])
 
 
 def test_layer_0_of_a_model_without_a_static_cell_is_named(teacher, tmp_path, capsys):
