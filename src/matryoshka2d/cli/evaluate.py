@@ -345,8 +345,8 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--query-model",
         nargs="+",
-        help="query encoders distilled from --model (`distill --mode query`): each a row of its own queries "
-        "against the model's full-depth documents",
+        help="query encoders distilled from --model (`distill --mode query`, or `--mode static`: queries at its "
+        "layer 0): each a row of its own queries against the model's full-depth documents",
     )
     p.add_argument(
         "--storage",
