@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, positive_int, reads_and_writes
+from matryoshka2d.cli.args import command, count, positive_int, reads_and_writes
 
 
 def cmd_export(args) -> int:
@@ -286,7 +286,12 @@ def register(sub, model_args) -> None:
         "parameters kept.",
     )
     model_args(p)
-    p.add_argument("--layer", type=positive_int, help="keep this many transformer layers (one cell)")
+    p.add_argument(
+        "--layer",
+        type=count,
+        help="keep this many transformer layers (one cell); 0: the model's static cell, as StaticEmbedding and "
+        "Dense modules",
+    )
     p.add_argument("--dim", type=positive_int, help="keep the first DIM numbers of each embedding (one cell)")
     p.add_argument(
         "--query-model",

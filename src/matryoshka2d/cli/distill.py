@@ -142,7 +142,12 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--max-texts", type=positive_int, help="use the first N distinct texts of --data (default: all)")
     p.add_argument("--output", required=True, help="folder for the student, its log, checkpoints and the targets")
-    p.add_argument("--mode", choices=["shared", "query"], default="shared", help="one 2D model, or a query encoder")
+    p.add_argument(
+        "--mode",
+        choices=["shared", "query", "static"],
+        default="shared",
+        help="one 2D model, a query encoder, or a static cell (layer 0: model2vec's token table and a head)",
+    )
     p.add_argument("--layer", type=positive_int, help="query mode: the student keeps this many of the teacher's layers")
     p.add_argument(
         "--loss",

@@ -66,10 +66,11 @@ def _embedder(args, default_cells=None):
         from matryoshka2d.evaluate import grid
 
         layers, dims = grid.check_cells(  # before any graph is built
-            layers or range(1, encoder.num_layers + 1),
+            layers or encoder.layers,
             dims or grid.default_dims(encoder.hidden_size),
             encoder.num_layers,
             encoder.hidden_size,
+            static=encoder.static_cell is not None,
         )
         served = make_backend(encoder, backend, layers, batch_size=args.batch_size, log=_log)
         return BackendCells(encoder, served, layers, dims, show_progress=not args.quiet)
@@ -386,8 +387,8 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--query-model",
         nargs="+",
-        help="query encoders distilled from --model (`distill --mode query`): each a row of its own queries "
-        "against the model's full-depth documents",
+        help="query encoders distilled from --model (`distill --mode query`, or `--mode static`: queries at its "
+        "layer 0): each a row of its own queries against the model's full-depth documents",
     )
     p.add_argument(
         "--storage",

@@ -22,6 +22,8 @@ from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError
 from matryoshka2d.models.heads_on_disk import save_heads
 from matryoshka2d.models.identity import backbone_sha256, without_own_identity
 from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
+from matryoshka2d.models.static import FOLDER as STATIC_FOLDER
+from matryoshka2d.models.static import RECORD_KEY as STATIC_KEY
 
 # sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
 # pooling_mode_*_token flags) -> ours.
@@ -287,6 +289,9 @@ def save_folder(
     matryoshka2d.json); a model cut to layer n < N keeps the head of layer n as a Dense module holding only the
     output rows the cell needs, so plain sentence-transformers gives the cell's vectors, head included.
 
+    A static cell (layer 0, matryoshka2d.models.static) is kept by a whole model: the `static/` folder and its
+    record in matryoshka2d.json.
+
     Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
     """
     out = Path(path)
@@ -294,7 +299,7 @@ def save_folder(
     n = self.check_layer(keep_layers) if keep_layers else self.num_layers
     width = self.check_dim(dim) if dim is not None else None
     normalize = self.normalize_output if normalize is None else bool(normalize)
-    metadata = None if metadata is None else {k: v for k, v in metadata.items() if k != RECORD_KEY}
+    metadata = None if metadata is None else {k: v for k, v in metadata.items() if k not in (RECORD_KEY, STATIC_KEY)}
     metadata = without_own_identity(metadata)  # a query encoder's checksum is of its folder, not of this one
     heads = self.exit_heads if self.use_heads else None
     cell_head = heads.heads[str(n)] if heads is not None and n < self.num_layers and heads.has(n) else None
@@ -328,6 +333,11 @@ def save_folder(
     model.save(str(out), create_model_card=False)
     if heads is not None and n == self.num_layers:
         metadata = {**(metadata or {}), RECORD_KEY: save_heads(heads, out, backbone_sha256(self))}
+    if (out / STATIC_FOLDER).is_dir():
+        shutil.rmtree(out / STATIC_FOLDER)  # an earlier save's static cell must not outlive its record
+    if self.static_cell is not None and n == self.num_layers:  # a whole model keeps its layer 0 (models.static)
+        record = {**self.static_cell.save(out / STATIC_FOLDER), "backbone_sha256": backbone_sha256(self)}
+        metadata = {**(metadata or {}), STATIC_KEY: record}
     if metadata is not None:
         (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
     widths = matryoshka_widths(metadata, width or self.hidden_size)

@@ -36,6 +36,7 @@ from torch import nn
 
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.models.identity import backbone_sha256, weights_sha256
+from matryoshka2d.training.config import eval_cells
 from matryoshka2d.training.data import TrainingData, read_sentences
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir
@@ -44,8 +45,9 @@ from matryoshka2d.training.teacher import LOSSES, TEMPERATURE, default_widths, d
 from matryoshka2d.training.throughput import autocast
 from matryoshka2d.training.trainer import Trainer
 
-MODES = ("shared", "query")
+MODES = ("shared", "query", "static")
 RECORD_KEY = "distill"  # in matryoshka2d.json
+CLOSED_FORM = "closed-form"  # --mode static: the model with the cell's closed-form start, inside the run folder
 
 
 class DistillError(ValueError):
@@ -181,6 +183,9 @@ def rate(value: float) -> str:
 # ---- the objective ----------------------------------------------------------------------------------------
 
 
+_TRAINS = {"shared": "every exit", "static": "the static cell, layer 0"}
+
+
 class DistillObjective(nn.Module):
     """Which layers learn and how their vectors are compared with the teacher's; no parameters of its own."""
 
@@ -201,7 +206,7 @@ class DistillObjective(nn.Module):
             raise DistillError(f"--mode {mode}: choose one of {', '.join(MODES)}")
         if loss not in LOSSES:
             raise DistillError(f"--loss {loss}: choose one of {', '.join(LOSSES)}")
-        if num_layers < 2:
+        if num_layers < 2 and mode != "static":
             raise DistillError(f"the teacher has {num_layers} layer: there is no exit below its last layer to distill")
         if mode == "query":
             if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < num_layers:
@@ -210,15 +215,15 @@ class DistillObjective(nn.Module):
                     f"n in 1..{num_layers - 1} (the teacher has {num_layers})"
                 )
         elif layer is not None:
-            raise DistillError("--layer is for --mode query (the shared mode trains every exit)")
+            raise DistillError(f"--layer is for --mode query (--mode {mode} trains {_TRAINS[mode]})")
         widths = sorted({int(w) for w in widths}) if widths else default_widths(width)
         if bad := [w for w in widths if not 1 <= w <= width]:
             raise DistillError(f"--widths {bad}: the model's vectors have {width} numbers")
         if not (isinstance(temperature, (int, float)) and temperature > 0):
             raise DistillError(f"--temperature must be a number above 0, got {temperature!r}")
-        self.mode, self.layer, self.loss_name = mode, layer, loss
+        self.mode, self.layer, self.loss_name = mode, 0 if mode == "static" else layer, loss
         self.widths_list, self.temperature = widths, float(temperature)
-        self.layers = [layer] if mode == "query" else list(range(1, num_layers + 1))
+        self.layers = [layer] if mode == "query" else [0] if mode == "static" else list(range(1, num_layers + 1))
         self.keep_layers = layer if mode == "query" else None  # the trainer saves a query encoder cut to n layers
 
     def loss(self, vectors: dict[int, torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -329,13 +334,33 @@ class DistillTrainer(Trainer):
             print(self.recipe_line)
         self.teacher_sha = weights_sha256(encoder)
         self.teacher_backbone = backbone_sha256(encoder)
-        if cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
+        if self.method.mode == "static":
+            self.prepare_static_cell()
+        elif cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
             own = encoder.exit_heads
             usable = own is not None and (
                 self.method.mode == "shared" or (own.has(self.method.layer) and own.inputs == "exit")
             )
             cfg.exit_heads = "keep" if usable else "fit"
         return TrainingData("sentences", [texts], None, [str(d) for d in cfg.data])
+
+    def prepare_static_cell(self) -> None:
+        """--mode static: the teacher's model2vec table with an identity head put on as layer 0 (the head is fitted
+        in closed form once the targets exist: prepare_run); only the cell learns, the transformer and any exit
+        heads stay the teacher's. A resumed run makes the same table again and reads its weights back."""
+        cfg, encoder = self.config, self.encoder
+        if cfg.exit_heads is not None:
+            raise DistillError("--exit-heads is for --mode shared and query (--mode static keeps the teacher's heads)")
+        from matryoshka2d.models.static import distill_table
+
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        # the teacher's own exit heads are kept as they are (exit_heads.prepare would drop heads of a changing
+        # backbone; this one does not change)
+        cfg.exit_heads = "keep" if encoder.exit_heads is not None else None
+        encoder.set_static_cell(distill_table(encoder, log=print if self.processes.main else None))
+        for p in encoder.static_cell.parameters():
+            p.requires_grad_(True)
 
     def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
         """The Trainer's preparation, then the teacher's targets: computed on a new run (the student is still the
@@ -351,6 +376,24 @@ class DistillTrainer(Trainer):
             )
         else:
             self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size)
+        if self.method.mode == "static" and self.step == 0:  # the closed-form head (a resumed run has its own)
+            from matryoshka2d.models.static import fit_head
+
+            report = fit_head(self.encoder.static_cell, texts, self.targets)
+            print(
+                f"static cell: head fitted in closed form on {report['head_texts']} texts in {report['head_seconds']} s"
+            )
+            self.save_closed_form()
+
+    def save_closed_form(self) -> Path:
+        """--mode static: the model with its closed-form cell, before any step, in OUTPUT/closed-form (a query
+        encoder for the same index as the trained one): what training adds is measured against it."""
+        from matryoshka2d.training.checkpoints import save_model_atomically
+
+        metadata = {**self.extra_metadata(), "stage": "the closed-form start of the static cell, before training"}
+        out = save_model_atomically(lambda folder: self.encoder.save(folder, metadata=metadata), self.out / CLOSED_FORM)
+        print(f"static cell: the closed-form start saved to {out}")
+        return out
 
     def run(self, resume=False, progress=True, overwrite=False, allow_pickle=False) -> Path:
         self.progress = progress
@@ -360,6 +403,9 @@ class DistillTrainer(Trainer):
         rows = self.batch_indices(step)
         texts = [self.data.columns[0][i] for i in rows]
         enc = self.encoder
+        if self.method.mode == "static":  # the cell's own tokens (models.static)
+            targets = torch.from_numpy(np.asarray(self.targets[rows], dtype=np.float32))
+            return [(enc.static_cell.embedding.preprocess(texts), targets, len(rows))]
         batch = tokenize_columns(self._tokenizer, [texts], enc.max_length, enc._input_names, self._overhead, self._pin)
         targets = torch.from_numpy(np.asarray(self.targets[rows], dtype=np.float32))
         return [(batch, targets, len(rows))]
@@ -368,8 +414,22 @@ class DistillTrainer(Trainer):
         torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer seeds it
         batch, targets, _ = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
         with autocast(self.precision, self.encoder.device):
-            vectors = encode_columns(self.encoder, batch, self.method.layers)[0]
+            if self.method.mode == "static":
+                cell = self.encoder.static_cell
+                vectors = {0: cell({k: v.to(self.encoder.device) for k, v in batch.items()})}
+            else:
+                vectors = encode_columns(self.encoder, batch, self.method.layers)[0]
         return self.method.loss(vectors, targets.to(self.encoder.device))
+
+    def evaluate(self) -> list[dict]:
+        """--mode static: STS-B dev at the static cell (0, full width) unless --eval-cell says otherwise."""
+        if self.method.mode != "static" or eval_cells(self.config):
+            return super().evaluate()
+        from matryoshka2d.evaluate.sts import sts_dev_score
+
+        path, width = self.eval_path(), self.encoder.hidden_size
+        score = sts_dev_score(self.encoder, path, 0, width)
+        return [{"step": self.step, "eval": f"{Path(path).name}@(0,{width})", "spearman": round(score, 2)}]
 
     def extra_metadata(self) -> dict:
         record = TeacherTargets(self.out).record_path
