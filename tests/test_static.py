@@ -290,3 +290,36 @@ def test_static_mode_options_and_resume(teacher, other_teacher, sentences, files
     again = config(copy, sentences, tmp_path / "run-again", dev, steps=6, save_steps=3)
     with pytest.raises(TargetsError, match="the teacher changed since the run started"):
         DistillTrainer(again).run(resume=True, progress=False)
+
+
+def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_the_floor_of_adaptive_depth(student, teacher):
+    """Layer 0 is served where a cell is: `layer: 0` (and MODEL@0xD), a static cell folder as the query side of its
+    teacher (`serve --query-model`, input_type "query"), and the shallowest layer adaptive depth may shed to."""
+    from fastapi.testclient import TestClient
+
+    from matryoshka2d.deploy.depth import DepthController, LayerCost, Work, aligned_layers
+    from matryoshka2d.deploy.server import create_app
+
+    model = ElasticEncoder(str(student), device="cpu")
+    texts = ["red cat sleeps", "blue dog"]
+    expected = model.encode(texts, layer=0, normalize=True)
+    assert aligned_layers(model)[0] == 0  # the static cell's head maps into the last layer's space
+    cost = LayerCost({n: [(0.0, 1.0), (100.0, 1.0 + 10 * n)] for n in aligned_layers(model)})
+    controller = DepthController(aligned_layers(model), 0, 50.0, cost)
+    assert controller.choose(Work(64, 1000, 10.0)) == 0  # nothing else meets the target: the static cell
+    with TestClient(create_app(model, "m", depth=controller)) as client:
+        by_layer = client.post("/v1/embeddings", json={"model": "m", "input": texts, "layer": 0}).json()
+        by_name = client.post("/v1/embeddings", json={"model": "m@0x16", "input": texts}).json()
+        assert by_layer["layer"] == 0 and by_name["layer"] == 0
+        np.testing.assert_allclose([d["embedding"] for d in by_layer["data"]], expected, atol=1e-5)
+        np.testing.assert_allclose(
+            [d["embedding"] for d in by_name["data"]],
+            expected[:, :16] / np.linalg.norm(expected[:, :16], axis=1)[:, None],
+            atol=1e-5,
+        )
+    documents = ElasticEncoder(str(teacher), device="cpu")
+    app = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0})
+    with TestClient(app) as client:
+        queries = client.post("/v1/embeddings", json={"model": "t", "input": texts, "input_type": "query"}).json()
+        assert {(d["layer"], d["encoder"]) for d in queries["data"]} == {(0, "t-static")}
+        np.testing.assert_allclose([d["embedding"] for d in queries["data"]], expected, atol=1e-5)

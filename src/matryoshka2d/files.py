@@ -296,9 +296,9 @@ class ResultFileError(ValueError):
     """A results.json or cascade.json that is not what `eval` writes; the message names the file and the field."""
 
 
-def _whole_number(value, place: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ResultFileError(f"{place}: {value!r} is not a whole number of at least 1")
+def _whole_number(value, place: str, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ResultFileError(f"{place}: {value!r} is not a whole number of at least {least}")
     return value
 
 
@@ -322,7 +322,8 @@ def _cell_row(row: dict, place: str, metrics: list[str]) -> tuple[int, int]:
     for key in ("layer", "dim"):
         if key not in row:
             raise ResultFileError(f"{place}: no '{key}'")
-    cell = _whole_number(row["layer"], f"{place}.layer"), _whole_number(row["dim"], f"{place}.dim")
+    # layer 0 is a model's static cell (models.static)
+    cell = _whole_number(row["layer"], f"{place}.layer", 0), _whole_number(row["dim"], f"{place}.dim")
     for metric in metrics:
         if metric in row:
             _score(row[metric], f"{place}.{metric}")
@@ -342,7 +343,7 @@ def check_grid_record(record, file: Path) -> dict:
     _list_of(record, "datasets", file, str, required=False)
     for key in ("layers", "dims"):
         for i, value in enumerate(_list_of(record, key, file, object)):
-            _whole_number(value, f"{file}: {key}[{i}]")
+            _whole_number(value, f"{file}: {key}[{i}]", 0 if key == "layers" else 1)
     for key in ("model", "settings", "seconds", "provenance", "summary"):
         if key in record and not isinstance(record[key], dict):
             raise ResultFileError(f"{file}: field '{key}' must be an object, got {type(record[key]).__name__}")

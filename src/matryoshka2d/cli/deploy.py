@@ -145,10 +145,16 @@ def cmd_serve(args) -> int:
     if pair is not None:
         if args.query_model or args.query_cell:
             raise ValueError(
-                f"--model {args.model} is a query/document pair: its query route answers input_type \"query\"; "
+                f'--model {args.model} is a query/document pair: its query route answers input_type "query"; '
                 "drop --query-model / --query-cell"
             )
         students = {f"{args.served_name or args.model}-query": pair}  # checked against the teacher at export
+    from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
+
+    own_layers = {}
+    for student_name, student in students.items():  # 0 for a static cell (distill --mode static), else its last
+        record = query_encoder_record(student)
+        own_layers[student_name] = query_encoder_layer(record, student) if record else student.num_layers
     adaptive_layers = None
     if args.adaptive_depth:  # checked on the encoder (its heads), before any graph is built
         from matryoshka2d.deploy.depth import check_aligned
@@ -167,7 +173,7 @@ def cmd_serve(args) -> int:
                 )
         model = OnnxBackend(encoder, args.quantize, layers, args.onnx_cache, batch_size=args.batch_size)
         students = {
-            name: OnnxBackend(q, args.quantize, [q.num_layers], args.onnx_cache, batch_size=args.batch_size)
+            name: OnnxBackend(q, args.quantize, [own_layers[name]], args.onnx_cache, batch_size=args.batch_size)
             for name, q in students.items()
         }
         del encoder  # the graphs are built: onnxruntime serves from here on, the torch weights can go
@@ -225,6 +231,7 @@ def cmd_serve(args) -> int:
         default_layer=args.default_layer,
         default_dimensions=args.default_dimensions,
         query_models=students,
+        query_layers=own_layers,
         query_cell=query_cell,
         depth=depth,
         admission=admission,
@@ -249,7 +256,9 @@ def query_models(args, encoder) -> dict:
             raise ValueError(f"--query-model {exc}") from None
         record = query_encoder_record_at(folder)
         if record is None:
-            raise ValueError(f"--query-model {folder}: not a query encoder (make one with `distill --mode query`)")
+            raise ValueError(
+                f"--query-model {folder}: not a query encoder (make one with `distill --mode query` or `--mode static`)"
+            )
         check_query_encoder(record, folder, documents, "--query-model")
         student = load_encoder(
             args, model=folder, pooling=None, device="cpu" if args.backend == "onnx" else args.device

@@ -134,7 +134,8 @@ def aligned_layers(encoder) -> list[int]:
     """The layers of `encoder` whose vectors live in its last layer's space: the last, and every exit with a head."""
     heads = encoder.exit_heads
     shallow = [n for n in range(1, encoder.num_layers) if heads is not None and heads.has(n)]
-    return [*shallow, encoder.num_layers]
+    static = [0] if getattr(encoder, "static_cell", None) is not None else []  # its head maps into the last layer's
+    return [*static, *shallow, encoder.num_layers]
 
 
 def check_aligned(encoder, floor: int | None, served: list[int]) -> list[int]:

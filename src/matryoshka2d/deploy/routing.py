@@ -52,13 +52,10 @@ class Plan:
     annotate: bool  # each item says its layer and encoder
 
 
-def cell_names(model_id: str, num_layers: int, hidden_size: int) -> list[tuple[str, int, int]]:
-    """The per-cell names /v1/models lists: every layer at the nested widths 8, 16, 32, ..., D."""
-    return [
-        (f"{model_id}@{layer}x{dim}", layer, dim)
-        for layer in range(1, num_layers + 1)
-        for dim in nested_dims(hidden_size)
-    ]
+def cell_names(model_id: str, layers: list[int], hidden_size: int) -> list[tuple[str, int, int]]:
+    """The per-cell names /v1/models lists: every layer served (0 for a static cell) at the nested widths 8, 16,
+    32, ..., D."""
+    return [(f"{model_id}@{layer}x{dim}", layer, dim) for layer in layers for dim in nested_dims(hidden_size)]
 
 
 def parse_cell(text: str, option: str = "--query-cell") -> tuple[int, int]:
@@ -89,7 +86,8 @@ class Catalog:
         self.adaptive, self.limits, self.created = depth is not None, limits, int(time.time())
         self.max_inputs = limits.max_inputs
         self.num_layers, self.hidden_size = backend.num_layers, backend.hidden_size
-        self.served = list(backend.layers)
+        self.served = list(backend.layers)  # 0 first when the model holds a static cell (models.static)
+        self.lowest = self.served[0] if self.served[0] == 0 else 1
         self.alias = re.compile(re.escape(model_id) + r"@(\d+)x(\d+)")
         for name in queries:
             if name == model_id or self.alias.fullmatch(name):
@@ -125,7 +123,8 @@ class Catalog:
 
     # -- what /v1/models shows ----------------------------------------------------------------------------------
     def describe_all(self) -> list[dict]:
-        cells = [self.describe_cell(*cell) for cell in cell_names(self.model_id, self.num_layers, self.hidden_size)]
+        layers = sorted({*self.served, *range(1, self.num_layers + 1)})
+        cells = [self.describe_cell(*cell) for cell in cell_names(self.model_id, layers, self.hidden_size)]
         return [self.describe_model(), *cells, *map(self.describe_query_model, self.queries.values())]
 
     def describe(self, name: str) -> dict:
@@ -141,7 +140,7 @@ class Catalog:
         backend, served, width = self.main.backend, self.served, self.hidden_size
         cells = (
             f"any (layer, dimensions) with layer in {served} and 1 <= dimensions <= {width}"
-            if len(served) < self.num_layers
+            if served != list(range(1, self.num_layers + 1))
             else f"any (layer, dimensions) with 1 <= layer <= {self.num_layers} and 1 <= dimensions <= {width}"
         )
         return {
@@ -171,7 +170,7 @@ class Catalog:
             **self._entry(served.name),
             "query_encoder_of": self.model_id,
             "answers_input_type_query": served is self.query_model,
-            "layers": [q.num_layers],
+            "layers": [served.layer],
             "dimensions": q.hidden_size,
             "max_input_tokens": q.max_length,
             "pooling": q.pooling,
@@ -201,7 +200,7 @@ class Catalog:
             return None, None
         where = (
             f"this server serves '{self.model_id}' and its cells '{self.model_id}@<layer>x<dimensions>' "
-            f"(layer 1..{self.num_layers}, dimensions 1..{self.hidden_size}), "
+            f"(layer {self.lowest}..{self.num_layers}, dimensions 1..{self.hidden_size}), "
             f"e.g. '{self.model_id}@{self.num_layers}x{self.hidden_size}'"
         )
         shown = name if len(name) <= 200 else name[:200] + "..."
@@ -210,7 +209,7 @@ class Catalog:
             raise ApiError(404, f"The model '{shown}' does not exist; {where}", "model", "model_not_found")
         # a number of more than 9 digits is out of range anyway: not given to int() (Python refuses 4,300+ digits)
         layer, dim = (int(g) if len(g) <= 9 else -1 for g in (match[1], match[2]))
-        if not (1 <= layer <= self.num_layers and 1 <= dim <= self.hidden_size):
+        if not (self.lowest <= layer <= self.num_layers and 1 <= dim <= self.hidden_size):
             raise ApiError(
                 404, f"The model '{shown}' does not exist: no such cell; {where}", "model", "model_not_found"
             )
@@ -226,7 +225,7 @@ class Catalog:
             return self._plan_query_model(self.queries[body["model"]], body, input_type)
         named_layer, named_dim = self.resolve(body["model"])
         texts = check_texts(body, self.max_inputs)
-        layer = check_layer(body, 1, self.num_layers, f"{self.model_id} has {self.num_layers} layers; layer")
+        layer = check_layer(body, self.lowest, self.num_layers, f"{self.model_id} has {self.num_layers} layers; layer")
         dim = check_int(
             body, "dimensions", 1, self.hidden_size, f"{self.model_id} has {self.hidden_size} dimensions; dimensions"
         )
@@ -261,7 +260,7 @@ class Catalog:
                 served, layer, dim = routed
                 return Plan(served, texts, layer, dim, encoding, embedding_type, True)
         # A model name that contradicts a field is named first: it is the request's own mistake on any server.
-        if isinstance(layer, int) and layer not in self.served:
+        if isinstance(layer, int) and layer not in self.served:  # a layer the model has, not served here
             raise ApiError(
                 400,
                 f"'layer' is {layer}, not served here: this server runs layers {', '.join(map(str, self.served))} "
@@ -273,7 +272,7 @@ class Catalog:
             return Plan(
                 self.main, texts, ADAPTIVE, dim or named_dim or self.default_dimensions, encoding, embedding_type, True
             )
-        layer = layer or named_layer or self.default_layer
+        layer = next(n for n in (layer, named_layer, self.default_layer) if n is not None)  # layer 0 is a layer
         dim = dim or named_dim or self.default_dimensions
         if layer not in self.served:
             raise ApiError(
@@ -318,7 +317,7 @@ class Catalog:
         if self.query_cell is not None:
             return self.main, self.query_cell[0], dim or self.query_cell[1]
         if self.query_model is not None:
-            return self.query_model, self.query_model.backend.num_layers, dim or self.hidden_size
+            return self.query_model, self.query_model.layer, dim or self.hidden_size
         return None
 
     def describe_query_side(self) -> str:
@@ -327,8 +326,8 @@ class Catalog:
         return self.query_model.name
 
     def _plan_query_model(self, served, body: dict, input_type: str | None) -> Plan:
-        """A request to a query encoder by its name: its own last layer, any width."""
-        q = served.backend
+        """A request to a query encoder by its name: its own layer (its last, or 0 for a static cell), any width."""
+        q, own = served.backend, served.layer
         if input_type == "document":
             raise ApiError(
                 400,
@@ -337,8 +336,12 @@ class Catalog:
                 "invalid_value",
             )
         texts = check_texts(body, self.max_inputs)
-        what = f"{served.name} is a query encoder of {q.num_layers} layers (it runs all of them); layer"
-        layer = check_int(body, "layer", q.num_layers, q.num_layers, what)
+        what = (
+            f"{served.name} is a query encoder of {q.num_layers} layers (it runs all of them); layer"
+            if own
+            else f"{served.name} is a static cell (layer 0); layer"
+        )
+        layer = check_int(body, "layer", own, own, what)
         dim = check_int(
             body, "dimensions", 1, q.hidden_size, f"{served.name} has {q.hidden_size} dimensions; dimensions"
         )

@@ -85,12 +85,14 @@ class _Served:
     backend: object
     batcher: MicroBatcher
     counter: object  # a copy of the backend's tokenizer, used in the event loop apart from the model thread
+    layer: int  # a query encoder's own layer: its last, or 0 for a static cell (the model itself: its last)
 
     @classmethod
-    def of(cls, name: str, model, limits: ServerLimits, metrics: ServerMetrics, controller=None) -> _Served:
+    def of(cls, name: str, model, limits: ServerLimits, metrics: ServerMetrics, controller=None, layer=None):
         backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
         batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait, name, controller, metrics)
-        return cls(name, backend, batcher, copy.deepcopy(backend.tokenizer))
+        own = backend.num_layers if layer is None else layer
+        return cls(name, backend, batcher, copy.deepcopy(backend.tokenizer), own)
 
 
 def create_app(
@@ -103,13 +105,15 @@ def create_app(
     query_cell: tuple[int, int] | None = None,
     depth=None,
     admission: Admission | None = None,
+    query_layers: dict | None = None,
 ):
     """The FastAPI app: one model (an ElasticEncoder, run by torch, or a backend from deploy/backends.py), every
     cell; a request naming no cell gets the defaults (else the deepest layer served, at full width).
-    `query_models`: name -> query encoder distilled from the model (`distill --mode query`), each served under its
-    own name at its own last layer, and the one of them (or `query_cell`, a (layer, dim) of the model) answers
-    requests with input_type "query" (deploy/routing.py). `depth`: a DepthController (deploy/depth.py) for requests
-    that leave their layer open. `admission`: the API key and the bound on waiting work (deploy/admission.py)."""
+    `query_models`: name -> query encoder distilled from the model (`distill --mode query` or `--mode static`), each
+    served under its own name at its own layer (`query_layers`: name -> layer, 0 for a static cell; default its
+    last); the one of them, or `query_cell` (a (layer, dim) of the model), answers requests with input_type
+    "query" (deploy/routing.py). `depth`: a DepthController (deploy/depth.py) for requests that leave their layer
+    open. `admission`: the API key and the bound on waiting work (deploy/admission.py)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -118,7 +122,10 @@ def create_app(
     admission = admission or Admission(max_queued_texts=limits.max_queued_texts)
     metrics = ServerMetrics()
     main = _Served.of(model_id, model, limits, metrics, depth)
-    queries = {name: _Served.of(name, q, limits, metrics) for name, q in (query_models or {}).items()}
+    own = query_layers or {}
+    queries = {
+        name: _Served.of(name, q, limits, metrics, layer=own.get(name)) for name, q in (query_models or {}).items()
+    }
     catalog = Catalog(main, model_id, queries, default_layer, default_dimensions, query_cell, depth, limits)
     everyone = (main, *queries.values())
     metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone))

@@ -189,15 +189,16 @@ def load_static_cell(folder: str | Path, record: dict, backbone: str, dim_out: i
     from tokenizers import Tokenizer
 
     folder = Path(folder)
-    where = f"{folder / 'matryoshka2d.json'} ({RECORD_KEY})"
+    record_file = folder / "matryoshka2d.json"
+    where = f"{record_file} ({RECORD_KEY})"
     try:
         sub, files, aligned = record["folder"], dict(record["files"]), record["backbone_sha256"]
         dim_in, out = int(record["dim_in"]), int(record["dim_out"])
     except (KeyError, TypeError, ValueError) as exc:
         raise StaticCellError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
     try:
-        root = inside(folder, sub, where)
-        paths = {name: inside(root, name, where) for name in FILES}
+        root = inside(folder, sub, record_file, f"{RECORD_KEY}.folder")
+        paths = {name: inside(root, name, record_file, f"{RECORD_KEY}.files") for name in FILES}
     except ValueError as exc:
         raise StaticCellError(str(exc)) from None
     for name, path in paths.items():

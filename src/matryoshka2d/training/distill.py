@@ -460,7 +460,7 @@ class DistillTrainer(Trainer):
         folder as saved (cut to n layers, its head a Dense module): what every command that loads it checks
         (models.identity.check_own_weights), so that other weights under this record, or the record under other
         weights, are refused."""
-        if self.method.mode != "query":
+        if self.method.mode not in ("query", "static"):  # both answer queries against the teacher's documents
             return
         from matryoshka2d.models.encoder import ElasticEncoder
         from matryoshka2d.models.identity import record_own_identity
