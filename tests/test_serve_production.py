@@ -452,3 +452,35 @@ def test_a_pair_folder_is_served_as_one_model_whose_queries_take_its_query_route
             [d["embedding"] for d in documents.json()["data"]], plain.encode_document(texts, **unit), atol=1e-5
         )
     assert main(["serve", "--model", str(pair), "--port", "0", "--query-cell", "1x8"]) == 2
+
+
+def test_a_request_whose_client_went_away_is_not_run(tokenizer):
+    """Under overload clients time out; the model must not spend itself on answers nobody waits for: the request's
+    future is cancelled when its connection closes, and the batcher skips it."""
+    from matryoshka2d.deploy.api import ApiError
+    from matryoshka2d.deploy.micro_batching import MicroBatcher
+    from matryoshka2d.deploy.server import _unless_gone
+
+    class Gone:  # a request whose client has closed the connection
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    gate = Gate(tokenizer)
+
+    async def run():
+        batcher = MicroBatcher(gate, max_batch=1, max_wait=0.0)
+        batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.answer(["held at the gate"], 2))
+            await asyncio.sleep(0.05)  # the first batch runs (held); the next request waits in the queue
+            with pytest.raises(ApiError) as refused:
+                await _unless_gone(Gone(), batcher.answer(["nobody waits for me"], 2))
+            gate.open.set()
+            await first
+            await asyncio.sleep(0.1)
+            return refused.value.status
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(run()) == 499
+    assert gate.calls == [(2, 1)]  # only the first request ran

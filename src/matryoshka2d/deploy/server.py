@@ -36,6 +36,7 @@ texts by length and runs them `batch_size` at a time, as offline `encode` does. 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import signal
 from contextlib import asynccontextmanager
@@ -183,7 +184,7 @@ def create_app(
         served, texts = plan.served, plan.texts
         encoded, used, truncated = _tokenized(served, texts, limits.truncate)
         admission.admit(len(texts), sum(s.batcher.queued_texts for s in everyone), main.batcher.drain_seconds())
-        vectors, layer = await served.batcher.answer(texts, plan.layer, encoded)
+        vectors, layer = await _unless_gone(request, served.batcher.answer(texts, plan.layer, encoded))
         data = encode_rows(vectors[:, : plan.dim], plan.encoding, plan.embedding_type)
         metrics.answered(served.name, layer, len(texts), sum(used))
         reply = {
@@ -206,6 +207,26 @@ def create_app(
         return Response(reply_bytes(reply), media_type="application/json", headers=headers)
 
     return app
+
+
+async def _unless_gone(request: Request, work):
+    """The result of `work`, or, when the client closes its connection first (its own timeout, under overload), a
+    499 that nobody reads: the request's texts are then skipped by the batcher (their future is cancelled), so the
+    model does not spend itself on answers nobody waits for."""
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, closed = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({answer, closed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closed.cancel()
+    if answer in done:
+        return answer.result()
+    answer.cancel()
+    raise ApiError(499, "The client closed the connection before the answer", None, "client_closed_request")
 
 
 async def _body(request: Request, limit: int) -> bytes:
