@@ -14,9 +14,10 @@ run (a closed loop of --capacity-clients at full depth for --capacity-seconds: r
 Our server is one `matryoshka2d serve --backend onnx --quantize int8 --adaptive-depth` process on --server-core
 with one thread; the modes differ only in the request: `layer: N` (full), `layer: --shallow-layer` (shallow),
 no layer (adaptive: the server's depth controller chooses per batch). The peer is infinity-emb (engine torch, one
-thread, same core) serving the model's full depth from a folder of it. The client is this process on
---client-core. Every request has a deadline (--timeout s from its scheduled arrival); past it the request counts
-as a timeout. Goodput: answers (200) within the deadline per second.
+thread, same core) serving the model's full depth from a folder of it, started afresh for each rate (it has no
+bound, so a rate would otherwise inherit the backlog of the one before; ours reports its queue and is let empty
+it). The client is this process on --client-core. Every request has a deadline (--timeout s from its scheduled
+arrival); past it the request counts as a timeout. Goodput: answers (200) within the deadline per second.
 
 Quality of what was answered: the documents are the model's full-depth vectors of the SciFact corpus (made by the
 same server, input_type "document"); every answered query vector is searched flat against them and its nDCG@10
@@ -56,9 +57,13 @@ ARGS = argparse.Namespace()
 
 # ---- the machine -----------------------------------------------------------------------------------------------
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+    """Resident memory of a process, NaN once it has exited (the drain check's server)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
 
 
@@ -411,7 +416,9 @@ def summarize(mode: str, multiple: float, rate: float, run: dict, docs, qrels, f
         "layer_share": share,
         "ndcg_share_of_flat": quality,
         "client_lag_p99_ms": run["lag_p99_ms"],
-        "rss_mb": [round(run["rss"][0], 1), round(max(run["rss"]), 1), round(run["rss"][-1], 1)],
+        "rss_mb": [round(rss[0], 1), round(max(rss), 1), round(rss[-1], 1)]
+        if (rss := [r for r in run["rss"] if r == r])
+        else None,
     }
 
 
@@ -491,7 +498,14 @@ def main() -> None:
     parser.add_argument("--logs", default="/tmp/serve-overload")
     parser.add_argument("--results", help="write every row as JSON here")
     parser.add_argument("--plot", help="latency against offered load, a line per mode, as PNG")
+    parser.add_argument("--report", help="print the table (and --plot) of an earlier run's --results file, run nothing")
     parser.parse_args(namespace=ARGS)
+    if ARGS.report:
+        earlier = json.loads(Path(ARGS.report).read_text())
+        report(earlier["capacity"], earlier["rows"], earlier.get("drain"))
+        if ARGS.plot:
+            plot(earlier["rows"], ARGS.plot)
+        return
     Path(ARGS.logs).mkdir(parents=True, exist_ok=True)
     atexit.register(_resume_others)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -521,8 +535,10 @@ def main() -> None:
     layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None}
     rows = []
     for mode in ARGS.modes:
-        server = start_infinity(ARGS.layers) if mode == "infinity" else ours
         for multiple in ARGS.rates:
+            # infinity has no bound and no way to say what waits: a fresh server per rate, so that no rate
+            # inherits the backlog of the one before (ours reports its queue, and wait_idle empties it)
+            server = start_infinity(ARGS.layers) if mode == "infinity" else ours
             rate = multiple * capacity
             wait_idle(server)
             with others_paused():
@@ -533,8 +549,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
             if ARGS.results:
                 Path(ARGS.results).write_text(json.dumps({"capacity": capacity, "rows": rows}, indent=1))
-        if server is not ours:
-            server.stop()
+            if server is not ours:
+                server.stop()
     ours.stop()
     drain = drain_check(capacity, queries) if ARGS.drain_span > 0 else None
     report(capacity, rows, drain)

@@ -13,9 +13,9 @@ with vectors the full depth made (an index): exit heads (closed form, `heads fit
 model, whose every exit layer has a head into the last layer's space. `check_aligned` refuses anything else.
 
 `LayerCost` is pick's cost model (deploy/cost.py: one query per call, and a batch per call, measured on the
-backend that serves) turned into a line per layer, ms = fixed + per-token x tokens, then refreshed from every
-model call the server makes (least squares over exponentially fading observations), so it follows what the
-machine delivers under the load it has now, contention with the event loop included.
+backend that serves) turned into a line per layer, ms = fixed + per-token x tokens, times one factor for the
+machine's present speed, refreshed from every model call the server makes, so it follows what the machine
+delivers under the load it has now, contention with the event loop included.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import math
 import threading
 from dataclasses import dataclass
 
-# How much each new observation counts against the old ones (the old weight fades by this factor per call).
-FADE = 0.97
+# How much each model call moves the estimate of the machine's present speed (an exponential average).
+REFRESH = 0.05
 
 
 @dataclass(frozen=True)
@@ -38,33 +38,30 @@ class Work:
 
 
 class _Line:
-    """ms = a + b x tokens by least squares over fading observations (a weight, its sums)."""
+    """ms = a + b x tokens through two measured points (calls of a few and of many tokens)."""
 
     def __init__(self, points: list[tuple[float, float]]):
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.a, self.b = 0.0, 0.0
-        for x, y in points:
-            self.add(x, y, fade=1.0)
-
-    def add(self, x: float, y: float, fade: float = FADE) -> None:
-        self.n, self.sx, self.sy = fade * self.n + 1, fade * self.sx + x, fade * self.sy + y
-        self.sxx, self.sxy = fade * self.sxx + x * x, fade * self.sxy + x * y
-        spread = self.n * self.sxx - self.sx * self.sx
-        if spread > 1e-9 * max(1.0, self.n * self.sxx):  # calls of different sizes: both terms are known
-            self.b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
-        # calls all of one size say nothing new about the slope: keep it, and move the fixed part
-        self.a = max(0.0, (self.sy - self.b * self.sx) / self.n)
+        (x0, y0), (x1, y1) = sorted(points)[0], sorted(points)[-1]
+        self.b = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+        self.a = max(0.0, y0 - self.b * x0)
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
 
 
 class LayerCost:
-    """Model time (ms) of one call at each layer, from the number of tokens it runs."""
+    """Model time (ms) of one call at each layer, from the number of tokens it runs.
+
+    The measurement at start gives each layer's line (its layers measured in turns, round by round, so that a
+    change in the machine's load touches them all alike: deploy/cost.py). What a running server observes then moves
+    one factor, the machine's present speed against that measurement, from every call at any layer: a layer the
+    controller seldom chooses never keeps a stale cost (a start under load made every layer look slow, and a
+    per-layer refit left the layers not chosen since as slow as they looked then)."""
 
     def __init__(self, lines: dict[int, list[tuple[float, float]]]):
         """`lines`: layer -> measured (tokens, ms) points, at least two of different sizes per layer."""
         self._lines = {layer: _Line(points) for layer, points in lines.items()}
+        self.scale = 1.0
         self._lock = threading.Lock()  # observed on the model thread, read on the batcher's
 
     @property
@@ -73,19 +70,22 @@ class LayerCost:
 
     def predict(self, layer: int, tokens: float) -> float:
         with self._lock:
-            return self._lines[layer](tokens)
+            return self.scale * self._lines[layer](tokens)
 
     def observe(self, layer: int, tokens: float, ms: float) -> None:
-        if layer in self._lines and math.isfinite(ms):
+        line = self._lines.get(layer)
+        expected = line(tokens) if line is not None else 0.0
+        if expected > 0 and math.isfinite(ms):
             with self._lock:
-                self._lines[layer].add(tokens, ms)
+                self.scale = (1 - REFRESH) * self.scale + REFRESH * (ms / expected)
 
     def describe(self) -> dict:
         with self._lock:
-            return {
-                str(n): {"fixed_ms": round(line.a, 3), "ms_per_token": round(line.b, 5)}
+            lines = {
+                str(n): {"fixed_ms": round(self.scale * line.a, 3), "ms_per_token": round(self.scale * line.b, 5)}
                 for n, line in sorted(self._lines.items())
             }
+            return {"speed_against_the_start": round(1 / self.scale, 3), **lines}
 
     @classmethod
     def measure(cls, backend, layers: list[int], batch: int = 32) -> LayerCost:
