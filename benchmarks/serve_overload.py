@@ -595,8 +595,9 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = [r for r in rows if r["mode"] == mode and r["p99_ms"] is not None]
-        axes[0].plot([r["load"] for r in mine], [r["p99_ms"] for r in mine], marker="o", label=mode)
+        mine = [r for r in rows if r["mode"] == mode]
+        timed = [r for r in mine if r["p99_ms"] is not None]  # a rate at which nothing was answered has no p99
+        axes[0].plot([r["load"] for r in timed], [r["p99_ms"] for r in timed], marker="o", label=mode)
         axes[1].plot([r["load"] for r in mine], [r["goodput_per_s"] for r in mine], marker="o", label=mode)
     axes[0].set(xlabel="offered load (x full-depth capacity)", ylabel="p99 latency (ms)", yscale="log")
     axes[1].set(xlabel="offered load (x full-depth capacity)", ylabel="goodput (answers within deadline / s)")

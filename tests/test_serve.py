@@ -683,3 +683,23 @@ def test_a_lone_request_never_waits_for_company_but_queued_ones_are_batched():
 
     alone, batches, together = asyncio.run(run())
     assert alone[0] == 1 and len(together) == 64 and batches <= 2
+
+
+def test_the_onnx_backend_needs_the_api_key_on_every_route_but_health(tiny_folder, onnx_graphs):
+    """The key is checked in front of every route (deploy/admission.Guard), whatever runs the model."""
+    from fastapi.testclient import TestClient
+
+    from matryoshka2d.deploy.admission import Admission
+    from matryoshka2d.deploy.server import create_app
+
+    backend = OnnxBackend(
+        ElasticEncoder(str(tiny_folder), device="cpu"), layers=[2], cache_folder=onnx_graphs, log=lambda _: None
+    )
+    with TestClient(create_app(backend, "tiny", admission=Admission("k3y"))) as client:
+        assert client.get("/health").status_code == 200
+        body = {"model": "tiny", "input": "red cat"}
+        for path in ("/v1/models", "/metrics"):
+            assert client.get(path).status_code == 401
+        assert client.post("/v1/embeddings", json=body).status_code == 401
+        reply = client.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer k3y"})
+        assert reply.status_code == 200 and reply.json()["layer"] == 2
