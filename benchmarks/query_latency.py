@@ -1,10 +1,13 @@
 """One query, one call: `encoder.encode([query], layer=n)` latency at every exit, against the ideal N/n.
 
     python benchmarks/query_latency.py [--model minilm-l6] [--calls 300] [--rounds 3] [--threads 1]
-        [--query-models STUDENT ...]
+        [--query-models STUDENT ...] [--int8]
 
-`--query-models`: query encoders distilled from the model (`matryoshka2d distill --mode query`), each timed at its
-own last layer in the same rounds as the model's exits, and compared with the model's layer N.
+`--query-models`: query encoders distilled from the model (`matryoshka2d distill --mode query`, timed at their own
+last layer; `--mode static`, timed at their static cell, layer 0), in the same rounds as the model's exits, and
+compared with the model's layer N. `--int8`: the model's layer N as `serve --backend onnx --quantize int8` runs it
+(the server's own backend object, deploy/backends.py, one call per query) is timed in the same rounds too, and every
+query encoder is compared with it as well.
 
 Each exit encodes each of a few short STS-B sentences one at a time, as a search front end does; a call's
 latency is its wall time, and the CPU time of the process over the same calls is printed next to it (on a
@@ -26,6 +29,7 @@ import torch
 
 from common import DEFAULT_DATA, header, sts_sentences
 from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
 
 try:
     from matryoshka2d.models.batching import pad_rows
@@ -55,7 +59,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a serving process)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--query-models", nargs="*", default=[], help="query encoder folders (distill --mode query)")
+    parser.add_argument(
+        "--query-models", nargs="*", default=[], help="query encoder folders (distill --mode query or static)"
+    )
+    parser.add_argument("--int8", action="store_true", help="also time layer N served as an int8 ONNX graph")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(header())
@@ -68,17 +75,25 @@ def main() -> None:
     )
     layers = list(range(1, enc.num_layers + 1))
     students = {path: ElasticEncoder(path, device="cpu") for path in args.query_models}
-    timed = [*layers, *students]  # an exit of the model, or a query encoder's folder
+    own = {path: query_encoder_layer(query_encoder_record(s) or {}, s) for path, s in students.items()}
+    full = enc.num_layers
+    served = {}
+    if args.int8:
+        from matryoshka2d.deploy.backends import OnnxBackend
+
+        served["int8"] = OnnxBackend(enc, "int8", [full], threads=args.threads)
+    timed = [*layers, *served, *students]  # an exit of the model, the served model, or a query encoder's folder
     best = {n: (float("inf"), float("inf")) for n in timed}
     for r in range(args.rounds):
         for n in timed if r % 2 == 0 else timed[::-1]:
             if n in layers:
                 call = lambda q, n=n: enc.encode([q], layer=n)  # noqa: E731
+            elif n in served:
+                call = lambda q, backend=served[n]: backend.pooled([q], full)  # noqa: E731
             else:
-                call = lambda q, student=students[n]: student.encode([q])  # noqa: E731
+                call = lambda q, student=students[n], at=own[n]: student.encode([q], layer=at)  # noqa: E731
             wall, cpu = time_calls(call, queries, args.calls)
             best[n] = (min(best[n][0], wall), min(best[n][1], cpu))
-    full = enc.num_layers
     print(f"\nmodel {args.model}: {full} layers x {enc.hidden_size}, {args.threads} torch thread(s)")
     print(
         "| layer | ms per query (median wall) | CPU ms per query | speed-up vs layer N (wall) | ideal N/n "
@@ -95,14 +110,24 @@ def main() -> None:
         f"\nlayer 1 vs layer {full}: {best[full][0] / best[1][0]:.2f}x by wall time, "
         f"{best[full][1] / best[1][1]:.2f}x by CPU time (ideal {full}x)"
     )
-    if students:
+    if served:
+        wall, cpu = best["int8"]
         print(
-            f"\n| query encoder | layers | ms per query (median wall) | CPU ms | vs {args.model} layer {full} (wall) |"
+            f"\nlayer {full} served in int8 (ONNX, the server's backend): {wall:.2f} ms per query (median wall), "
+            f"{cpu:.2f} CPU ms; {best[full][0] / wall:.2f}x faster than torch"
         )
-        print("|---|---:|---:|---:|---:|")
+    if students:
+        int8 = f" vs {args.model} layer {full} in int8 (wall) |" if served else ""
+        print(
+            f"\n| query encoder | runs | ms per query (median wall) | CPU ms | vs {args.model} layer {full} in torch "
+            f"(wall) |{int8}"
+        )
+        print("|---|---|---:|---:|---:|" + ("---:|" if served else ""))
         for path, student in students.items():
             wall, cpu = best[path]
-            print(f"| {path} | {student.num_layers} | {wall:.2f} | {cpu:.2f} | {best[full][0] / wall:.2f}x faster |")
+            runs = f"{student.num_layers} layers" if own[path] else "its static cell (layer 0)"
+            versus = f" {best['int8'][0] / wall:.1f}x faster |" if served else ""
+            print(f"| {path} | {runs} | {wall:.3f} | {cpu:.3f} | {best[full][0] / wall:.1f}x faster |{versus}")
 
     # Where a layer-1 call goes: each stage on its own, over the same queries.
     if pad_rows is None:

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_overload.py --model DIR [--rates 0.5 1 1.5 2 3] [--seconds 60] [--target-ms 50]
         [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive infinity] [--timeout 2]
-        [--server-core 0] [--client-core 1] [--pause PATTERN] [--results FILE.json] [--plot FILE.png]
+        [--server-core 0] [--client-core 1] [--pause python|PATTERN] [--results FILE.json] [--plot FILE.png]
 
 Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact query (how a query
 reaches a search service), sent whether or not earlier ones were answered: an open loop. A closed loop of N
@@ -25,8 +25,9 @@ answers kept. Server memory (RSS) is sampled through each span. At the end, a dr
 of a span at 1.5x, how long the server takes to exit, its exit code, and whether any accepted request went
 unanswered.
 
---pause PATTERN (a regular expression for pkill -f; default: this machine's training runs and test suites)
-SIGSTOPs matching processes for each timed span only and SIGCONTs them after, also on errors and interrupts.
+--pause (default 'python': every other Python process on the machine, training runs and test suites among them;
+or a pkill -f pattern; '' for none) SIGSTOPs those processes for each timed span only and SIGCONTs them after,
+also on errors and interrupts.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +51,6 @@ import orjson
 
 from common import DEFAULT_DATA, header
 
-# Built in pieces so that this process's own command line never matches what it stops.
-DEFAULT_PAUSE = "matryoshka2d" + " (train|distill|eval|heads)|pyt" + "est|with-cpu" + "-slot"
 ARGS = argparse.Namespace()
 
 
@@ -71,12 +70,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PAUSED = {"on": False}
+_PAUSED = {"on": False, "pids": []}
+
+
+def _mine() -> set[int]:
+    """This process and its descendants (our server, infinity), from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with suppress(OSError, IndexError, ValueError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    mine, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in mine} - mine
+        mine |= more
+        grew = bool(more)
+    return mine
+
+
+def _others() -> list[int]:
+    """The processes --pause names: every other Python process on the machine ('python'), or pkill -f's matches."""
+    if ARGS.pause != "python":
+        found = subprocess.run(["pgrep", "-f", ARGS.pause], capture_output=True, text=True, check=False).stdout
+        return [int(p) for p in found.split()]
+    mine, out = _mine(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) not in mine and int(entry.name) > 1:
+            try:
+                command = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if b"python" in command.rsplit(b"/", 1)[-1]:
+                out.append(int(entry.name))
+    return out
 
 
 def _signal_others(sig: str) -> None:
-    if ARGS.pause:
-        subprocess.run(["pkill", f"-{sig}", "-f", ARGS.pause], check=False)
+    if not ARGS.pause:
+        return
+    if sig == "STOP":
+        _PAUSED["pids"] = _others()
+    for pid in _PAUSED["pids"]:
+        with suppress(OSError):
+            os.kill(pid, signal.SIGSTOP if sig == "STOP" else signal.SIGCONT)
 
 
 def _resume_others() -> None:
@@ -155,6 +191,7 @@ def start_ours() -> Server:
     command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", ARGS.model, "--served-name", "bench"]
     command += ["--port", str(port), "--device", "cpu", "--log-level", "warning", "--backend", "onnx"]
     command += ["--quantize", "int8", "--truncate", "--adaptive-depth", "--target-ms", str(ARGS.target_ms)]
+    command += ["--max-queued-texts", str(ARGS.max_queued_texts)]
     command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
     return Server("ours", command, port, env)
@@ -432,6 +469,12 @@ def main() -> None:
     parser.add_argument("--min-layer", type=int)
     parser.add_argument("--max-length", type=int, help="tokens per text for the server (default: the model's)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds from a request's arrival to its deadline")
+    parser.add_argument(
+        "--max-queued-texts",
+        type=int,
+        default=256,
+        help="our server's bound on waiting texts: what it answers within the deadline at full depth, about",
+    )
     parser.add_argument("--capacity-clients", type=int, default=64)
     parser.add_argument("--capacity-seconds", type=float, default=20.0)
     parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")
@@ -439,7 +482,11 @@ def main() -> None:
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--settle", type=float, default=2.0)
     parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument("--pause", default=DEFAULT_PAUSE, help="pkill -f pattern stopped during timed spans ('' none)")
+    parser.add_argument(
+        "--pause",
+        default="python",
+        help="stopped during timed spans: 'python' (every other Python process), a pkill -f pattern, or '' (none)",
+    )
     parser.add_argument("--infinity-venv", default="/work/venvs/infinity")
     parser.add_argument("--logs", default="/tmp/serve-overload")
     parser.add_argument("--results", help="write every row as JSON here")

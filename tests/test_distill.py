@@ -333,7 +333,7 @@ def test_serve_runs_a_query_encoder_next_to_its_teacher(teacher_dir, tiny_dir, t
         )
         wrong = client.post("/v1/embeddings", json={"model": "teacher-query", "input": ["a"], "layer": 4})
         assert wrong.status_code == 400 and "query encoder of 2 layers" in wrong.json()["error"]["message"]
-    serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "1"]
+    serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0"]
     assert main([*serve, "--query-model", str(out)]) == 2
     assert "was distilled from" in capsys.readouterr().err
     assert main([*serve, "--query-model", str(tiny_dir)]) == 2
@@ -351,3 +351,47 @@ def test_the_targets_computed_on_ray_are_the_local_ones(teacher_dir, text_file, 
     a = np.fromfile(here.vectors_path, dtype=np.float16).astype(np.float32)
     b = np.fromfile(there.vectors_path, dtype=np.float16).astype(np.float32)
     np.testing.assert_allclose(a, b, atol=2e-3)
+
+
+def test_the_recipe_reproduces_the_measured_runs():
+    from matryoshka2d.training.distill import recipe
+
+    # docs/distill.md: SciFact passages + NLI (78,091 texts), minilm-l6 on NLI (37,276), mpnet-base on 10,000
+    values, line = recipe("query", 6, 384, 78091, 64)
+    assert values == {"lr": 2e-4, "epochs": 3.0, "passage_tokens": 48}
+    assert "3,663 steps" in line and "lr 2e-4" in line and "full width 384" in line
+    values, line = recipe("shared", 6, 384, 37276, 64)
+    assert values == {"epochs": 3.5, "lr": 1e-4} and "2,041 steps" in line
+    values, line = recipe("shared", 12, 768, 10000, 64)
+    assert values == {"epochs": 5.0, "lr": 3e-4} and "785 steps" in line and "12-layer teacher" in line
+    assert recipe("shared", 6, 384, 37276, 64, choose=()) == ({}, "")  # every option given: nothing chosen
+
+
+def test_a_bare_distill_runs_the_recipe_and_says_so_and_a_given_option_wins(
+    teacher_dir, text_file, sts_dev, tmp_path, capsys
+):
+    corpus = tmp_path / "beir"
+    corpus.mkdir()
+    long = " ".join(text_file.read_text().split("\n")[:30])  # one document of some 150 tokens
+    (corpus / "corpus.jsonl").write_text(json.dumps({"_id": "a", "text": long}) + "\n")
+    base = ["distill", "--teacher", str(teacher_dir), "--pooling", "mean", "--no-exclude-sts-test", "--quiet"]
+    base += ["--eval-file", str(sts_dev), "--exit-heads", "identity", "--mode", "query", "--layer", "2"]
+    base += ["--data", str(corpus), str(text_file)]
+    assert main([*base, "--output", str(tmp_path / "bare")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("distill recipe (--mode query)"))
+    assert "lr 2e-4" in line and "3 epochs" in line and "passages of 48 tokens" in line and "full width 32" in line
+    record = json.loads((tmp_path / "bare" / "matryoshka2d.json").read_text())
+    assert record["distill"]["recipe"] == line and record["distill"]["passage_tokens"] == 48
+    assert record["distill"]["widths"] == [32] and record["training"]["lr"] == 2e-4
+    assert record["training"]["epochs"] == 3.0 and record["steps"] == 3 * 3
+    assert main([*base, "--output", str(tmp_path / "given"), "--lr", "1e-3", "--steps", "2", "--max-length", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "distill recipe" not in out  # nothing left for the recipe to choose but the loss's width, given by default
+    record = json.loads((tmp_path / "given" / "matryoshka2d.json").read_text())
+    assert record["training"]["lr"] == 1e-3 and record["distill"]["recipe"] is None
+    assert record["distill"]["passage_tokens"] == 64 and record["distill"]["texts"] < record_texts(tmp_path / "bare")
+
+
+def record_texts(folder) -> int:
+    return json.loads((folder / "matryoshka2d.json").read_text())["distill"]["texts"]

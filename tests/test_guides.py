@@ -16,6 +16,9 @@ GUIDES = Path(__file__).resolve().parents[1] / "docs" / "guide"
 RUNNABLE = re.compile(r"<!-- runnable -->\n```bash\n(.*?)```", re.S)
 
 
+RUNNABLE_PYTHON = re.compile(r"<!-- runnable python -->\n```python\n(.*?)```", re.S)
+
+
 def runnable_blocks() -> list[tuple[str, int, str]]:
     """(guide, block number, text) of every runnable block."""
     found = []
@@ -69,3 +72,31 @@ def test_a_runnable_block_runs(guide, number, block, stand_ins, tmp_path, monkey
         code = main(argv)
         said = capsys.readouterr().err[-2000:]
         assert code == 0, f"{guide} block {number}: `matryoshka2d {' '.join(argv)}` exited {code}: {said}"
+
+
+def python_blocks() -> list[tuple[str, int, str]]:
+    """(guide, block number, text) of every runnable python block."""
+    found = []
+    for guide in sorted(GUIDES.glob("*.md")):
+        for number, block in enumerate(RUNNABLE_PYTHON.findall(guide.read_text(encoding="utf-8")), start=1):
+            found.append((guide.name, number, block))
+    return found
+
+
+def test_the_retrieval_guide_has_a_python_block():
+    assert "retrieval.md" in {guide for guide, _, _ in python_blocks()}
+
+
+@pytest.mark.parametrize(("guide", "number", "block"), python_blocks(), ids=lambda v: str(v)[:24])
+def test_a_python_block_runs_after_its_guides_commands(guide, number, block, stand_ins, tmp_path, monkeypatch, capsys):
+    """A python block runs as written (../shared/data standing for the tiny data) in the folder where every
+    runnable command block of its guide ran first, so it reads what they wrote."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MATRYOSHKA2D_DATA", stand_ins["../shared/data"])
+    for _, _, commands_block in (b for b in runnable_blocks() if b[0] == guide):
+        for argv in commands(commands_block):
+            assert main([stand_in(a, stand_ins) for a in argv[1:]]) == 0, capsys.readouterr().err[-2000:]
+    code = block.replace("../shared/data", stand_ins["../shared/data"])
+    exec(compile(code, f"{guide} python block {number}", "exec"), {"__name__": "__guide__"})
+    assert capsys.readouterr().out.strip(), f"{guide} python block {number} printed nothing"

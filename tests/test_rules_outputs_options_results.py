@@ -117,6 +117,11 @@ def test_every_writing_command_refuses_an_output_over_an_input(model, tmp_path, 
     assert snapshot(tmp_path) == before
 
 
+def test_an_empty_output_is_not_the_current_folder(model, text_file, capsys):
+    assert main(["heads", "fit", "--model", str(model), "--data", str(text_file), "--output", ""]) == 2
+    assert "--output is empty" in error_line(capsys)
+
+
 def test_a_config_file_cannot_name_an_output_over_an_input(model, text_file, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {model}\ndata: [{text_file}]\noutput: {model}\n")
@@ -245,11 +250,11 @@ def test_other_options_that_would_do_nothing_are_refused(model, text_file, tmp_p
 
 def test_train_refuses_resume_with_overwrite(tiny_dir, triplets, sts_dev, tmp_path, capsys):
     out = tmp_path / "run"
-    base = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
-    base += ["--batch-size", "8", "--eval-file", str(sts_dev), "--save-steps", "0", "--quiet", "--output", str(out)]
-    assert main(base) == 0
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "train_log.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # a run the flags would continue or delete
     before = snapshot(out)
-    assert main([*base, "--resume", "--overwrite"]) == 2
+    base = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
+    assert main([*base, "--eval-file", str(sts_dev), "--output", str(out), "--resume", "--overwrite"]) == 2
     assert "--resume and --overwrite exclude each other" in error_line(capsys)
     assert snapshot(out) == before
 

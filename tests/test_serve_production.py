@@ -420,3 +420,35 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_0_and_the_k
     assert code == 0, log[-2000:]
     assert set(statuses) <= {200, 503, "refused"} and statuses.count(200) > 0  # nothing accepted was lost
     assert KEY not in log
+
+
+def test_a_pair_folder_is_served_as_one_model_whose_queries_take_its_query_route(tiny_dir, tmp_path, monkeypatch):
+    """`serve --model PAIR` (export --query-cell / --query-model): input_type "query" runs the pair's query route,
+    as sentence-transformers' encode_query does; "document" its document route, as encode_document."""
+    from sentence_transformers import SentenceTransformer
+
+    from matryoshka2d.deploy import server
+
+    pair = tmp_path / "pair"
+    assert (
+        main(["export", "--model", str(tiny_dir), "--pooling", "mean", "--query-cell", "2x16", "--output", str(pair)])
+        == 0
+    )
+    started = {}
+    monkeypatch.setattr(server, "serve", lambda model, name, **kw: started.update(model=model, name=name, **kw))
+    assert main(["serve", "--model", str(pair), "--served-name", "pair", "--port", "0"]) == 0
+    assert list(started["query_models"]) == ["pair-query"]
+    texts = ["red cat sleeps", "blue dog"]
+    plain = SentenceTransformer(str(pair), device="cpu")
+    app = create_app(started["model"], "pair", query_models=started["query_models"])
+    with TestClient(app) as client:
+        queries = client.post("/v1/embeddings", json={"model": "pair", "input": texts, "input_type": "query"}).json()
+        documents = client.post("/v1/embeddings", json={"model": "pair", "input": texts, "input_type": "document"})
+        unit = {"normalize_embeddings": True}  # the server's vectors are unit length, as OpenAI's
+        np.testing.assert_allclose(
+            [d["embedding"] for d in queries["data"]], plain.encode_query(texts, **unit), atol=1e-5
+        )
+        np.testing.assert_allclose(
+            [d["embedding"] for d in documents.json()["data"]], plain.encode_document(texts, **unit), atol=1e-5
+        )
+    assert main(["serve", "--model", str(pair), "--port", "0", "--query-cell", "1x8"]) == 2

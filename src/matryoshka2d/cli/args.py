@@ -242,6 +242,8 @@ def check_outputs(args) -> None:
         output = args.output_default(args)
     if output is None:
         return
+    if not str(output).strip():  # '' would be the current folder
+        raise ValueError(f"{option} is empty: give the folder (or file) to write")
     if args.output_files is None:
         check_apart(output, option, inputs)
         return

@@ -6,13 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, positive_int, reads_and_writes
+from matryoshka2d.cli.args import command, count, positive_int, reads_and_writes
 
 
 def cmd_export(args) -> int:
     from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.export import export_cell
 
+    if args.query_model or args.query_cell:
+        return export_pair_command(args)
+    if args.layer is None or args.dim is None:
+        raise ValueError("export needs --layer and --dim (a cell), or --query-model / --query-cell (a pair)")
     encoder = load_encoder(args, device="cpu")
     report = export_cell(
         encoder,
@@ -24,6 +28,33 @@ def cmd_export(args) -> int:
         overwrite=args.overwrite,
         normalize=args.normalize,
         sts_file=args.sts_file,
+    )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def export_pair_command(args) -> int:
+    """export --query-model FOLDER | --query-cell LAYERxDIM: the model and its query side as one folder."""
+    from matryoshka2d.cli.args import load_encoder
+    from matryoshka2d.deploy.pair import check_apart, export_pair, parse_query_cell
+
+    if args.query_model and args.query_cell:
+        raise ValueError("give --query-model or --query-cell, not both: a pair has one query side")
+    if args.layer is not None or args.dim is not None or args.normalize is not None:
+        raise ValueError("--layer, --dim and --normalize export one cell; a pair's cells are its query side's")
+    cell = parse_query_cell(args.query_cell) if args.query_cell else None
+    output = Path(args.output)
+    check_apart(output, args.model, "--model")  # before anything loads
+    check_apart(output, args.query_model, "--query-model")
+    encoder = load_encoder(args, device="cpu")
+    report = export_pair(
+        encoder,
+        output,
+        query_model=args.query_model,
+        query_cell=cell,
+        fmt=args.format,
+        quantize=args.quantize,
+        overwrite=args.overwrite,
     )
     print("\n".join(report.lines()))
     return 0
@@ -92,7 +123,8 @@ def cmd_serve(args) -> int:
     if args.backend == "onnx" and args.device not in (None, "cpu"):
         raise ValueError(f"--backend onnx runs on the CPU (onnxruntime); drop --device {args.device}")
     check_listen(args.host, args.port)
-    encoder = load_encoder(args, device="cpu" if args.backend == "onnx" else args.device)
+    lengths = {"max_length": args.max_length} if args.max_length else {}
+    encoder = load_encoder(args, device="cpu" if args.backend == "onnx" else args.device, **lengths)
     # Checked on the encoder, before any ONNX graph is built (a backend has no check_layer / check_dim).
     for flag, value, check in (
         ("--default-layer", args.default_layer, encoder.check_layer),
@@ -109,6 +141,14 @@ def cmd_serve(args) -> int:
         except ValueError as exc:
             raise ValueError(f"--query-cell {args.query_cell}: {exc}") from None
     students = query_models(args, encoder)  # name -> query encoder, each checked against this model
+    pair = getattr(encoder, "query_encoder", None)  # a query/document pair folder (export --query-model/-cell)
+    if pair is not None:
+        if args.query_model or args.query_cell:
+            raise ValueError(
+                f"--model {args.model} is a query/document pair: its query route answers input_type \"query\"; "
+                "drop --query-model / --query-cell"
+            )
+        students = {f"{args.served_name or args.model}-query": pair}  # checked against the teacher at export
     adaptive_layers = None
     if args.adaptive_depth:  # checked on the encoder (its heads), before any graph is built
         from matryoshka2d.deploy.depth import check_aligned
@@ -246,8 +286,24 @@ def register(sub, model_args) -> None:
         "parameters kept.",
     )
     model_args(p)
-    p.add_argument("--layer", type=positive_int, required=True, help="keep this many transformer layers")
-    p.add_argument("--dim", type=positive_int, required=True, help="keep the first DIM numbers of each embedding")
+    p.add_argument(
+        "--layer",
+        type=count,
+        help="keep this many transformer layers (one cell); 0: the model's static cell, as StaticEmbedding and "
+        "Dense modules",
+    )
+    p.add_argument("--dim", type=positive_int, help="keep the first DIM numbers of each embedding (one cell)")
+    p.add_argument(
+        "--query-model",
+        help="a pair: this query encoder (`distill --mode query` from --model) for encode_query, --model for "
+        "encode_document, as one sentence-transformers folder (Router.for_query_document)",
+    )
+    p.add_argument(
+        "--query-cell",
+        metavar="LAYERxDIM",
+        help="a pair: this shallow cell of --model for encode_query, its last layer at the same width for "
+        "encode_document, as one sentence-transformers folder",
+    )
     p.add_argument("--output", required=True, help="folder to write (must be empty or absent, see --overwrite)")
     p.add_argument("--format", choices=["st", "onnx"], default="st", help="onnx adds onnx/cell.onnx (extra [onnx])")
     p.add_argument("--quantize", choices=["int8"], help="add onnx/cell_int8.onnx (dynamic int8; needs --format onnx)")
@@ -288,6 +344,11 @@ def register(sub, model_args) -> None:
     p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
+    p.add_argument(
+        "--max-length",
+        type=positive_int,
+        help="tokens per text (default: the model's own); longer texts get a 400, or are cut with --truncate",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--backend",
@@ -326,8 +387,9 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--max-queued-texts",
         type=int,
-        default=4096,
-        help="texts waiting for the model past which a request is answered 429 with Retry-After",
+        default=1024,
+        help="texts waiting for the model past which a request is answered 429 with Retry-After (size it to what "
+        "your clients wait: about the texts per second the model answers, times their timeout)",
     )
     p.add_argument(
         "--drain-seconds",

@@ -18,8 +18,9 @@ from matryoshka2d.cli.args import (
     training_options,
 )
 
-# The recipe's defaults (docs/distill.md says what they were measured with); every one can be given.
-DEFAULTS = {"epochs": 1.0, "batch_size": 64, "lr": 1e-4, "warmup_ratio": 0.05, "save_steps": 100}
+# The run's defaults; the learning rate, the number of epochs and the passages' length are the measured recipe's
+# (training.distill.recipe, which says in one line what it chose); every one can be given.
+DEFAULTS = {"batch_size": 64, "warmup_ratio": 0.05, "save_steps": 100}
 
 
 def check_combination(args) -> None:
@@ -52,7 +53,7 @@ def cmd_distill(args) -> int:
         exclude_sts_test=args.exclude_sts_test,
         exit_heads=args.exit_heads,
     )
-    options: dict = {"mode": args.mode}
+    options: dict = {"mode": args.mode, "recipe_for": recipe_for(values)}
     if args.layer is not None:
         options["layer"] = args.layer
     if args.widths:
@@ -72,6 +73,14 @@ def cmd_distill(args) -> int:
     out = run_training(entry, values, args)
     print(f"student saved to {out}")
     return 0
+
+
+def recipe_for(values: dict) -> list[str]:
+    """The options the measured recipe chooses: those not given (--steps stands for --epochs; --max-length for
+    the passages' length)."""
+    given = {"lr": "lr", "epochs": "epochs", "steps": "epochs", "max_length": "passage_tokens"}
+    taken = {given[name] for name in given if name in values}
+    return [name for name in ("lr", "epochs", "passage_tokens") if name not in taken]
 
 
 def ray_targets(args, values: dict):
@@ -133,7 +142,12 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--max-texts", type=positive_int, help="use the first N distinct texts of --data (default: all)")
     p.add_argument("--output", required=True, help="folder for the student, its log, checkpoints and the targets")
-    p.add_argument("--mode", choices=["shared", "query"], default="shared", help="one 2D model, or a query encoder")
+    p.add_argument(
+        "--mode",
+        choices=["shared", "query", "static"],
+        default="shared",
+        help="one 2D model, a query encoder, or a static cell (layer 0: model2vec's token table and a head)",
+    )
     p.add_argument("--layer", type=positive_int, help="query mode: the student keeps this many of the teacher's layers")
     p.add_argument(
         "--loss",
@@ -171,11 +185,14 @@ def register(sub, model_args) -> None:
         "--save-steps",
         "--eval-steps",
         "--eval-file",
-        epochs="passes over the texts (default 1)",
+        epochs="passes over the texts (default: the recipe's: 3 for --mode query; about 2,000 steps, at most 5 "
+        "epochs, for shared; the run's first line says)",
         batch_size="texts per step (default 64)",
-        lr="learning rate (default 1e-4)",
+        lr="learning rate (default: the recipe's: 2e-4 for --mode query; 1e-4 for a 6-layer teacher, 3e-4 for "
+        "12 layers, in shared mode)",
         warmup_ratio="share of the steps with a rising learning rate (default 0.05)",
-        max_length="tokens per text; BEIR documents are cut into passages of this many (default: the model's)",
+        max_length="tokens per text; BEIR documents are cut into passages of this many (default: the model's; "
+        "--mode query cuts passages of 48 tokens)",
         save_steps="checkpoint every N steps (default 100)",
         eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
     )

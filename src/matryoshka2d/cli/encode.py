@@ -12,7 +12,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
-from matryoshka2d.cli.args import POOLING_CHOICES, command, command_group, heads_flag, positive_int, reads_and_writes
+from matryoshka2d.cli.args import (
+    POOLING_CHOICES,
+    command,
+    command_group,
+    count,
+    heads_flag,
+    positive_int,
+    reads_and_writes,
+)
 from matryoshka2d.files import iter_lines, open_input
 
 
@@ -121,7 +129,11 @@ def register(sub, model_args) -> None:
         sub, "encode", cmd_encode, help="embed one text per line of a file at one (layer, dim) cell into a .npy"
     )
     model_args(p)
-    p.add_argument("--layer", type=positive_int, help="exit after this many layers (default: all)")
+    p.add_argument(
+        "--layer",
+        type=count,
+        help="exit after this many layers (default: all); 0: the model's static cell (distill --mode static)",
+    )
     p.add_argument("--dim", type=positive_int, help="keep the first DIM numbers (default: all)")
     p.add_argument(
         "--input", required=True, help="UTF-8 text file, one text per line, split on \\n only ('-' for stdin)"

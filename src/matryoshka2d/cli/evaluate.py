@@ -9,7 +9,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, command_group, count, positive_int, reads_and_writes
+from matryoshka2d.cli.args import (
+    DEVICE_HELP,
+    MODEL_HELP,
+    POOLING_CHOICES,
+    POOLING_HELP,
+    command,
+    command_group,
+    count,
+    positive_int,
+    reads_and_writes,
+)
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
 
 REDUCER_SAMPLES = 2000  # corpus sentences a reducer is fitted on, unless --reducer-samples says
@@ -56,10 +66,11 @@ def _embedder(args, default_cells=None):
         from matryoshka2d.evaluate import grid
 
         layers, dims = grid.check_cells(  # before any graph is built
-            layers or range(1, encoder.num_layers + 1),
+            layers or encoder.layers,
             dims or grid.default_dims(encoder.hidden_size),
             encoder.num_layers,
             encoder.hidden_size,
+            static=encoder.static_cell is not None,
         )
         served = make_backend(encoder, backend, layers, batch_size=args.batch_size, log=_log)
         return BackendCells(encoder, served, layers, dims, show_progress=not args.quiet)
@@ -239,9 +250,10 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
         _log,
         not args.quiet,
         args.doc_cache,
-        [
-            load_encoder(args, model=m, pooling=None, max_length=args.max_length, log=_log)
+        [  # a pair folder (export --query-model) stands for its query route
+            (e.query_encoder or e)
             for m in args.query_model or ()
+            for e in [load_encoder(args, model=m, pooling=None, max_length=args.max_length, log=_log)]
         ],
         args.storage or (),
     )
@@ -255,8 +267,13 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
 
 
 def cmd_report(args) -> int:
+    from matryoshka2d.cli.report_compression import COMPRESSION_OPTIONS, report_compression
     from matryoshka2d.evaluate.report import write_report
 
+    if args.results[0] == "compression":
+        return report_compression(args)
+    if given := [name for name in COMPRESSION_OPTIONS if getattr(args, name) not in (None, False)]:
+        raise ValueError(f"--{given[0]} belongs to `report compression`; `report RESULTS` puts results side by side")
     paths = write_report(args.results, args.output, names=args.names)
     print(f"report -> {', '.join(map(str, paths))}")
     return 0
@@ -370,8 +387,8 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--query-model",
         nargs="+",
-        help="query encoders distilled from --model (`distill --mode query`): each a row of its own queries "
-        "against the model's full-depth documents",
+        help="query encoders distilled from --model (`distill --mode query`, or `--mode static`: queries at its "
+        "layer 0): each a row of its own queries against the model's full-depth documents",
     )
     p.add_argument(
         "--storage",
@@ -387,8 +404,42 @@ def register(sub, model_args) -> None:
         "without heads, other heads) encode the corpus once",
     )
 
-    p = command(sub, "report", cmd_report, help="put results side by side: markdown table and difference heatmaps")
+    p = command(
+        sub,
+        "report",
+        cmd_report,
+        help="put results side by side: markdown table and difference heatmaps; `report compression`: what a "
+        "width cut or an exit keeps (ESE's Figure 7)",
+        description="`report RESULTS...` puts eval results side by side. `report compression --model M [--model M2 "
+        "...] --dims K FULL [--exit N]` draws, per model, a t-SNE of the STS-B test sentences at (L, FULL) next to "
+        "(L, K) (the width view) and to (N, FULL) (the depth view), with the average distance between each "
+        "sentence's two points under each panel (ESE, Figure 7) and two distances that do not depend on the "
+        "layout; a results folder named compression is given as ./compression.",
+    )
     p.add_argument("results", nargs="+", help="result directories or results.json files (first = baseline)")
-    p.add_argument("--output", required=True, help="directory for report.md and diff_*.png")
-    p.add_argument("--names", nargs="+", help="a short name per result (default: model names)")
-    reads_and_writes(p, ("results",), files=("report.md",))
+    p.add_argument(
+        "--output", required=True, help="directory for report.md and diff_*.png (compression: .json/.md/.png)"
+    )
+    p.add_argument("--names", nargs="+", help="a short name per result, or per --model (default: model names)")
+    g = p.add_argument_group("report compression")
+    g.add_argument("--model", action="append", help="a model to draw (again for more): " + MODEL_HELP)
+    g.add_argument("--pooling", choices=POOLING_CHOICES, help=POOLING_HELP)
+    g.add_argument("--device", help=DEVICE_HELP)
+    g.add_argument("--layer", type=int, help="L, the layer of the whole vector (default: the model's last)")
+    g.add_argument("--dims", nargs="+", help="K FULL: the width view, (L, FULL) against its first K numbers (L, K)")
+    g.add_argument("--exit", type=int, help="N: the depth view, (L, FULL) against the exit's (N, FULL)")
+    g.add_argument("--sentences", type=int, help="the first N distinct STS-B test sentences (default: all)")
+    g.add_argument("--seed", type=int, help="t-SNE's random_state (default 0)")
+    g.add_argument("--perplexity", type=float, help="t-SNE's perplexity (default 30)")
+    g.add_argument(
+        "--layout",
+        choices=["joint", "separate"],
+        help="joint (default): one t-SNE of both sets, cuts zero-padded; separate: a t-SNE per set, the cut's "
+        "turned onto the whole's",
+    )
+    g.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--overwrite", action="store_true", help="replace a compression report already in --output")
+    reads_and_writes(
+        p, ("results", "--model"), files=("report.md", "compression.json", "compression.md", "compression.png")
+    )

@@ -168,6 +168,7 @@ def cmd_search(args) -> int:
             if args.model:
                 raise ValueError("give --model (the index's model) or --query-model (a query encoder), not both")
             encoder = load_encoder(args, model=args.query_model)
+            encoder = encoder.query_encoder or encoder  # a pair folder (export --query-model): its query route
         else:
             # The documents' pooling unless told otherwise (a plain Hugging Face folder has none of its own).
             encoder = load_encoder(args, model=model, pooling=args.pooling or recorded.get("pooling"))

@@ -31,7 +31,7 @@ OPEN_ROUTES = ("/health",)
 class Admission:
     """The API key, the drain flag and the bound on queued texts of one server."""
 
-    def __init__(self, api_key: str | None = None, max_queued_texts: int = 4096):
+    def __init__(self, api_key: str | None = None, max_queued_texts: int = 1024):
         if api_key is not None and not api_key.strip():
             raise ValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it out")
         if max_queued_texts < 1:

@@ -76,9 +76,10 @@ class TorchBackend:
         self.encoder, self.batch_size = encoder, batch_size
         self.tokenizer, self.pooling = encoder.tokenizer, encoder.pooling
         self.num_layers, self.hidden_size, self.max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
-        self.layers = list(range(1, self.num_layers + 1))
+        self.layers = encoder.layers  # 0 too where the model holds a static cell (models.static)
 
     def pooled(self, texts: list[str], layer: int, encoded=None) -> np.ndarray:
+        """`encoded` (the transformer's tokens) is not used at layer 0: the static cell tokenizes on its own."""
         return self.encoder.pooled_states(texts, [layer], batch_size=self.batch_size, encoded=encoded)[layer]
 
     def describe(self) -> dict:
@@ -311,9 +312,10 @@ class OnnxBackend:
         self.num_layers, self.hidden_size, self.max_length = encoder.num_layers, encoder.hidden_size, encoder.max_length
         self.quantize, self.batch_size = quantize, batch_size
         self.threads = threads or torch.get_num_threads()
-        self.layers = (
-            sorted({encoder.check_layer(n) for n in layers}) if layers else list(range(1, self.num_layers + 1))
-        )
+        self.layers = sorted({encoder.check_layer(n) for n in layers}) if layers else encoder.layers
+        # Layer 0, a static cell (models.static), is a table lookup and a small matrix: it stays in torch, kept
+        # here so that the transformer can go once the graphs are loaded.
+        self.static_cell = encoder.static_cell if 0 in self.layers else None
         self.up_front = bool(layers)
         source = weights_digest(encoder)
         folder = Path(cache_folder) if cache_folder else default_cache_folder(encoder, source)
@@ -321,7 +323,7 @@ class OnnxBackend:
         # Every servable layer's graph exists before the first request (building one takes seconds): after
         # this the torch model is no longer needed, and a request never waits for an export.
         self.paths = {}
-        for n in self.layers:
+        for n in (n for n in self.layers if n > 0):
             path = trusted(encoder, self.cache, n, quantize, self.log)
             if path is None:
                 self.log(f"building the ONNX graph of layer {n}{' (int8)' if quantize else ''} in {self.cache.folder}")
@@ -335,7 +337,7 @@ class OnnxBackend:
         request). The server calls it once the torch model is gone, so each session's memory is measured
         against a heap that the model's freed pages do not pad."""
         if self.up_front:
-            for n in self.layers:
+            for n in self.paths:
                 self._session(n)
 
     def _session(self, layer: int):
@@ -362,6 +364,8 @@ class OnnxBackend:
         return out
 
     def pooled(self, texts: list[str], layer: int, encoded=None) -> np.ndarray:
+        if layer == 0 and self.static_cell is not None:  # its own tokenizer: `encoded` is not used
+            return self.static_cell.encode(texts)
         return self._run(self._session(layer), texts, encoded)
 
     def release_memory(self) -> None:

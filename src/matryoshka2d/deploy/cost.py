@@ -127,7 +127,7 @@ def layer_latency(
         log(f"{what} per layer ({backend}): cached {record['date']} ({cache})")
     else:
         log(f"measuring {what} per layer of {encoder.name} with the {backend} backend...")
-        layers = list(range(1, encoder.num_layers + 1))
+        layers = encoder.layers  # layer 0 too where the model holds a static cell (models.static)
         served = make_backend(encoder, backend, layers, log=log)
         ms = measure_batched(served, layers, batch) if batch else measure_latency(served, layers)
         record = {

@@ -125,6 +125,8 @@ def export_cell(
     metadata = _source_metadata(encoder)
     metadata["exported_cell"] = {"from": str(encoder.name), "layer": layer, "dim": dim, "normalize": normalize}
     output.parent.mkdir(parents=True, exist_ok=True)
+    if layer == 0:
+        return _export_static(encoder, dim, normalize, fmt, output, metadata)
     if reads_several_layers(encoder, layer):
         if fmt != "onnx":
             raise ExportError(
@@ -196,6 +198,37 @@ def _export_onnx_only(encoder, layer, dim, normalize, quantize, output: Path, me
         )
         expected = encoder.encode(CHECK_SENTENCES, layer=layer, dim=dim, normalize=normalize)
         _check_onnx(encoder, staging, expected, quantize, sts_file, report)
+        _move_into_place(staging, output, report)
+    return report
+
+
+def _export_static(encoder, dim, normalize, fmt, output: Path, metadata) -> ExportReport:
+    """Layer 0, the static cell (matryoshka2d.models.static): a sentence-transformers folder of StaticEmbedding (the
+    table) and Dense (the head, cut to the cell's rows), Normalize when the cell normalizes; checked against encode()
+    in plain sentence-transformers."""
+    from matryoshka2d.models.static import RECORD_KEY
+
+    if fmt != "st":
+        raise ExportError(
+            "--layer 0 is the static cell: a table lookup and one matrix, which exports as a sentence-transformers "
+            "folder (StaticEmbedding and Dense) only; leave out --format onnx"
+        )
+    cell = encoder.static_cell
+    metadata = {k: v for k, v in metadata.items() if k != RECORD_KEY}  # no model folder around it any more
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
+        staging = Path(tmp) / "cell"
+        cell.sentence_transformer(dim, normalize).save(str(staging), create_model_card=False)
+        (staging / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+        kept = cell.vocabulary * cell.dim_in + dim * (cell.dim_in + 1)
+        full = count_parameters(encoder.model) + (count_parameters(encoder.head) if encoder.head is not None else 0)
+        report = ExportReport(output, 0, dim, normalize, kept, full)
+        report.notes.append(
+            f"(the static cell: a table of {cell.vocabulary} tokens x {cell.dim_in} and the first {dim} rows of its "
+            f"head; parameters compared with the transformer{' and its pooler head' if encoder.head else ''})"
+        )
+        expected = encoder.encode(CHECK_SENTENCES, layer=0, dim=dim, normalize=normalize)
+        report.checks["sentence-transformers vs encode()"] = _check_sentence_transformers(staging, expected)
+        report.files["torch weights (model.safetensors)"] = (staging / "model.safetensors").stat().st_size
         _move_into_place(staging, output, report)
     return report
 

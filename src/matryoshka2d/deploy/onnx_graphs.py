@@ -120,10 +120,29 @@ EXPORTERS = ("torchscript", "dynamo")
 OPSET = 18
 
 
-def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None, exporters=EXPORTERS) -> Path:
+class TokenStatesGraph(nn.Module):
+    """The transformer alone, token states out (`last_hidden_state`): the graph sentence-transformers' ONNX backend
+    runs in place of a Transformer module, pooling and the rest staying its torch modules (deploy.pair)."""
+
+    def __init__(self, encoder: ElasticEncoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        return self.encoder.model(**graph_inputs(input_ids, attention_mask, token_type_ids)).last_hidden_state
+
+
+def export_onnx(
+    cut: ElasticEncoder,
+    path: Path,
+    graph: nn.Module | None = None,
+    exporters=EXPORTERS,
+    output: str = "sentence_embedding",
+) -> Path:
     """torch.onnx export of a cut encoder (its full depth is the cell's depth), batch and length dynamic; `graph`
-    is the module to export (default: the whole cell, CellGraph). The first of `exporters` that succeeds writes
-    it."""
+    is the module to export (default: the whole cell, CellGraph) and `output` the name of what it gives
+    (`last_hidden_state` for TokenStatesGraph: batch and length dynamic there too). The first of `exporters`
+    that succeeds writes it."""
     if hasattr(cut.model.config, "use_cache"):
         cut.model.config.use_cache = False  # decoders: no key/value cache outputs in the graph
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +160,7 @@ def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None,
         try:
             with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tracer and deprecation warnings: the graph is checked after
-                _EXPORT[exporter](graph, args, names, path)
+                _EXPORT[exporter](graph, args, names, path, output)
             diff = _check_graph(path, dict(zip(names, check_args, strict=True)), expected)
         except Exception as error:  # any failure of one exporter means: try the next
             failures.append(f"{exporter}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
@@ -154,26 +173,27 @@ def export_onnx(cut: ElasticEncoder, path: Path, graph: nn.Module | None = None,
     raise ExportError(f"no torch.onnx exporter could export {path.name}: " + "; ".join(failures))
 
 
-def _export_torchscript(graph: nn.Module, args: tuple, names: list[str], path: Path) -> None:
+def _export_torchscript(graph: nn.Module, args: tuple, names: list[str], path: Path, output: str) -> None:
+    output_axes = {0: "batch"} if output == "sentence_embedding" else {0: "batch", 1: "sequence"}
     torch.onnx.export(
         graph,
         args,
         str(path),
         input_names=names,
-        output_names=["sentence_embedding"],
-        dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names} | {"sentence_embedding": {0: "batch"}},
+        output_names=[output],
+        dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names} | {output: output_axes},
         opset_version=OPSET,
         dynamo=False,
     )
 
 
-def _export_dynamo(graph: nn.Module, args: tuple, names: list[str], path: Path) -> None:
+def _export_dynamo(graph: nn.Module, args: tuple, names: list[str], path: Path, output: str) -> None:
     batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
     program = torch.onnx.export(
         graph,
         args,
         input_names=names,
-        output_names=["sentence_embedding"],
+        output_names=[output],
         dynamic_shapes={n: {0: batch, 1: length} for n in names},
         dynamo=True,
         external_data=False,

@@ -248,6 +248,7 @@ def _timings(encoder, quality, backends, args, log) -> tuple[dict, dict, dict]:
     """ms per query per (backend, layer) for the model and each query encoder in the results; the timing records;
     with --batch, ms per text in batched calls too."""
     from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
 
     latency, batched, records = {}, {}, {}
     for backend in backends:
@@ -257,11 +258,12 @@ def _timings(encoder, quality, backends, args, log) -> tuple[dict, dict, dict]:
     for o in quality.options:
         if o.kind == "query-encoder" and (o.query_model, o.backend) not in latency:
             student = ElasticEncoder(o.query_model, device="cpu")
+            own = query_encoder_layer(query_encoder_record(student) or {}, student)  # 0: a static cell
             ms, _ = layer_latency(student, None, args.remeasure, log, o.backend)
-            latency[(o.query_model, o.backend)] = {o.layer: ms[student.num_layers]}
+            latency[(o.query_model, o.backend)] = {o.layer: ms[own]}
             if getattr(args, "batch", None):
                 ms, _ = layer_latency(student, None, args.remeasure, log, o.backend, args.batch)
-                batched[(o.query_model, o.backend)] = {o.layer: ms[student.num_layers]}
+                batched[(o.query_model, o.backend)] = {o.layer: ms[own]}
     return latency, batched, records
 
 
@@ -316,10 +318,11 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         ms, batched, timing = _timings(encoder, quality, backends, args, log)
         for record in timing.values():
             record["weights_sha256"] = checksum
-        num_layers = encoder.num_layers
+        num_layers, timed = encoder.num_layers, set(encoder.layers)
     else:
         ms, batched, num_layers = {"torch": latency}, {}, max(latency)
-    missing = sorted({o.layer for o in quality.options if o.kind != "query-encoder"} - set(range(1, num_layers + 1)))
+        timed = set(latency)
+    missing = sorted({o.layer for o in quality.options if o.kind != "query-encoder"} - timed)
     if missing:
         raise ValueError(f"the results have layers {missing} that the timed model does not (it has {num_layers})")
     bad = [o for o in quality.options if not math.isfinite(o.score)]

@@ -81,10 +81,11 @@ class BackendCells:
     def __init__(self, encoder, backend, layers=None, dims=None, show_progress: bool = False):
         self.encoder, self.backend, self.show_progress = encoder, backend, show_progress
         self.layers, self.dims = check_cells(
-            layers or range(1, encoder.num_layers + 1),
+            layers or encoder.layers,
             dims or default_dims(encoder.hidden_size),
             encoder.num_layers,
             encoder.hidden_size,
+            static=encoder.static_cell is not None,
         )
         self.batch_size = backend.batch_size
 

@@ -63,10 +63,12 @@ class ServerLimits:
     max_batch: int = 256  # texts collected for one model call (sorted by length there, then run in batches)
     batch_size: int = 64  # texts per forward pass within a model call
     max_wait: float = 0.005  # seconds the first request of a batch waits for company
-    # Texts waiting for the model, all encoders together, past which a request is answered 429 (Retry-After). A
-    # request of max_inputs texts still fits beside a full batch's worth; at minilm-l6's int8 full depth on one
-    # core (about 1.5 ms a query-sized text in batches) the queue then holds a few seconds of work.
-    max_queued_texts: int = 4096
+    # Texts waiting for the model, all encoders together, past which a request is answered 429 (Retry-After). What
+    # waits is what the next requests queue behind: at minilm-l6's int8 full depth on one core, one-text queries
+    # are answered at about 200-300 a second, so 1,024 of them are 3-5 s of waiting, about as long as a client of an
+    # interactive search waits; bulk clients send fewer, larger requests (a request larger than the bound is taken
+    # when nothing waits).
+    max_queued_texts: int = 1024
 
 
 def _error_response(error: ApiError):

@@ -41,14 +41,24 @@ def default_dims(hidden_size: int, start: int = 8) -> list[int]:
     return nested_dims(hidden_size, start)
 
 
-def check_cells(layers: Iterable[int], dims: Iterable[int], num_layers: int, hidden_size: int) -> tuple[list, list]:
-    """Sorted, de-duplicated layers and dims, each in range; the error says the valid range."""
+def check_cells(
+    layers: Iterable[int], dims: Iterable[int], num_layers: int, hidden_size: int, static: bool = False
+) -> tuple[list, list]:
+    """Sorted, de-duplicated layers and dims, each in range (layer 0 where the model holds a static cell,
+    `static`); the error says the valid range."""
     layers, dims = sorted(set(layers)), sorted(set(dims))
     if not layers or not dims:
         raise ValueError("need at least one layer and one dim")
-    bad = [n for n in layers if not 1 <= n <= num_layers]
+    lowest = 0 if static else 1
+    bad = [n for n in layers if not lowest <= n <= num_layers]
     if bad:
-        raise ValueError(f"layers {bad} out of range: the model has layers 1..{num_layers}")
+        hint = (
+            " (layer 0 is a static cell, which this model does not hold: `matryoshka2d distill --mode static` makes "
+            "one)"
+            if 0 in bad and not static
+            else ""
+        )
+        raise ValueError(f"layers {bad} out of range: the model has layers {lowest}..{num_layers}{hint}")
     bad = [d for d in dims if not 1 <= d <= hidden_size]
     if bad:
         raise ValueError(f"dims {bad} out of range: the model's embeddings have 1..{hidden_size} numbers")
@@ -78,10 +88,11 @@ class EncoderCells:
         # texts -> the cells without heads of each pass over them, oldest first (two datasets may hold the same texts)
         self._without: dict[tuple[str, ...], list[dict[Cell, np.ndarray]]] = {}
         self.layers, self.dims = check_cells(
-            layers or range(1, encoder.num_layers + 1),
+            layers or encoder.layers,
             dims or default_dims(encoder.hidden_size),
             encoder.num_layers,
             encoder.hidden_size,
+            static=encoder.static_cell is not None,
         )
         self.batch_size = batch_size
         self.show_progress = show_progress

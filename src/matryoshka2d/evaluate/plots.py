@@ -63,3 +63,40 @@ def heatmap(
     path = Path(path)
     fig.savefig(path)
     return path
+
+
+def paired_points(rows, path: str | Path, title: str) -> Path:
+    """Save a PNG of t-SNE panels (evaluate/compression.py's Panel), a row of panels per list in `rows`: each
+    sentence's whole vector as a dark dot and its cut as a light one, as ESE's Figure 7 draws them, with the
+    average distance under each panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    columns = max(len(row) for row in rows)
+    fig = Figure(figsize=(3.6 * columns, 3.9 * len(rows)), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(rows), columns, squeeze=False)
+    for r, row in enumerate(rows):
+        for c in range(columns):
+            ax = axes[r][c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if c >= len(row):
+                ax.set_axis_off()
+                continue
+            panel = row[c]
+            (n, d), (cn, cd) = panel.full, panel.cut
+            ax.scatter(*panel.cut_points.T, s=2, color="#9ecae1", label=f"cut ({cn}, {cd})", linewidths=0)
+            ax.scatter(*panel.full_points.T, s=2, color="#08306b", label=f"whole ({n}, {d})", linewidths=0)
+            ax.set_title(f"{panel.name}: ({n}, {d}) vs ({cn}, {cd})", fontsize=8)
+            ax.set_xlabel(
+                f"avg. distance {panel.tsne_distance:.2f}\ncosine {panel.cosine_distance:.3f}, "
+                f"neighbours lost {panel.neighbour_loss:.2f}",
+                fontsize=8,
+            )
+            ax.legend(loc="upper right", fontsize=6, markerscale=3, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path

@@ -33,8 +33,16 @@ from matryoshka2d.models.backbones import (
 from matryoshka2d.models.batching import check_texts, inference_batches, pad_rows
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.exits import install_exit_hooks, run_to_exits
+from matryoshka2d.models.identity import backbone_sha256
 from matryoshka2d.models.pooler import PoolerHead
-from matryoshka2d.models.st_folder import head_from_dense, read_sentence_config, save_folder
+from matryoshka2d.models.st_folder import (
+    PAIR_ROUTES,
+    head_from_dense,
+    read_sentence_config,
+    route_transformer_dir,
+    router_routes,
+    save_folder,
+)
 from matryoshka2d.views import unit_rows
 
 # The fixed cost of one inference forward pass in token positions, fp32 on a CPU with one thread: about 5 ms
@@ -73,19 +81,42 @@ class ElasticEncoder(nn.Module):
         max_length: int | None = None,
         device: str | torch.device | None = None,
         heads: bool = True,
+        route: str | None = None,
     ):
-        """`heads=False` leaves a folder's exit heads unloaded and unused (to compare both sides)."""
+        """`heads=False` leaves a folder's exit heads unloaded and unused (to compare both sides).
+
+        A query/document pair (one folder with sentence-transformers' Router, `export --query-model` or
+        `--query-cell`) loads as its document route, the model whose vectors an index holds, with the query route
+        as `query_encoder`; `route="query"` loads the query route alone."""
         super().__init__()
         location, display = resolve(model)
-        transformer, tokenizer = load_transformer(location, display)
-        sentence_cfg = read_sentence_config(location)
+        routes = router_routes(location)
+        if routes is not None:
+            route = route or "document"
+            if route not in PAIR_ROUTES:
+                raise BackboneError(f"route {route!r}: a pair folder has routes {', '.join(PAIR_ROUTES)}")
+            display = display if route == "document" else f"{display}#{route}"
+            weights = str(route_transformer_dir(location, route))
+        elif route is not None:
+            raise BackboneError(f"{display} is not a query/document pair folder; route={route!r} is for one")
+        transformer, tokenizer = load_transformer(weights if routes else location, display)
+        sentence_cfg = read_sentence_config(location, route)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
+        self.route = route
+        if route == "document":  # kept out of this module's parameters: the weights checksum stays the route's own
+            query = ElasticEncoder(model, max_length=max_length, device=device, route="query")
+            object.__setattr__(self, "query_encoder", query)
         from matryoshka2d.models.heads_on_disk import load_heads, read_record
 
-        record = read_record(location)
+        record = read_record(location) if routes is None else None  # a pair's routes hold cells, not exit heads
         self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
         if heads and record is not None:
             self.set_exit_heads(load_heads(location, record, self))
+        from matryoshka2d.models import static
+
+        if (cell := static.read_record(location)) is not None:  # layer 0 (models.static)
+            self.set_static_cell(static.load_static_cell(location, cell, backbone_sha256(self), self.hidden_size))
+
         from matryoshka2d.models.identity import check_own_weights
 
         check_own_weights(self)  # a query encoder's record vouches for these weights and this width
@@ -139,6 +170,9 @@ class ElasticEncoder(nn.Module):
         self.exit_heads = None  # ExitHeads (matryoshka2d.models.heads), set by set_exit_heads
         self.use_heads = True  # apply the exit heads, when there are any, unless a call says otherwise
         self.folder_has_heads = False
+        self.route = None  # "document" or "query" for a route of a query/document pair folder
+        object.__setattr__(self, "query_encoder", None)  # a pair's query route (not a submodule: see __init__)
+        self.static_cell = None  # StaticCell (matryoshka2d.models.static): layer 0, set by set_static_cell
         self.to(torch.device(device) if device is not None else default_device())
         self.model.eval()
 
@@ -182,6 +216,22 @@ class ElasticEncoder(nn.Module):
             heads = heads.to(self.device)
         self.exit_heads = heads
 
+    def set_static_cell(self, cell) -> None:
+        """Put a static cell on as layer 0 (None takes it off); it must output this model's vectors."""
+        if cell is not None:
+            if cell.dim_out != self.hidden_size:
+                raise BackboneError(
+                    f"a static cell giving {cell.dim_out} numbers does not fit {self.name}, whose vectors have "
+                    f"{self.hidden_size}"
+                )
+            cell = cell.to(self.device)
+        self.static_cell = cell
+
+    @property
+    def layers(self) -> list[int]:
+        """Every cell layer of the model: 0 when it holds a static cell, then 1..num_layers."""
+        return ([0] if self.static_cell is not None else []) + list(range(1, self.num_layers + 1))
+
     def add_pooler(self, dim: int, seed: int = 0) -> PoolerHead:
         """A fresh D -> dim tanh head (BERT's pooler initialisation), put on the encoder and returned."""
         head = PoolerHead.fresh(self.transformer_size, dim, seed=seed)
@@ -202,6 +252,7 @@ class ElasticEncoder(nn.Module):
             "transformer_size": self.transformer_size,
             "pooler": self.head.describe() if self.head is not None else None,
             "exit_heads": self.exit_heads.describe() if self.exit_heads is not None else None,
+            "static_cell": self.static_cell.describe() if self.static_cell is not None else None,
             "pooling": self.pooling,
             "normalize": self.normalize_output,
             "max_length": self.max_length,
@@ -209,9 +260,15 @@ class ElasticEncoder(nn.Module):
         }
 
     def check_layer(self, layer: int | None) -> int:
-        """An exit 1..num_layers (None: the last layer)."""
+        """An exit 1..num_layers (None: the last layer), or 0 when the model holds a static cell."""
         if layer is None:
             return self.num_layers
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) and layer == 0:
+            if self.static_cell is None:
+                from matryoshka2d.models.static import no_static_cell
+
+                raise no_static_cell(self.name)
+            return 0
         return _in_range(layer, "layer", self.num_layers, f"{self.name}: it has {self.num_layers} layers")
 
     def check_dim(self, dim: int | None) -> int:
@@ -366,8 +423,17 @@ class ElasticEncoder(nn.Module):
         max_length), so a caller that tokenized them (the server counts tokens) does not pay for it twice.
         `progress`, when given, is called with the number of texts of each forward pass once it is done."""
         texts = check_texts(texts)
-        # pooled vectors may include layer 0 (the embedding output), which exit heads reading layers 0..l need
+        # pooled vectors may include layer 0 (the embedding output), which exit heads reading layers 0..l need;
+        # otherwise layer 0 is the static cell, which reads the texts themselves (its own tokenizer)
         layers = sorted({0 if pooled and n == 0 else self.check_layer(n) for n in layers})
+        static = not pooled and 0 in layers
+        if static:
+            layers.remove(0)
+            if not layers:  # the static cell alone: a table lookup per text, no de-duplication to gain from
+                vectors = self.static_cell.encode(texts)
+                if progress is not None:
+                    progress(len(texts))
+                return {0: vectors}
         if batch_size < 1:
             raise BackboneError(f"batch_size must be at least 1, got {batch_size}")
         unique: dict[str, int] = {}
@@ -376,6 +442,8 @@ class ElasticEncoder(nn.Module):
         out = {n: np.zeros((len(unique), width), dtype=np.float32) for n in layers}
         if encoded is not None and len(encoded["input_ids"]) != len(texts):
             raise BackboneError(f"encoded holds {len(encoded['input_ids'])} rows for {len(texts)} texts")
+        if static:
+            out[0] = self.static_cell.encode(list(unique))
         if unique:
             if encoded is None:
                 encoded = self.tokenizer(list(unique), truncation=True, max_length=self.max_length)

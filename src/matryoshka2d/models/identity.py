@@ -53,15 +53,22 @@ class IdentityError(ValueError):
     """A model and the vectors it is asked to meet were made by different models; the message says what differs."""
 
 
+QUERY_MODES = ("query", "static")  # distill modes whose folder encodes queries for its teacher's documents
+
+
 def query_encoder_record(encoder) -> dict | None:
     """The `distill` record of a query encoder's folder (a student trained with --mode query to land on its
-    teacher's vectors), or None for any other model."""
+    teacher's vectors, or a static cell trained with --mode static), or None for any other model."""
     location = getattr(encoder, "location", None)
-    return query_encoder_record_at(location) if location else None
+    return query_encoder_record_at(location, getattr(encoder, "route", None)) if location else None
 
 
-def query_encoder_record_at(folder) -> dict | None:
-    """query_encoder_record of a model folder, read before the model is loaded."""
+PAIR_KEY = "pair"  # matryoshka2d.json of a query/document pair folder: what each route holds (deploy.pair)
+
+
+def query_encoder_record_at(folder, route: str | None = None) -> dict | None:
+    """query_encoder_record of a model folder, read before the model is loaded; of a pair folder's query route
+    with `route="query"` (the student's record, kept under `pair`)."""
     import json
     from pathlib import Path
 
@@ -70,8 +77,16 @@ def query_encoder_record_at(folder) -> dict | None:
         meta = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         return None
+    if route == "query" and isinstance(meta, dict):
+        meta = (meta.get(PAIR_KEY) or {}).get("query") or {}
     record = meta.get(DISTILL_KEY) if isinstance(meta, dict) else None
-    return record if isinstance(record, dict) and record.get("mode") == "query" else None
+    return record if isinstance(record, dict) and record.get("mode") in QUERY_MODES else None
+
+
+def query_encoder_layer(record: dict, encoder) -> int:
+    """The layer a query encoder's queries are encoded at: its static cell (0) for --mode static, else all of its
+    own layers."""
+    return 0 if record.get("mode") == "static" else encoder.num_layers
 
 
 def documents_identity(encoder) -> dict:

@@ -22,6 +22,8 @@ from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError
 from matryoshka2d.models.heads_on_disk import save_heads
 from matryoshka2d.models.identity import backbone_sha256, without_own_identity
 from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
+from matryoshka2d.models.static import FOLDER as STATIC_FOLDER
+from matryoshka2d.models.static import RECORD_KEY as STATIC_KEY
 
 # sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
 # pooling_mode_*_token flags) -> ours.
@@ -84,14 +86,58 @@ def settings_module(kind: str, folder: Path):
     return (name, {"pooling_mode": mode}) if isinstance(mode, str) else None
 
 
-def read_sentence_config(model_dir: str | None) -> SentenceConfig:
+# ---- a query/document pair: one folder whose only module is sentence-transformers' Router ---------------------
+
+ROUTER_CONFIG = "router_config.json"  # Router.save writes it beside modules.json
+PAIR_ROUTES = ("query", "document")  # Router.for_query_document's routes; "document" is its default route
+
+
+def router_routes(model_dir) -> dict[str, list[tuple[str, str]]] | None:
+    """The routes of a folder that sentence-transformers' Router.for_query_document wrote (route -> its modules as
+    (type, subfolder), in order), read from router_config.json; None for a folder whose modules.json lists no
+    Router. A Router of other routes (modalities, several tasks) is refused, naming what it holds."""
+    root = Path(model_dir) if model_dir else None
+    if root is None or not (root / "modules.json").is_file():
+        return None
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise BackboneError(f"{root / 'modules.json'}: not valid JSON ({exc})") from None
+    if not any(str(m.get("type", "")).rpartition(".")[2] in ("Router", "Asym") for m in modules):
+        return None
+    where = root / ROUTER_CONFIG
+    try:
+        config = json.loads(where.read_text())
+        types, structure = config["types"], config["structure"]
+        routes = {name: [(types[module], module) for module in structure[name]] for name in structure}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BackboneError(f"{where}: not a Router config sentence-transformers wrote ({exc!r})") from None
+    if len(modules) != 1 or sorted(routes) != sorted(PAIR_ROUTES) or config.get("parameters", {}).get("route_mappings"):
+        raise BackboneError(
+            f"{root}: a Router with routes {sorted(routes)} and {len(modules)} top-level modules; matryoshka2d reads "
+            "the Router of Router.for_query_document alone (routes 'query' and 'document')"
+        )
+    return routes
+
+
+def route_transformer_dir(model_dir, route: str) -> Path:
+    """The subfolder holding the Transformer (weights, config, tokenizer) of one route of a pair folder."""
+    routes = router_routes(model_dir) or {}
+    kind, sub = (routes.get(route) or [("", "")])[0]
+    if kind.rpartition(".")[2] != "Transformer":
+        raise BackboneError(f"{Path(model_dir) / ROUTER_CONFIG}: the {route} route does not start with a Transformer")
+    return Path(model_dir) / sub
+
+
+def read_sentence_config(model_dir: str | None, route: str | None = None) -> SentenceConfig:
     """Read a sentence-transformers folder's modules: Transformer, Pooling and Normalize from their JSON where it
     reads plainly (`settings_module`), anything else through sentence-transformers' own module classes.
 
     Each module that modules.json lists is resolved and loaded by the installed sentence-transformers (so every
     config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
     except the Transformer, whose weights `load_transformer` loads; only its settings (max_seq_length) are read.
-    A plain Hugging Face folder (no modules.json) gives an empty config.
+    A plain Hugging Face folder (no modules.json) gives an empty config. A query/document pair (router_routes)
+    gives the modules of `route`, by default its document route.
     """
     cfg = SentenceConfig()
     if model_dir is None:
@@ -105,10 +151,15 @@ def read_sentence_config(model_dir: str | None) -> SentenceConfig:
         if bert_cfg.is_file():
             cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
         return cfg
-    try:
-        modules = json.loads(modules_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
+    routes = router_routes(root)
+    if routes is not None:
+        modules = [{"type": kind, "path": sub} for kind, sub in routes[route or "document"]]
+        modules_file = root / ROUTER_CONFIG
+    else:
+        try:
+            modules = json.loads(modules_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
     dense_dirs = []
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise BackboneError(f"{modules_file}: not a list of modules (objects with 'type' and 'path')")
@@ -238,6 +289,9 @@ def save_folder(
     matryoshka2d.json); a model cut to layer n < N keeps the head of layer n as a Dense module holding only the
     output rows the cell needs, so plain sentence-transformers gives the cell's vectors, head included.
 
+    A static cell (layer 0, matryoshka2d.models.static) is kept by a whole model: the `static/` folder and its
+    record in matryoshka2d.json.
+
     Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
     """
     out = Path(path)
@@ -245,7 +299,7 @@ def save_folder(
     n = self.check_layer(keep_layers) if keep_layers else self.num_layers
     width = self.check_dim(dim) if dim is not None else None
     normalize = self.normalize_output if normalize is None else bool(normalize)
-    metadata = None if metadata is None else {k: v for k, v in metadata.items() if k != RECORD_KEY}
+    metadata = None if metadata is None else {k: v for k, v in metadata.items() if k not in (RECORD_KEY, STATIC_KEY)}
     metadata = without_own_identity(metadata)  # a query encoder's checksum is of its folder, not of this one
     heads = self.exit_heads if self.use_heads else None
     cell_head = heads.heads[str(n)] if heads is not None and n < self.num_layers and heads.has(n) else None
@@ -279,6 +333,11 @@ def save_folder(
     model.save(str(out), create_model_card=False)
     if heads is not None and n == self.num_layers:
         metadata = {**(metadata or {}), RECORD_KEY: save_heads(heads, out, backbone_sha256(self))}
+    if (out / STATIC_FOLDER).is_dir():
+        shutil.rmtree(out / STATIC_FOLDER)  # an earlier save's static cell must not outlive its record
+    if self.static_cell is not None and n == self.num_layers:  # a whole model keeps its layer 0 (models.static)
+        record = {**self.static_cell.save(out / STATIC_FOLDER), "backbone_sha256": backbone_sha256(self)}
+        metadata = {**(metadata or {}), STATIC_KEY: record}
     if metadata is not None:
         (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
     widths = matryoshka_widths(metadata, width or self.hidden_size)

@@ -21,6 +21,7 @@ import numpy as np
 
 from matryoshka2d.evaluate.results import model_record, provenance, provenance_lines
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
+from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
 from matryoshka2d.retrieval.faiss_indexes import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search
 from matryoshka2d.retrieval.shards import RESCORED_STORAGES, STORAGES
@@ -81,6 +82,11 @@ def evaluate_cascade(
     if isinstance(query_layers, int):
         query_layers = [query_layers]
     query_layers = sorted({encoder.check_layer(n) for n in query_layers or ()})
+    if query_layers and query_layers[0] == 0:
+        raise ValueError(
+            f"--query-layer 0: {encoder.name}'s static cell is scored as a query encoder; pass its folder as "
+            "--query-model (the documents stay the full model's)"
+        )
     if query_layers and query_layers[-1] > full[0]:
         raise ValueError(
             f"--query-layer {query_layers[-1]} is deeper than the documents of the full cell {full[0]}:{full[1]}: "
@@ -186,7 +192,7 @@ def _check_query_encoders(encoder, students: Sequence, full) -> None:
         if record is None:
             raise ValueError(
                 f"--query-model {student.name}: not a query encoder (its folder has no `distill` record of "
-                "--mode query); make one with `matryoshka2d distill --mode query`"
+                "--mode query or static); make one with `matryoshka2d distill --mode query` or `--mode static`"
             )
         check_query_encoder(record, student.name, documents, "--query-model")
         check_query_cells(record, student.name, [full], "--query-model")
@@ -279,11 +285,12 @@ def _cascade_rows(
         modes.append((f"flat ({sym[0]},{sym[1]}) (queries and docs at layer {query_layer})", ranking, enc, sec))
     for student in query_encoders:
         t = time.perf_counter()
-        top = student.num_layers
+        top = query_encoder_layer(query_encoder_record(student), student)
         qa = unit_rows(student.pooled_states(ds.query_texts, [top], batch_size)[top][:, : full[1]])
         enc = (time.perf_counter() - t) / n_queries
         ranking, sec = one_by_one(flat_one(full, qa))
-        name = f"query encoder {student.name} ({top} layers) -> docs ({full[0]},{full[1]})"
+        runs = f"{top} layers" if top else "its static cell, layer 0"
+        name = f"query encoder {student.name} ({runs}) -> docs ({full[0]},{full[1]})"
         modes.append((name, ranking, enc, sec))
     rows = []
     for name, ranking, enc, sec in modes:

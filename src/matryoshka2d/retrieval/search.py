@@ -123,18 +123,17 @@ def query_vectors(
     cells: Sequence[Cell],
     query_layer: int | None = None,
     batch_size=64,
-    query_encoder: bool = False,
+    query_encoder: int | None = None,
 ):
     """Unit query vectors per cell from one encoder pass (to the deepest layer needed, or to `query_layer`). A
-    distilled query encoder (`query_encoder`) runs all of its own layers; a cell (N, d) of its teacher's documents
-    takes the first d numbers of its output."""
-    if query_encoder:
-        top = encoder.num_layers
-        pooled = encoder.pooled_states(list(texts), [top], batch_size)[top]
+    distilled query encoder (`query_encoder`: the layer its queries are encoded at, identity.query_encoder_layer)
+    runs to that layer; a cell (N, d) of its teacher's documents takes the first d numbers of its output."""
+    if query_encoder is not None:
+        pooled = encoder.pooled_states(list(texts), [query_encoder], batch_size)[query_encoder]
         return {(n, d): unit_rows(pooled[:, :d]) for n, d in cells}
-    layers = {query_layer or n for n, _ in cells}
+    layers = {n if query_layer is None else query_layer for n, _ in cells}
     pooled = encoder.pooled_states(list(texts), sorted(layers), batch_size)
-    return {(n, d): unit_rows(pooled[query_layer or n][:, :d]) for n, d in cells}
+    return {(n, d): unit_rows(pooled[n if query_layer is None else query_layer][:, :d]) for n, d in cells}
 
 
 @dataclass
@@ -198,7 +197,12 @@ class SearchIndex:
         top_k: int = 10,
         query_layer: int | None = None,
     ) -> Hits:
-        from matryoshka2d.models.identity import check_query_cells, check_query_encoder, query_encoder_record
+        from matryoshka2d.models.identity import (
+            check_query_cells,
+            check_query_encoder,
+            query_encoder_layer,
+            query_encoder_record,
+        )
 
         student = query_encoder_record(encoder)  # a query encoder distilled for the documents' model, or None
         if student is None:
@@ -214,12 +218,13 @@ class SearchIndex:
             check_query_cells(student, encoder.name, cells, str(self.directory))
         self.check_search(encoder, cells, cascade, shortlist, top_k, query_layer)
         t0 = time.perf_counter()
-        vectors = query_vectors(encoder, texts, cells, query_layer, query_encoder=student is not None)
+        own = query_encoder_layer(student, encoder) if student is not None else None
+        vectors = query_vectors(encoder, texts, cells, query_layer, query_encoder=own)
         t1 = time.perf_counter()
         ids, scores, what = self.run_search(vectors, cells, cascade, shortlist, top_k)
         t2 = time.perf_counter()
-        if query_layer is not None:
-            what += f", queries at layer {query_layer}"
+        if query_layer is not None or own == 0:
+            what += f", queries at layer {own if own == 0 else query_layer}"
         ids, scores = self.named(ids, scores)
         return Hits(ids=ids, scores=scores, encode_seconds=t1 - t0, search_seconds=t2 - t1, description=what)
 

@@ -300,6 +300,7 @@ def _is_model_file(name: str) -> bool:
             "generation_config.json",
             "modules.json",
             "config.json",
+            "static",  # a static cell (models.static)
         )
     )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.models.identity import backbone_sha256, weights_sha256
+from matryoshka2d.training.config import eval_cells
 from matryoshka2d.training.data import TrainingData, read_sentences
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir
@@ -43,8 +45,9 @@ from matryoshka2d.training.teacher import LOSSES, TEMPERATURE, default_widths, d
 from matryoshka2d.training.throughput import autocast
 from matryoshka2d.training.trainer import Trainer
 
-MODES = ("shared", "query")
+MODES = ("shared", "query", "static")
 RECORD_KEY = "distill"  # in matryoshka2d.json
+CLOSED_FORM = "closed-form"  # --mode static: the model with the cell's closed-form start, inside the run folder
 
 
 class DistillError(ValueError):
@@ -119,7 +122,68 @@ def read_texts(sources: Iterable[str], tokenizer=None, max_tokens: int | None = 
                 yield text
 
 
+# ---- the recipes: what `distill` runs when no option says otherwise (docs/distill.md measured each) ------------
+
+QUERY_LR, QUERY_EPOCHS = 2e-4, 3.0  # SciFact half B: 95.5% of flat nDCG@10 with 3 layers (63 minutes here)
+PASSAGE_TOKENS = 48  # query mode: BEIR documents cut into claim-sized passages (80% -> 89% of flat with 2 epochs)
+# shared mode: minilm-l6 ran 3.5 epochs of 37,276 texts (2,041 steps), mpnet-base 5 epochs of 10,000 (785 steps)
+SHARED_STEPS, SHARED_MAX_EPOCHS = 2000, 5.0
+SHARED_LR = {6: 1e-4, 12: 3e-4}  # depth of the measured teacher -> its rate: minilm-l6, mpnet-base
+RECIPE_CHOICES = ("lr", "epochs", "passage_tokens")  # what the recipe may choose (the CLI says which were not given)
+
+
+def recipe(mode: str, num_layers: int, width: int, texts: int, batch_size: int, choose=RECIPE_CHOICES, widths=None):
+    """The values of the measured recipe for the options in `choose`, and one line saying what was chosen and why.
+
+    - query mode: lr 2e-4 and 3 epochs, BEIR documents as passages of 48 tokens (and, always unless --widths is
+      given, the loss on the full width, the one the teacher's index holds): docs/distill.md's SciFact recipe.
+    - shared mode: about 2,000 steps (rounded to half an epoch, at most 5 epochs), and the learning rate measured
+      on the teacher of the nearest depth (1e-4 for 6 layers, 3e-4 for 12): minilm-l6's 3.5 epochs of 37,276
+      texts at 1e-4 and mpnet-base's 5 epochs of 10,000 at 3e-4 both come out of this rule. A 12-layer model's
+      layer-3 exit has a quarter of the network to learn with, and gained nothing at (3,768) with minilm's rate.
+    """
+    values, why = {}, []
+    steps_per_epoch = max(1, math.ceil(texts / batch_size))
+    if mode == "query":
+        if "lr" in choose:
+            values["lr"] = QUERY_LR
+            why.append(f"lr {rate(QUERY_LR)}")
+        if "epochs" in choose:
+            values["epochs"] = QUERY_EPOCHS
+            steps = math.ceil(QUERY_EPOCHS * steps_per_epoch)
+            why.append(f"{QUERY_EPOCHS:g} epochs = {steps:,} steps of {batch_size} over {texts:,} texts")
+        if "passage_tokens" in choose:
+            values["passage_tokens"] = PASSAGE_TOKENS
+            why.append(f"BEIR documents as passages of {PASSAGE_TOKENS} tokens, about a claim")
+        why = [f"{', '.join(why)} (docs/distill.md's SciFact recipe)"] if why else []
+        if why and list(widths or [width]) == [width]:
+            why.append(f"the loss on the full width {width}, the one an index of the teacher holds")
+    else:
+        if "epochs" in choose:
+            epochs = min(SHARED_MAX_EPOCHS, max(0.5, round(2 * SHARED_STEPS / steps_per_epoch) / 2))
+            values["epochs"] = epochs
+            steps = math.ceil(epochs * steps_per_epoch)
+            why.append(
+                f"{epochs:g} epochs = {steps:,} steps of {batch_size} over {texts:,} texts "
+                f"(about {SHARED_STEPS:,} steps, at most {SHARED_MAX_EPOCHS:g} epochs)"
+            )
+        if "lr" in choose:
+            depth = min(SHARED_LR, key=lambda d: (abs(d - num_layers), d))
+            values["lr"] = SHARED_LR[depth]
+            why.append(f"lr {rate(SHARED_LR[depth])} (measured on a {depth}-layer teacher; this one has {num_layers})")
+    line = f"distill recipe (--mode {mode}): " + "; ".join(why) if why else ""
+    return values, line
+
+
+def rate(value: float) -> str:
+    """A learning rate as the docs write it: 2e-4."""
+    return f"{value:.0e}".replace("e-0", "e-")
+
+
 # ---- the objective ----------------------------------------------------------------------------------------
+
+
+_TRAINS = {"shared": "every exit", "static": "the static cell, layer 0"}
 
 
 class DistillObjective(nn.Module):
@@ -142,7 +206,7 @@ class DistillObjective(nn.Module):
             raise DistillError(f"--mode {mode}: choose one of {', '.join(MODES)}")
         if loss not in LOSSES:
             raise DistillError(f"--loss {loss}: choose one of {', '.join(LOSSES)}")
-        if num_layers < 2:
+        if num_layers < 2 and mode != "static":
             raise DistillError(f"the teacher has {num_layers} layer: there is no exit below its last layer to distill")
         if mode == "query":
             if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < num_layers:
@@ -151,15 +215,15 @@ class DistillObjective(nn.Module):
                     f"n in 1..{num_layers - 1} (the teacher has {num_layers})"
                 )
         elif layer is not None:
-            raise DistillError("--layer is for --mode query (the shared mode trains every exit)")
+            raise DistillError(f"--layer is for --mode query (--mode {mode} trains {_TRAINS[mode]})")
         widths = sorted({int(w) for w in widths}) if widths else default_widths(width)
         if bad := [w for w in widths if not 1 <= w <= width]:
             raise DistillError(f"--widths {bad}: the model's vectors have {width} numbers")
         if not (isinstance(temperature, (int, float)) and temperature > 0):
             raise DistillError(f"--temperature must be a number above 0, got {temperature!r}")
-        self.mode, self.layer, self.loss_name = mode, layer, loss
+        self.mode, self.layer, self.loss_name = mode, 0 if mode == "static" else layer, loss
         self.widths_list, self.temperature = widths, float(temperature)
-        self.layers = [layer] if mode == "query" else list(range(1, num_layers + 1))
+        self.layers = [layer] if mode == "query" else [0] if mode == "static" else list(range(1, num_layers + 1))
         self.keep_layers = layer if mode == "query" else None  # the trainer saves a query encoder cut to n layers
 
     def loss(self, vectors: dict[int, torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -208,9 +272,16 @@ class DistillTrainer(Trainer):
             isinstance(self.max_texts, bool) or not isinstance(self.max_texts, int) or self.max_texts < 1
         ):
             raise DistillError(f"--max-texts must be a whole number of at least 1, got {self.max_texts!r}")
+        self.recipe_for = tuple(options.pop("recipe_for", ()))  # options the CLI was not given: the recipe's
+        if bad := [name for name in self.recipe_for if name not in RECIPE_CHOICES]:
+            raise DistillError(f"recipe_for {bad}: the recipe chooses {', '.join(RECIPE_CHOICES)} only")
+        self.passage_tokens = options.pop("passage_tokens", None)
+        if options.get("mode") == "query" and "passage_tokens" in self.recipe_for:
+            self.passage_tokens = PASSAGE_TOKENS
         trained = _folder_record(self.encoder).get("trained_widths")
-        if "widths" not in options:
-            options["widths"] = default_widths(self.encoder.hidden_size, trained)
+        if "widths" not in options:  # a query encoder serves an index of the teacher's full vectors
+            width = self.encoder.hidden_size
+            options["widths"] = [width] if options.get("mode") == "query" else default_widths(width, trained)
         objective = DistillObjective(self.encoder.num_layers, self.encoder.hidden_size, loss=cfg.loss, **options)
         if objective.mode == "query":  # only the head that the query encoder keeps
             self.head_layers = [objective.layer]
@@ -227,7 +298,7 @@ class DistillTrainer(Trainer):
         from matryoshka2d.paths import data_dir
 
         cfg, encoder = self.config, self.encoder
-        texts: Iterable[str] = read_texts(cfg.data, encoder.tokenizer, encoder.max_length)
+        texts: Iterable[str] = read_texts(cfg.data, encoder.tokenizer, self.passage_tokens or encoder.max_length)
         self.left_out = None
         if cfg.exclude_sts_test:
             try:
@@ -249,15 +320,47 @@ class DistillTrainer(Trainer):
             raise DistillError(f"--data {' '.join(cfg.data)}: no texts to distill on (the files hold no text)")
         if self.left_out is not None and self.processes.main:
             print(f"distill: {len(texts)} distinct texts; {self.left_out.count} STS test sentences left out")
+        chosen, self.recipe_line = recipe(
+            self.method.mode,
+            encoder.num_layers,
+            encoder.hidden_size,
+            len(texts),
+            cfg.batch_size,
+            self.recipe_for,
+            self.method.widths_list,
+        )
+        cfg.lr, cfg.epochs = chosen.get("lr", cfg.lr), chosen.get("epochs", cfg.epochs)
+        if self.recipe_line and self.processes.main:
+            print(self.recipe_line)
         self.teacher_sha = weights_sha256(encoder)
         self.teacher_backbone = backbone_sha256(encoder)
-        if cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
+        if self.method.mode == "static":
+            self.prepare_static_cell()
+        elif cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
             own = encoder.exit_heads
             usable = own is not None and (
                 self.method.mode == "shared" or (own.has(self.method.layer) and own.inputs == "exit")
             )
             cfg.exit_heads = "keep" if usable else "fit"
         return TrainingData("sentences", [texts], None, [str(d) for d in cfg.data])
+
+    def prepare_static_cell(self) -> None:
+        """--mode static: the teacher's model2vec table with an identity head put on as layer 0 (the head is fitted
+        in closed form once the targets exist: prepare_run); only the cell learns, the transformer and any exit
+        heads stay the teacher's. A resumed run makes the same table again and reads its weights back."""
+        cfg, encoder = self.config, self.encoder
+        if cfg.exit_heads is not None:
+            raise DistillError("--exit-heads is for --mode shared and query (--mode static keeps the teacher's heads)")
+        from matryoshka2d.models.static import distill_table
+
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        # the teacher's own exit heads are kept as they are (exit_heads.prepare would drop heads of a changing
+        # backbone; this one does not change)
+        cfg.exit_heads = "keep" if encoder.exit_heads is not None else None
+        encoder.set_static_cell(distill_table(encoder, log=print if self.processes.main else None))
+        for p in encoder.static_cell.parameters():
+            p.requires_grad_(True)
 
     def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
         """The Trainer's preparation, then the teacher's targets: computed on a new run (the student is still the
@@ -273,6 +376,24 @@ class DistillTrainer(Trainer):
             )
         else:
             self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size)
+        if self.method.mode == "static" and self.step == 0:  # the closed-form head (a resumed run has its own)
+            from matryoshka2d.models.static import fit_head
+
+            report = fit_head(self.encoder.static_cell, texts, self.targets)
+            print(
+                f"static cell: head fitted in closed form on {report['head_texts']} texts in {report['head_seconds']} s"
+            )
+            self.save_closed_form()
+
+    def save_closed_form(self) -> Path:
+        """--mode static: the model with its closed-form cell, before any step, in OUTPUT/closed-form (a query
+        encoder for the same index as the trained one): what training adds is measured against it."""
+        from matryoshka2d.training.checkpoints import save_model_atomically
+
+        metadata = {**self.extra_metadata(), "stage": "the closed-form start of the static cell, before training"}
+        out = save_model_atomically(lambda folder: self.encoder.save(folder, metadata=metadata), self.out / CLOSED_FORM)
+        print(f"static cell: the closed-form start saved to {out}")
+        return out
 
     def run(self, resume=False, progress=True, overwrite=False, allow_pickle=False) -> Path:
         self.progress = progress
@@ -282,6 +403,9 @@ class DistillTrainer(Trainer):
         rows = self.batch_indices(step)
         texts = [self.data.columns[0][i] for i in rows]
         enc = self.encoder
+        if self.method.mode == "static":  # the cell's own tokens (models.static)
+            targets = torch.from_numpy(np.asarray(self.targets[rows], dtype=np.float32))
+            return [(enc.static_cell.embedding.preprocess(texts), targets, len(rows))]
         batch = tokenize_columns(self._tokenizer, [texts], enc.max_length, enc._input_names, self._overhead, self._pin)
         targets = torch.from_numpy(np.asarray(self.targets[rows], dtype=np.float32))
         return [(batch, targets, len(rows))]
@@ -290,8 +414,22 @@ class DistillTrainer(Trainer):
         torch.manual_seed(self.config.seed * 1_000_003 + step)  # dropout, as the Trainer seeds it
         batch, targets, _ = micro_batch if micro_batch is not None else self.prepare_batch(step)[0]
         with autocast(self.precision, self.encoder.device):
-            vectors = encode_columns(self.encoder, batch, self.method.layers)[0]
+            if self.method.mode == "static":
+                cell = self.encoder.static_cell
+                vectors = {0: cell({k: v.to(self.encoder.device) for k, v in batch.items()})}
+            else:
+                vectors = encode_columns(self.encoder, batch, self.method.layers)[0]
         return self.method.loss(vectors, targets.to(self.encoder.device))
+
+    def evaluate(self) -> list[dict]:
+        """--mode static: STS-B dev at the static cell (0, full width) unless --eval-cell says otherwise."""
+        if self.method.mode != "static" or eval_cells(self.config):
+            return super().evaluate()
+        from matryoshka2d.evaluate.sts import sts_dev_score
+
+        path, width = self.eval_path(), self.encoder.hidden_size
+        score = sts_dev_score(self.encoder, path, 0, width)
+        return [{"step": self.step, "eval": f"{Path(path).name}@(0,{width})", "spearman": round(score, 2)}]
 
     def extra_metadata(self) -> dict:
         record = TeacherTargets(self.out).record_path
@@ -308,6 +446,8 @@ class DistillTrainer(Trainer):
                 "loss": self.method.loss_name,
                 "widths": self.method.widths_list,
                 "texts": len(self.data),
+                "recipe": self.recipe_line or None,
+                "passage_tokens": self.passage_tokens or self.encoder.max_length,
                 "targets_sha256": targets.get("sha256"),
                 "targets_seconds": targets.get("seconds"),
                 "sts_test_sentences_left_out": self.left_out.count if self.left_out is not None else None,

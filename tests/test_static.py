@@ -1,0 +1,292 @@
+"""Layer 0, the static cell (issue 44): `distill --mode static`, and layer 0 wherever a cell goes, on tiny models
+built in code. The teacher has a tokenizer of a few dozen word pieces, so that model2vec's own distillation (one
+forward pass per token) runs here in a second, the same code path as on a real model."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY, WORDS
+from matryoshka2d.cli import main
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.static import StaticCellError
+from matryoshka2d.training.config import TrainConfig
+from matryoshka2d.training.distill import CLOSED_FORM, DistillError, DistillTrainer
+from matryoshka2d.training.targets import TargetsError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS) - {"swims"}), "swim", "##s"]
+
+
+def small_teacher(folder, seed: int):
+    """A tiny random BERT (no dropout, weights ~ N(0, 0.2) so that its layers differ) on a word-piece tokenizer of
+    VOCABULARY, saved as a sentence-transformers folder with mean pooling."""
+    import transformers as tf
+
+    folder.mkdir(parents=True)
+    tokenizer = tf.BertTokenizerFast(vocab={piece: i for i, piece in enumerate(VOCABULARY)})
+    torch.manual_seed(seed)
+    config = tf.BertConfig(
+        vocab_size=len(VOCABULARY),
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.2,
+        **TINY,
+    )
+    model = tf.AutoModel.from_config(config).eval()
+    ElasticEncoder.from_modules(model, tokenizer, pooling="mean", device="cpu").save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    return small_teacher(tmp_path_factory.mktemp("static") / "teacher", seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory):
+    return small_teacher(tmp_path_factory.mktemp("static") / "other", seed=1)
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory):
+    """120 distinct sentences of 2 to 7 WORDS."""
+    rng = np.random.default_rng(5)
+    texts = list(dict.fromkeys(" ".join(rng.choice(WORDS, rng.integers(2, 8))) for _ in range(200)))[:120]
+    path = tmp_path_factory.mktemp("static-data") / "sentences.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path
+
+
+def config(teacher, data, out, dev, **changes) -> TrainConfig:
+    options = dict(
+        model=str(teacher),
+        method="distill",
+        loss="cos",
+        data=[str(data)],
+        output=str(out),
+        batch_size=16,
+        steps=12,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        save_steps=0,
+        eval_file=str(dev),
+        method_options={"mode": "static"},
+    )
+    return TrainConfig(**{**options, **changes})
+
+
+@pytest.fixture(scope="module")
+def student(teacher, sentences, files, tmp_path_factory):
+    """The static cell of `teacher`, distilled by model2vec, its head fitted in closed form, then 12 steps."""
+    out = tmp_path_factory.mktemp("static-run") / "student"
+    return DistillTrainer(config(teacher, sentences, out, files / "dev.tsv")).run(progress=False)
+
+
+def distance(model: ElasticEncoder, teacher: ElasticEncoder, texts) -> float:
+    """Mean 1 - cos between the model's layer 0 and the teacher's last layer."""
+    s, t = model.encode(texts, layer=0, normalize=True), teacher.encode(texts, normalize=True)
+    return float(1 - (s * t).sum(1).mean())
+
+
+def test_distill_static_starts_from_model2vec_and_the_closed_form_head_and_trains_towards_the_teacher(
+    student, teacher, sentences
+):
+    texts = sentences.read_text().split("\n")[:-1]
+    teacher_model = ElasticEncoder(str(teacher), device="cpu")
+    trained = ElasticEncoder(str(student), device="cpu")
+    closed = ElasticEncoder(str(student / CLOSED_FORM), device="cpu")
+    assert trained.layers == [0, 1, 2, 3, 4] and teacher_model.layers == [1, 2, 3, 4]
+    # the transformer is the teacher's, untouched: only the cell learned
+    theirs = teacher_model.model.state_dict()
+    assert all(torch.equal(a, theirs[name]) for name, a in trained.model.state_dict().items())
+    # the table is model2vec's (its tokenizer without special tokens), the head fitted then trained
+    record = json.loads((student / "matryoshka2d.json").read_text())
+    assert record["static"]["made"]["table"].startswith("model2vec distill_from_model, no PCA")
+    assert record["static"]["vocabulary"] == trained.static_cell.vocabulary
+    identity = trained.static_cell.encode(texts, head=False)  # the table's own means, in the model's space
+    unit = teacher_model.encode(texts, normalize=True)
+    raw = float(1 - (identity / np.linalg.norm(identity, axis=1, keepdims=True) * unit).sum(1).mean())
+    assert distance(trained, teacher_model, texts) < distance(closed, teacher_model, texts) < raw
+    distill = record["distill"]
+    assert distill["mode"] == "static" and distill["layer"] == 0 and distill["teacher_layers"] == 4
+    from matryoshka2d.models.identity import weights_sha256
+
+    assert distill["teacher_weights_sha256"] == weights_sha256(teacher_model)
+    log = [json.loads(line) for line in (student / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["eval"] == "dev.tsv@(0,32)"  # STS-B dev at the static cell
+
+
+def test_plain_sentence_transformers_gives_encode_layer_0_from_the_model_folder_and_its_export(
+    student, sentences, tmp_path
+):
+    from sentence_transformers import SentenceTransformer
+
+    texts = [*sentences.read_text().split("\n")[:20], "", "unknownword red"]
+    model = ElasticEncoder(str(student), device="cpu")
+    inside = SentenceTransformer(str(student / "static"), device="cpu").encode(texts)
+    assert np.abs(inside - model.encode(texts, layer=0)).max() <= 1e-5
+    out = tmp_path / "cell"
+    export = ["export", "--model", str(student), "--layer", "0", "--dim", "16", "--normalize", "--output", str(out)]
+    assert main(export) == 0
+    exported = SentenceTransformer(str(out), device="cpu")
+    assert [type(m).__name__ for m in exported] == ["StaticEmbedding", "Dense", "Normalize"]
+    expected = model.encode(texts, layer=0, dim=16, normalize=True)
+    assert np.abs(exported.encode(texts) - expected).max() <= 1e-5
+    # encode --layer 0 writes the same vectors
+    (tmp_path / "in.txt").write_text("\n".join(texts[:20]) + "\n")
+    args = ["encode", "--model", str(student), "--layer", "0", "--dim", "16", "--input", str(tmp_path / "in.txt")]
+    assert main([*args, "--output", str(tmp_path / "e.npy")]) == 0
+    assert np.abs(np.load(tmp_path / "e.npy") - model.encode(texts[:20], layer=0, dim=16)).max() <= 1e-6
+
+
+def test_layer_0_goes_where_a_cell_goes_grids_backends_and_pick(student, tmp_path, monkeypatch, capsys):
+    from matryoshka2d.deploy.backends import OnnxBackend, TorchBackend
+    from matryoshka2d.evaluate.grid import EncoderCells
+
+    model = ElasticEncoder(str(student), device="cpu")
+    texts = ["red cat runs", "old dog sleeps"]
+    grid = EncoderCells(model, dims=[8, 32])
+    assert grid.layers == [0, 1, 2, 3, 4]
+    assert np.array_equal(grid.embed(texts)[(0, 8)], model.encode(texts, layer=0)[:, :8])
+    torch_backend = TorchBackend(model)
+    assert torch_backend.layers == [0, 1, 2, 3, 4]
+    assert np.array_equal(torch_backend.pooled(texts, 0), model.encode(texts, layer=0))
+    pytest.importorskip("onnxruntime")
+    served = OnnxBackend(model, "int8", [0, 4], cache_folder=tmp_path / "graphs", log=lambda m: None)
+    assert sorted(served.paths) == [4]  # no graph for the table: it stays in torch
+    assert np.array_equal(served.pooled(texts, 0), model.encode(texts, layer=0))
+    # pick: the static cell is its own point on the time axis, timed like every layer
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    rows = [{"layer": n, "dim": d, "spearman": 50 + 5 * n + d / 8} for n in (0, 2, 4) for d in (8, 32)]
+    result = {
+        "task": "sts",
+        "metric": "spearman",
+        "metrics": ["spearman"],
+        "datasets": ["stsb"],
+        "layers": [0, 2, 4],
+        "dims": [8, 32],
+        "average": rows,
+        "model": {"model": "tiny", "location": str(student), "layers": 4, "hidden_size": 32, "pooling": "mean"},
+    }
+    (tmp_path / "sts").mkdir()
+    (tmp_path / "sts" / "results.json").write_text(json.dumps(result))
+    assert main(["pick", "--results", str(tmp_path / "sts"), "--max-bytes", "32"]) == 0
+    picked = json.loads((tmp_path / "sts" / "pick.json").read_text())
+    measured = picked["timing"]["ms_per_query"]
+    assert set(measured) == {"0", "1", "2", "3", "4"}  # layer 0 measured like every layer
+    zero = [p for p in picked["points"] if p["layer"] == 0]
+    assert len(zero) == 2 and all(p["latency_ms"] == measured["0"] for p in zero)
+    assert any(p["frontier"] for p in zero)  # the cheapest cell of all is on the frontier
+    assert "(0,8)" in capsys.readouterr().out
+
+
+def test_a_static_cell_searches_its_teachers_index_only(student, teacher, other_teacher, sentences, tmp_path, capsys):
+    lines = sentences.read_text().split("\n")[:30]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(lines)))
+    for model, index in ((teacher, "idx"), (other_teacher, "idx-other")):
+        build = ["index", "build", "--model", str(model), "--corpus", str(corpus), "--cells", "4:32"]
+        assert main([*build, "--output", str(tmp_path / index)]) == 0
+    search = ["search", "--query", lines[3], "--query-model", str(student), "--top-k", "5"]
+    capsys.readouterr()
+    assert main([*search, "--index", str(tmp_path / "idx")]) == 0
+    assert "1. d3 " in capsys.readouterr().out  # the query's own document first
+    assert main([*search, "--index", str(tmp_path / "idx-other")]) == 2
+    assert "was distilled from" in capsys.readouterr().err
+    assert main([*search, "--index", str(tmp_path / "idx"), "--query-layer", "2"]) == 2
+    assert "query encoder" in capsys.readouterr().err
+    # eval retrieval --query-model: its layer-0 queries against the teacher's documents, next to flat search
+    from matryoshka2d.retrieval.cascade import evaluate_cascade
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text(corpus.read_text())
+    (beir / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": f"q{i}", "text": lines[i]}) + "\n" for i in range(5))
+    )
+    (beir / "qrels/test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    model = ElasticEncoder(str(student), device="cpu")
+    result = evaluate_cascade(
+        ElasticEncoder(str(teacher), device="cpu"), [beir], "test", None, query_encoders=[model], show_progress=False
+    )
+    assert result["rows"][1]["mode"].startswith(f"query encoder {model.name} (its static cell, layer 0)")
+    with pytest.raises(ValueError, match="was distilled from"):
+        evaluate_cascade(ElasticEncoder(str(other_teacher), device="cpu"), [beir], "test", None, query_encoders=[model])
+
+
+def test_layer_0_of_a_model_without_a_static_cell_is_named(teacher, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("red cat\n")
+    args = ["encode", "--model", str(teacher), "--layer", "0", "--input", str(tmp_path / "in.txt")]
+    assert main([*args, "--output", str(tmp_path / "e.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "holds none" in err and "distill --mode static" in err
+    assert not (tmp_path / "e.npy").exists()
+    from matryoshka2d.evaluate.grid import EncoderCells
+
+    with pytest.raises(ValueError, match="static cell, which this model does not hold"):
+        EncoderCells(ElasticEncoder(str(teacher), device="cpu"), layers=[0, 4], dims=[8])
+    export = ["export", "--model", str(teacher), "--layer", "0", "--dim", "8", "--output", str(tmp_path / "x")]
+    assert main(export) == 2
+    assert "holds none" in capsys.readouterr().err
+
+
+def test_a_damaged_or_foreign_static_cell_is_refused_when_the_model_loads(student, other_teacher, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(student, damaged)
+    head = damaged / "static" / "1_Dense" / "model.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 0xFF
+    head.write_bytes(bytes(data))
+    with pytest.raises(StaticCellError, match=r"1_Dense/model.safetensors: the file is damaged"):
+        ElasticEncoder(str(damaged), device="cpu")
+    # the cell of one model put beside another model's transformer
+    foreign = tmp_path / "foreign"
+    shutil.copytree(other_teacher, foreign)
+    shutil.copytree(student / "static", foreign / "static")
+    meta = json.loads((foreign / "matryoshka2d.json").read_text()) if (foreign / "matryoshka2d.json").is_file() else {}
+    meta["static"] = json.loads((student / "matryoshka2d.json").read_text())["static"]
+    (foreign / "matryoshka2d.json").write_text(json.dumps(meta))
+    with pytest.raises(StaticCellError, match="aligned to another backbone"):
+        ElasticEncoder(str(foreign), device="cpu")
+
+
+def test_static_mode_options_and_resume(teacher, other_teacher, sentences, files, tmp_path):
+    import shutil
+
+    dev = files / "dev.tsv"
+    with pytest.raises(DistillError, match="--layer is for --mode query"):
+        DistillTrainer(config(teacher, sentences, tmp_path / "a", dev, method_options={"mode": "static", "layer": 2}))
+    with pytest.raises(DistillError, match="--exit-heads is for"):
+        DistillTrainer(config(teacher, sentences, tmp_path / "b", dev, exit_heads="fit"))
+    # killed after its checkpoint at step 3, resumed: the same cell as an uninterrupted run
+    copy = tmp_path / "teacher"
+    shutil.copytree(teacher, copy)
+    out = tmp_path / "run"
+    trainer = DistillTrainer(config(copy, sentences, out, dev, steps=6, save_steps=3))
+    original = trainer.train_step
+
+    def dying():
+        if trainer.step == 4:
+            raise KeyboardInterrupt
+        return original()
+
+    trainer.train_step = dying
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(progress=False)
+    shutil.copytree(out, tmp_path / "run-again")
+    resumed = DistillTrainer(config(copy, sentences, out, dev, steps=6, save_steps=3)).run(resume=True, progress=False)
+    whole = DistillTrainer(config(copy, sentences, tmp_path / "whole", dev, steps=6)).run(progress=False)
+    a = ElasticEncoder(str(resumed), device="cpu").static_cell.state_dict()
+    b = ElasticEncoder(str(whole), device="cpu").static_cell.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a teacher whose weights changed since the run started: its cached targets are refused, as in every mode
+    shutil.copy(other_teacher / "model.safetensors", copy / "model.safetensors")
+    again = config(copy, sentences, tmp_path / "run-again", dev, steps=6, save_steps=3)
+    with pytest.raises(TargetsError, match="the teacher changed since the run started"):
+        DistillTrainer(again).run(resume=True, progress=False)
