@@ -4,6 +4,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core (pyproject.toml's addopts): a worker that also spread torch over every
+    # core would oversubscribe them. Set before torch is imported, so the `serve`, `train` and Ray processes that the
+    # tests start inherit it too.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import pytest

@@ -143,13 +143,13 @@ def tiny_local(tiny_folder):
     return ElasticEncoder(str(tiny_folder), device="cpu")
 
 
-def test_openai_client_gets_the_cell_of_minilm():
+def test_openai_client_gets_the_cell_of_minilm(minilm):
     server = Server("minilm-l6", "minilm-l6", "--truncate")
     try:
         client = server.client()
         response = client.embeddings.create(model="minilm-l6", input=TEXTS, dimensions=64, extra_body={"layer": 3})
         got = np.array([d.embedding for d in response.data], dtype=np.float32)
-        expected = ElasticEncoder("minilm-l6", device="cpu").encode(TEXTS, layer=3, dim=64, normalize=True)
+        expected = minilm.encode(TEXTS, layer=3, dim=64, normalize=True)
         np.testing.assert_allclose(got, expected, atol=1e-5)
         assert [d.index for d in response.data] == list(range(len(TEXTS)))
         assert response.usage.prompt_tokens == response.usage.total_tokens > len(TEXTS)
