@@ -79,10 +79,16 @@ def test_unsupported_sentence_pooling_config(tmp_path, tokenizer, pool_cfg):
         ElasticEncoder(str(tmp_path))
 
 
-@pytest.mark.parametrize("layer", [0, 5, -1])
+@pytest.mark.parametrize("layer", [5, -1])
 def test_layer_out_of_range(tiny_bert, layer):
     with pytest.raises(BackboneError, match=rf"layer {layer} is out of range .* 4 layers \(1..4\)"):
         tiny_bert.encode(["x"], layer=layer)
+
+
+def test_layer_0_on_a_model_without_a_static_cell_says_how_to_make_one(tiny_bert):
+    with pytest.raises(BackboneError, match=r"layer 0 is a model's static cell .* holds none: make one with "
+                       r"`matryoshka2d distill --mode static"):
+        tiny_bert.encode(["x"], layer=0)
 
 
 @pytest.mark.parametrize("dim", [0, 33])

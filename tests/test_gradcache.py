@@ -17,7 +17,10 @@ from matryoshka2d.training import gradcache
 from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer
 
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+# float32 sums in another order: with one torch thread (the suite's workers) a gradient of ~0.6 differs by 2e-5
+# between one batch of 32 and four of 8; a real mistake in the cache (a missed micro-batch, a stale embedding)
+# moves gradients by orders of magnitude more.
+TOLERANCE = {"rtol": 1e-4, "atol": 5e-5}
 
 
 @pytest.fixture(scope="module")

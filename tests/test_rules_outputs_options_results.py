@@ -181,7 +181,7 @@ def test_widths_are_refused_where_they_are_parsed(value, capsys):
         (["index", "build", "--corpus", "c", "--cells", "1:8", "--output", "o", "--workers", "0"], "--workers"),
         (["search", "--index", "i", "--query", "q", "--top-k", "0"], "--top-k"),
         (["eval", "sts", "--output", "o", "--batch-size", "-1"], "--batch-size"),
-        (["export", "--layer", "0", "--dim", "8", "--output", "o"], "--layer"),
+        (["export", "--layer", "-1", "--dim", "8", "--output", "o"], "--layer"),  # 0 is the static cell
         (["train", "--data", "x", "--output", "o", "--eval-cell", "3:x"], "--eval-cell"),
         (["train", "--data", "x", "--output", "o", "--lora-dropout", "1.5"], "--lora-dropout"),
         (["distill", "--data", "x", "--output", "o", "--max-texts", "0"], "--max-texts"),
