@@ -64,10 +64,11 @@ def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir,
     from matryoshka2d.models.identity import query_encoder_record, weights_sha256
 
     assert weights_sha256(loaded) == weights_sha256(teacher)  # an index of the teacher is an index of the pair
-    from matryoshka2d.deploy.backends import default_cache_folder
+    from matryoshka2d.deploy.backends import weights_digest, weights_folder
 
-    # the ONNX backend's graphs of each route in a folder of their own (both are layer-N.onnx)
-    assert default_cache_folder(loaded, "x") != default_cache_folder(loaded.query_encoder, "x")
+    # the ONNX backend's graphs of each route in a subfolder of their own (both are layer-N.onnx): the graph cache
+    # names a subfolder by the weights the graphs compute (rule 3), and the routes' weights differ
+    assert weights_folder(weights_digest(loaded)) != weights_folder(weights_digest(loaded.query_encoder))
     assert query_encoder_record(loaded) is None and query_encoder_record(loaded.query_encoder)["layer"] == 2
 
 
@@ -125,9 +126,9 @@ def test_bad_pairs_are_named_and_nothing_is_written(teacher_dir, tiny_dir, stude
     for inside in (student_dir / "pair", student_dir):
         args = ("--model", teacher_dir, "--query-model", student_dir, "--output", inside, "--overwrite")
         assert export(*args) == 2
-        assert "the --query-model folder" in capsys.readouterr().err
+        assert f"--query-model {student_dir}: " in capsys.readouterr().err  # files.check_apart, as every command
     assert export("--model", teacher_dir, "--query-cell", "2x32", "--output", teacher_dir / "p") == 2
-    assert "the --model folder" in capsys.readouterr().err
+    assert f"is inside --model {teacher_dir}: " in capsys.readouterr().err
     assert sorted(p.name for p in student_dir.iterdir()) == before and not (teacher_dir / "p").exists()
     assert export("--model", tiny_dir, "--query-cell", "2x16", "--layer", "2", "--output", out) == 2
     assert "a pair's cells are its query side's" in capsys.readouterr().err

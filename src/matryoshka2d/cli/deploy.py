@@ -36,7 +36,7 @@ def cmd_export(args) -> int:
 def export_pair_command(args) -> int:
     """export --query-model FOLDER | --query-cell LAYERxDIM: the model and its query side as one folder."""
     from matryoshka2d.cli.args import load_encoder
-    from matryoshka2d.deploy.pair import check_apart, export_pair, parse_query_cell
+    from matryoshka2d.deploy.pair import export_pair, parse_query_cell
 
     if args.query_model and args.query_cell:
         raise ValueError("give --query-model or --query-cell, not both: a pair has one query side")
@@ -44,8 +44,6 @@ def export_pair_command(args) -> int:
         raise ValueError("--layer, --dim and --normalize export one cell; a pair's cells are its query side's")
     cell = parse_query_cell(args.query_cell) if args.query_cell else None
     output = Path(args.output)
-    check_apart(output, args.model, "--model")  # before anything loads
-    check_apart(output, args.query_model, "--query-model")
     encoder = load_encoder(args, device="cpu")
     report = export_pair(
         encoder,
@@ -324,7 +322,7 @@ def register(sub, model_args) -> None:
         help="L2-normalise after slicing (default: as the model does; it has a Normalize module or not)",
     )
     p.add_argument("--sts-file", help="STS-B test TSV for the int8 score (default: the shared data's stsb_test.tsv)")
-    reads_and_writes(p, ("--model", "--sts-file"))
+    reads_and_writes(p, ("--model", "--query-model", "--sts-file"))
 
     p = command(
         sub,

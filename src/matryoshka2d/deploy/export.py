@@ -87,11 +87,14 @@ def check_output(output: Path, overwrite: bool) -> None:
         raise ExportError(f"--output {output} is not empty; pass --overwrite to replace its contents")
 
 
-def check_not_overlapping(output: Path, encoder: ElasticEncoder) -> None:
-    """The export must not replace the model it reads (its heads and the rest of the folder would be gone), nor
-    be written inside it, nor around it (rule 2, files.check_apart; the command checks it too, before loading)."""
+def check_not_overlapping(output: Path, reads: ElasticEncoder | list[tuple[str, str | None]]) -> None:
+    """The export must not replace what it reads (a model, the heads and the rest of its folder, a pair's query
+    encoder), nor be written inside it, nor around it (rule 2, files.check_apart; the command checks it too, before
+    loading). `reads`: the encoder, or (option, folder) pairs."""
+    if isinstance(reads, ElasticEncoder):
+        reads = [("--model", reads.location)]
     try:
-        check_apart(output, "--output", [("--model", encoder.location)])
+        check_apart(output, "--output", reads)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
 

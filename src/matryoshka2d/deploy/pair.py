@@ -30,6 +30,7 @@ from matryoshka2d.deploy.export import (
     QUANTIZE,
     TORCH_ATOL,
     _check,
+    check_not_overlapping,
     check_output,
     folder_size,
     reads_several_layers,
@@ -77,18 +78,6 @@ def parse_query_cell(text: str) -> tuple[int, int]:
     return layer, dim
 
 
-def check_apart(output: Path, folder: str | None, flag: str) -> None:
-    """The pair may not be written into, onto or around a folder it reads (--overwrite would delete it)."""
-    if not folder or not Path(folder).is_dir():
-        return
-    source, target = Path(folder).resolve(), output.resolve()
-    if target == source or target.is_relative_to(source) or source.is_relative_to(target):
-        raise ExportError(
-            f"--output {output} {'is' if target == source else 'overlaps'} the {flag} folder {folder}; writing "
-            "there would replace what the pair is made from: write the pair to a folder apart from both"
-        )
-
-
 def export_pair(
     model: str | ElasticEncoder,
     output: str | Path,
@@ -111,11 +100,10 @@ def export_pair(
         require_onnx()
     output = Path(output)
     check_output(output, overwrite)
-    check_apart(output, query_model, "--query-model")
-    if isinstance(model, str):
-        check_apart(output, model, "--model")
+    reads = [("--query-model", query_model), ("--model", model if isinstance(model, str) else model.location)]
+    check_not_overlapping(output, reads)  # before anything loads
     encoder = model if isinstance(model, ElasticEncoder) else ElasticEncoder(model, device="cpu")
-    check_apart(output, encoder.location, "--model")
+    check_not_overlapping(output, [("--model", encoder.location)])  # a model name is the folder it stands for
     top = encoder.num_layers
     if query_model is not None:
         record = query_encoder_record_at(query_model)
