@@ -9,7 +9,9 @@ reaches a search service), sent whether or not earlier ones were answered: an op
 clients slows down with the server and never shows overload; here the offered rate is what it says, and a
 request's latency counts from its scheduled arrival, so a client that falls behind counts against the server, not
 for it (the client's own lag is printed). Each rate is a multiple of the full-depth capacity measured in the same
-run (a closed loop of --capacity-clients at full depth for --capacity-seconds: requests per second).
+run (a closed loop of --capacity-clients at full depth for --capacity-seconds: requests per second). Before the
+rates, a table of what depth can give: each layer's closed-loop capacity (--layer-seconds each) and the share of
+flat nDCG@10 kept when every query is encoded at that layer.
 
 Our server is one `matryoshka2d serve --backend onnx --quantize int8 --adaptive-depth` process on --server-core
 with one thread; the modes differ only in the request: `layer: N` (full), `layer: --shallow-layer` (shallow),
@@ -422,6 +424,21 @@ def summarize(mode: str, multiple: float, rate: float, run: dict, docs, qrels, f
     }
 
 
+def depth_lever(server: Server, queries: list[str], docs, qrels, flat: np.ndarray, capacity: float) -> list[dict]:
+    """What each layer gives adaptive depth to work with: its closed-loop capacity (as the full depth's is
+    measured) and the share of flat full-depth nDCG@10 that all queries keep when encoded at it."""
+    rows = []
+    qids = list(range(len(queries)))
+    for layer in range(1, ARGS.layers + 1):
+        quality = 100 * float(ndcg_of(encode_all(server, queries, layer), qids, docs, qrels).mean() / flat.mean())
+        wait_idle(server)
+        with others_paused():
+            rate = asyncio.run(_closed_loop(server, ARGS.capacity_clients, ARGS.layer_seconds, layer, queries))
+        rows.append({"layer": layer, "capacity_per_s": rate, "of_full": rate / capacity, "ndcg_share_of_flat": quality})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def wait_idle(server: Server) -> None:
     if server.kind == "ours":
         deadline = time.monotonic() + 60
@@ -484,6 +501,9 @@ def main() -> None:
     )
     parser.add_argument("--capacity-clients", type=int, default=64)
     parser.add_argument("--capacity-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--layer-seconds", type=float, default=10.0, help="closed-loop seconds per layer, the depth table (0: none)"
+    )
     parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
@@ -502,7 +522,7 @@ def main() -> None:
     parser.parse_args(namespace=ARGS)
     if ARGS.report:
         earlier = json.loads(Path(ARGS.report).read_text())
-        report(earlier["capacity"], earlier["rows"], earlier.get("drain"))
+        report(earlier["capacity"], earlier["rows"], earlier.get("drain"), earlier.get("depth", []))
         if ARGS.plot:
             plot(earlier["rows"], ARGS.plot)
         return
@@ -532,6 +552,7 @@ def main() -> None:
     with others_paused():
         capacity = asyncio.run(_closed_loop(ours, ARGS.capacity_clients, ARGS.capacity_seconds, ARGS.layers, queries))
     print(f"full-depth capacity: {capacity:.1f} requests/s ({ARGS.capacity_clients} closed-loop clients)", flush=True)
+    depth = depth_lever(ours, queries, docs, data.qrels, flat, capacity) if ARGS.layer_seconds > 0 else []
     layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None}
     rows = []
     for mode in ARGS.modes:
@@ -548,22 +569,31 @@ def main() -> None:
             rows.append(summarize(mode, multiple, rate, run, docs, data.qrels, flat))
             print(json.dumps(rows[-1]), flush=True)
             if ARGS.results:
-                Path(ARGS.results).write_text(json.dumps({"capacity": capacity, "rows": rows}, indent=1))
+                partial = {"capacity": capacity, "depth": depth, "rows": rows}
+                Path(ARGS.results).write_text(json.dumps(partial, indent=1))
             if server is not ours:
                 server.stop()
     ours.stop()
     drain = drain_check(capacity, queries) if ARGS.drain_span > 0 else None
-    report(capacity, rows, drain)
+    report(capacity, rows, drain, depth)
     if ARGS.results:
-        Path(ARGS.results).write_text(json.dumps({"capacity": capacity, "rows": rows, "drain": drain}, indent=1))
+        results = {"capacity": capacity, "depth": depth, "rows": rows, "drain": drain}
+        Path(ARGS.results).write_text(json.dumps(results, indent=1))
     if ARGS.plot:
         plot(rows, ARGS.plot)
 
 
-def report(capacity: float, rows: list[dict], drain: dict | None) -> None:
+def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[dict]) -> None:
     print(
         f"\nfull-depth capacity {capacity:.1f} requests/s; deadline {ARGS.timeout:g} s; {ARGS.seconds:g} s per rate\n"
     )
+    if depth:
+        print("| layer | capacity/s | of full depth's | nDCG share, every query at this layer |")
+        print("|---:|---:|---:|---:|")
+        for d in depth:
+            share = d["ndcg_share_of_flat"]
+            print(f"| {d['layer']} | {d['capacity_per_s']:.1f} | {d['of_full']:.2f}x | {share:.1f}% |")
+        print()
     print("| mode | load | offered/s | p50 ms | p99 ms | goodput/s | 429 | timeouts | other | layers | nDCG share |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
