@@ -703,3 +703,31 @@ def test_the_onnx_backend_needs_the_api_key_on_every_route_but_health(tiny_folde
         assert client.post("/v1/embeddings", json=body).status_code == 401
         reply = client.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer k3y"})
         assert reply.status_code == 200 and reply.json()["layer"] == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_model_runs_below_the_event_loop():
+    """Under overload the event loop must get the core to read requests and refuse what is over the bound (429),
+    not leave them unread in the socket backlog while the model holds the core: the model thread's nice value is
+    the process's plus MODEL_THREAD_NICENESS, the event loop's is untouched."""
+    import asyncio
+    import threading
+
+    from matryoshka2d.deploy import micro_batching
+
+    class NiceBackend(ReleasingBackend):
+        def pooled(self, texts, layer, encoded=None):
+            thread = threading.get_native_id()
+            self.nice = os.getpriority(os.PRIO_PROCESS, thread)
+            return super().pooled(texts, layer, encoded)
+
+    backend = NiceBackend()
+
+    async def run():
+        async with started(micro_batching.MicroBatcher(backend, max_batch=8, max_wait=0.0)) as batcher:
+            await asyncio.wait_for(batcher.encode(["a"], 1), timeout=30)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    loop_nice = asyncio.run(run())
+    assert loop_nice == os.getpriority(os.PRIO_PROCESS, 0)
+    assert backend.nice == min(19, loop_nice + micro_batching.MODEL_THREAD_NICENESS)
