@@ -179,6 +179,21 @@ class Server:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10) as reply:
             return int(json.loads(reply.read()).get("queued_requests", 0))
 
+    def statuses(self) -> dict[str, float]:
+        """Our server's own count of the embeddings requests it answered, by status (its /metrics); {} for a peer."""
+        if self.kind != "ours":
+            return {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        counts: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "matryoshka2d_requests_total" and sample.labels.get("route") == "/v1/embeddings":
+                    counts[sample.labels["status"]] = counts.get(sample.labels["status"], 0) + sample.value
+        return counts
+
     def stop(self) -> int | None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -418,6 +433,10 @@ def summarize(mode: str, multiple: float, rate: float, run: dict, docs, qrels, f
         "layer_share": share,
         "ndcg_share_of_flat": quality,
         "client_lag_p99_ms": run["lag_p99_ms"],
+        # what our server counted, by status: 200 answered, 429 refused over the bound, 499 accepted but its client
+        # left before the answer (its texts were not run); a request the client gave up on before the server read
+        # it is in none of these
+        "server_statuses": run.get("server", {}),
         "rss_mb": [round(rss[0], 1), round(max(rss), 1), round(rss[-1], 1)]
         if (rss := [r for r in run["rss"] if r == r])
         else None,
@@ -562,10 +581,14 @@ def main() -> None:
             server = start_infinity(ARGS.layers) if mode == "infinity" else ours
             rate = multiple * capacity
             wait_idle(server)
+            before = server.statuses()
             with others_paused():
                 run = asyncio.run(
                     _open_loop(server, rate, ARGS.seconds, layer_of[mode], queries, seed=int(10 * multiple))
                 )
+            wait_idle(server)  # what the server still held is answered (or found gone) before it is counted
+            after = server.statuses()
+            run["server"] = {k: int(after[k] - before.get(k, 0)) for k in after if after[k] > before.get(k, 0)}
             rows.append(summarize(mode, multiple, rate, run, docs, data.qrels, flat))
             print(json.dumps(rows[-1]), flush=True)
             if ARGS.results:
@@ -594,15 +617,20 @@ def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[di
             share = d["ndcg_share_of_flat"]
             print(f"| {d['layer']} | {d['capacity_per_s']:.1f} | {d['of_full']:.2f}x | {share:.1f}% |")
         print()
-    print("| mode | load | offered/s | p50 ms | p99 ms | goodput/s | 429 | timeouts | other | layers | nDCG share |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    print(
+        "| mode | load | offered/s | p50 ms | p99 ms | goodput/s | 429 | timeouts | other | layers | nDCG share "
+        "| server: accepted, client gone (499) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         layers = ", ".join(f"{n}: {100 * s:.0f}%" for n, s in r["layer_share"].items())
         p50, p99 = (f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("p50_ms", "p99_ms"))
         quality = f"{r['ndcg_share_of_flat']:.1f}%" if r["ndcg_share_of_flat"] is not None else "-"
+        server = r.get("server_statuses") or {}
+        accepted = f"{server.get('200', 0) + server.get('499', 0)}, {server.get('499', 0)}" if server else "-"
         print(
             f"| {r['mode']} | {r['load']:g}x | {r['offered_per_s']:.0f} | {p50} | {p99} | {r['goodput_per_s']:.1f} | "
-            f"{r['429']} | {r['timeouts']} | {r['other_errors']} | {layers} | {quality} |"
+            f"{r['429']} | {r['timeouts']} | {r['other_errors']} | {layers} | {quality} | {accepted} |"
         )
     by = {(r["mode"], r["load"]): r for r in rows}
     print()
