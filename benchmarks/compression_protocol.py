@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from common import DEFAULT_DATA, header
-from matryoshka2d.files import read_result_record
+from matryoshka2d.result_files import read_result_record
 
 BIN = Path(sys.executable).parent / "matryoshka2d"
 CANDIDATES = "384,256,128,64,32,16,8"  # D and the halvings down to 8, as the paper's Figure 4 range

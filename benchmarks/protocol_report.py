@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from common import DEFAULT_DATA, header
-from matryoshka2d.files import read_result_record
+from matryoshka2d.result_files import read_result_record
 
 CELLS = [(1, 64), (2, 128), (3, 128), (5, 384), (6, 64)]
 ORDER = [

@@ -354,7 +354,7 @@ def test_the_targets_computed_on_ray_are_the_local_ones(teacher_dir, text_file, 
 
 
 def test_the_recipe_reproduces_the_measured_runs():
-    from matryoshka2d.training.distill import recipe
+    from matryoshka2d.training.distill_recipe import recipe
 
     # docs/distill.md: SciFact passages + NLI (78,091 texts), minilm-l6 on NLI (37,276), mpnet-base on 10,000
     values, line = recipe("query", 6, 384, 78091, 64)

@@ -5,7 +5,7 @@
   runs check their final options again (training.rundir.RunDir.check), so a --config file cannot slip past;
 - rule 4, every option is checked where it is parsed: typed converters in cli/args.py, and options that would do
   nothing in the combination given are refused;
-- rule 6, result files are read by one reader (files.read_result_record), which names the file and the field.
+- rule 6, result files are read by one reader (result_files.read_result_record), which names the file and the field.
 """
 
 import argparse

@@ -19,7 +19,7 @@ from matryoshka2d.cli.args import (
 )
 
 # The run's defaults; the learning rate, the number of epochs and the passages' length are the measured recipe's
-# (training.distill.recipe, which says in one line what it chose); every one can be given.
+# (training.distill_recipe.recipe, which says in one line what it chose); every one can be given.
 DEFAULTS = {"batch_size": 64, "warmup_ratio": 0.05, "save_steps": 100}
 
 

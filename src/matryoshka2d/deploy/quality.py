@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from matryoshka2d.deploy.served import served_as
 from matryoshka2d.evaluate.results import grid_of, result_of
-from matryoshka2d.files import read_result_record
+from matryoshka2d.result_files import read_result_record
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _described(path: str, model: dict) -> str:
 
 def read_file(path: str) -> tuple[str, dict]:
     """('grid', GridResult) or ('cascade', the cascade record) from a file or a result folder, read by the one
-    reader of result files (files.read_result_record), which names the file and the field of anything wrong."""
+    reader of result files (result_files.read_result_record), which names the file and the field of anything wrong."""
     kind, file, record = read_result_record(path)
     return kind, (record if kind == "cascade" else result_of(record, file))
 

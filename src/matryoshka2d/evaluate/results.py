@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import Cell
-from matryoshka2d.files import check_grid_record, read_result_record
+from matryoshka2d.result_files import check_grid_record, read_result_record
 
 TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
 
@@ -286,11 +286,11 @@ def _fmt(value) -> str:
 
 def load_result(path: str | Path) -> GridResult:
     """Read a results.json, or the results.json inside a directory, through the one reader of result files
-    (files.read_result_record): any malformed field is an error naming the file and the field."""
+    (result_files.read_result_record): any malformed field is an error naming the file and the field."""
     _, _, record = read_result_record(path, kinds=("grid",))
     return GridResult.from_dict(record)
 
 
 def result_of(result, file: Path) -> GridResult:
-    """A GridResult from the parsed contents of `file`, checked as files.check_grid_record checks them."""
+    """A GridResult from the parsed contents of `file`, checked as result_files.check_grid_record checks them."""
     return GridResult.from_dict(check_grid_record(result, file))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import numbers
 import os
 import shutil
 import tempfile
@@ -327,3 +328,12 @@ def prepare_gguf(gguf_file: str | Path, name: str | None = None, force: bool = F
         os.replace(tmp, target)
         Path(tmp).mkdir()  # for TemporaryDirectory's own clean-up
     return target
+
+
+def in_range(value, what: str, high: int, has: str) -> int:
+    """`value` as an int in 1..high; the error names what it is and what the model has."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise BackboneError(f"{what} must be an integer, got {value!r}")
+    if not 1 <= value <= high:
+        raise BackboneError(f"{what} {value} is out of range for {has} (1..{high})")
+    return int(value)

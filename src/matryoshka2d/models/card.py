@@ -13,14 +13,14 @@ import json
 import sys
 from pathlib import Path
 
-from matryoshka2d.files import read_result_record
+from matryoshka2d.result_files import read_result_record
 
 CARD_RESULTS_DEPTH = 3  # how deep under the model folder to look for results.json files of `matryoshka2d eval`
 
 
 def find_results(folder: Path) -> list[dict]:
     """results.json files of `eval` already inside the model folder, read by the one reader of result files
-    (files.read_result_record); one it cannot read is left off the card with a line naming the file and field."""
+    (result_files.read_result_record); one it cannot read is left off the card with a line naming the file and field."""
     found = []
     for path in sorted(folder.rglob("results.json")):
         if len(path.relative_to(folder).parts) > CARD_RESULTS_DEPTH:

@@ -26,44 +26,23 @@ from matryoshka2d.models.backbones import (
     count_parameters,
     default_device,
     final_norm,
+    in_range,
     layer_stack,
     load_transformer,
     resolve,
 )
-from matryoshka2d.models.batching import check_texts, inference_batches, pad_rows
+from matryoshka2d.models.batching import TORCH_CALL_OVERHEAD_TOKENS, check_texts, inference_batches, pad_rows
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.exits import install_exit_hooks, run_to_exits
 from matryoshka2d.models.identity import backbone_sha256
-from matryoshka2d.models.pooler import PoolerHead
+from matryoshka2d.models.pooler import PoolerHead, pool
 from matryoshka2d.models.st_folder import (
-    PAIR_ROUTES,
     head_from_dense,
+    pair_route,
     read_sentence_config,
-    route_transformer_dir,
-    router_routes,
     save_folder,
 )
 from matryoshka2d.views import unit_rows
-
-# The fixed cost of one inference forward pass in token positions, fp32 on a CPU with one thread: about 5 ms
-# at layer 3 and 9.5 ms at layer 6 for a call, against 0.11 and 0.2 ms per token position (minilm-l6, CPU
-# time, 1-8 texts of 10-20 tokens: benchmarks/call_overhead.py). Other devices were not measured: fixed
-# batches there.
-TORCH_CALL_OVERHEAD_TOKENS = {"cpu": 48.0}
-
-
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Pool token states (B, T, H) into sentence vectors (B, H), ignoring padding."""
-    if mode == "mean":
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-    if mode == "cls":
-        return hidden[:, 0]
-    if mode == "last-token":
-        # Index of the last real token in each row; works for left and right padding alike.
-        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).int().argmax(1)
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    raise BackboneError(f"Unknown pooling '{mode}'; choose one of {', '.join(POOLING_MODES)}")
 
 
 class ElasticEncoder(nn.Module):
@@ -90,16 +69,8 @@ class ElasticEncoder(nn.Module):
         as `query_encoder`; `route="query"` loads the query route alone."""
         super().__init__()
         location, display = resolve(model)
-        routes = router_routes(location)
-        if routes is not None:
-            route = route or "document"
-            if route not in PAIR_ROUTES:
-                raise BackboneError(f"route {route!r}: a pair folder has routes {', '.join(PAIR_ROUTES)}")
-            display = display if route == "document" else f"{display}#{route}"
-            weights = str(route_transformer_dir(location, route))
-        elif route is not None:
-            raise BackboneError(f"{display} is not a query/document pair folder; route={route!r} is for one")
-        transformer, tokenizer = load_transformer(weights if routes else location, display)
+        route, display, weights = pair_route(location, display, route)
+        transformer, tokenizer = load_transformer(weights, display)
         sentence_cfg = read_sentence_config(location, route)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
         self.route = route
@@ -108,7 +79,7 @@ class ElasticEncoder(nn.Module):
             object.__setattr__(self, "query_encoder", query)
         from matryoshka2d.models.heads_on_disk import load_heads, read_record
 
-        record = read_record(location) if routes is None else None  # a pair's routes hold cells, not exit heads
+        record = read_record(location) if route is None else None  # a pair's routes hold cells, not exit heads
         self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
         if heads and record is not None:
             self.set_exit_heads(load_heads(location, record, self))
@@ -269,13 +240,13 @@ class ElasticEncoder(nn.Module):
 
                 raise no_static_cell(self.name)
             return 0
-        return _in_range(layer, "layer", self.num_layers, f"{self.name}: it has {self.num_layers} layers")
+        return in_range(layer, "layer", self.num_layers, f"{self.name}: it has {self.num_layers} layers")
 
     def check_dim(self, dim: int | None) -> int:
         """A width 1..hidden_size (None: all of it)."""
         if dim is None:
             return self.hidden_size
-        return _in_range(dim, "dim", self.hidden_size, f"{self.name}: its embeddings have {self.hidden_size} numbers")
+        return in_range(dim, "dim", self.hidden_size, f"{self.name}: its embeddings have {self.hidden_size} numbers")
 
     # ---- the differentiable core: one pass, pooled states of the requested layers ----------------------
 
@@ -476,12 +447,3 @@ class ElasticEncoder(nn.Module):
         if len(unique) == len(texts):  # no duplicates: rows are already in the texts' order
             return out
         return {n: arr[inverse] for n, arr in out.items()}
-
-
-def _in_range(value, what: str, high: int, has: str) -> int:
-    """`value` as an int in 1..high; the error names what it is and what the model has."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise BackboneError(f"{what} must be an integer, got {value!r}")
-    if not 1 <= value <= high:
-        raise BackboneError(f"{what} {value} is out of range for {has} (1..{high})")
-    return int(value)

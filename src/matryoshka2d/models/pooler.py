@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.backbones import POOLING_MODES, BackboneError
 
 # The activations a Dense module may declare that we reproduce exactly (class paths as sentence-transformers
 # writes them with `fullname(...)`).
@@ -128,3 +128,17 @@ def check_pooler_dim(dim, hidden: int) -> int:
             f"pooler dim {dim} is out of range: the head compresses the model's {hidden} hidden numbers to 1..{hidden}"
         )
     return dim
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Pool token states (B, T, H) into sentence vectors (B, H), ignoring padding."""
+    if mode == "mean":
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "last-token":
+        # Index of the last real token in each row; works for left and right padding alike.
+        last = attention_mask.shape[1] - 1 - attention_mask.flip(1).int().argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    raise BackboneError(f"Unknown pooling '{mode}'; choose one of {', '.join(POOLING_MODES)}")

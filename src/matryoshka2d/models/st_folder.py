@@ -417,3 +417,16 @@ def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize:
     if normalize:
         modules.append(Normalize())
     return SentenceTransformer(modules=modules, device="cpu", similarity_fn_name="cosine")
+
+
+def pair_route(location: str, display: str, route: str | None) -> tuple[str | None, str, str]:
+    """(route, name, transformer folder) of a folder to load: a pair folder (router_routes) loads its document
+    route unless `route` says "query"; any other folder loads as it is (route None), and may not be given one."""
+    if router_routes(location) is None:
+        if route is not None:
+            raise BackboneError(f"{display} is not a query/document pair folder; route={route!r} is for one")
+        return None, display, location
+    route = route or "document"
+    if route not in PAIR_ROUTES:
+        raise BackboneError(f"route {route!r}: a pair folder has routes {', '.join(PAIR_ROUTES)}")
+    return route, display if route == "document" else f"{display}#{route}", str(route_transformer_dir(location, route))
