@@ -12,7 +12,7 @@ than wall time), minilm-l6.
   two rounds, the best round kept. The value with the cheapest step is what TRAINING_CALL_OVERHEAD_TOKENS["cpu"] in
   training/packing.py holds.
 - torch: one inference pass of n texts of t tokens at layers 3 and 6, for small shapes; the intercept of the
-  line through them, in token positions, is TORCH_CALL_OVERHEAD_TOKENS in models/encoder.py.
+  line through them, in token positions, is TORCH_CALL_OVERHEAD_TOKENS in models/batching.py.
 - onnx: the same through the cached exit graphs of the onnx serving backend (fp32 and int8, layers 3 and 6),
   for deploy/backends.py (built first if the cache does not hold them).
 """

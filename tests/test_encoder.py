@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import SENTENCES, tiny_transformer
-from matryoshka2d.models.encoder import ElasticEncoder, pool
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.pooler import pool
 
 ARCHS = ["bert", "roberta", "mpnet", "distilbert", "llama"]
 

@@ -9,8 +9,8 @@ import torch
 
 from conftest import tiny_run, tiny_transformer
 from matryoshka2d.models.backbones import BackboneError
-from matryoshka2d.models.encoder import ElasticEncoder, pool
-from matryoshka2d.models.pooler import PoolerHead
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.pooler import PoolerHead, pool
 from matryoshka2d.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

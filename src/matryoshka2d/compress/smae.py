@@ -58,7 +58,8 @@ from matryoshka2d.compress.masking import IGNORE, MaskedBatch, mask_batch
 from matryoshka2d.methods.base import recorded_settings
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack
-from matryoshka2d.models.encoder import ElasticEncoder, pool
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.pooler import pool
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training.data import read_training_data
 from matryoshka2d.training.rundir import RunDir

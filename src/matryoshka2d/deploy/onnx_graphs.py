@@ -20,7 +20,8 @@ from torch import nn
 
 from matryoshka2d.files import OutsideFolderError, inside
 from matryoshka2d.models.batching import length_batches
-from matryoshka2d.models.encoder import ElasticEncoder, pool
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.pooler import pool
 
 ONNX_FILE = "onnx/cell.onnx"
 ONNX_INT8_FILE = "onnx/cell_int8.onnx"
