@@ -214,6 +214,7 @@ def start_ours() -> Server:
     command += ["--port", str(port), "--device", "cpu", "--log-level", "warning", "--backend", "onnx"]
     command += ["--quantize", "int8", "--truncate", "--adaptive-depth", "--target-ms", str(ARGS.target_ms)]
     command += ["--max-queued-texts", str(ARGS.max_queued_texts)]
+    command += ["--max-queue-ms", str(ARGS.max_queue_ms)] if ARGS.max_queue_ms else []
     command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
     return Server("ours", command, port, env)
@@ -517,6 +518,13 @@ def main() -> None:
         type=int,
         default=256,
         help="our server's bound on waiting texts: what it answers within the deadline at full depth, about",
+    )
+    parser.add_argument(
+        "--max-queue-ms",
+        type=float,
+        default=1000.0,
+        help="our server's bound in model time (serve --max-queue-ms; 0: none): half the deadline, the rest for the "
+        "event loop and the batch that runs",
     )
     parser.add_argument("--capacity-clients", type=int, default=64)
     parser.add_argument("--capacity-seconds", type=float, default=20.0)

@@ -230,6 +230,24 @@ def test_past_the_bound_a_request_gets_429_with_retry_after_and_nothing_queued_i
     assert sum(n for _, n in gate.calls) == 8
 
 
+def test_the_bound_in_time_refuses_a_queue_the_model_needs_too_long_for():
+    """--max-queue-ms: a request that would join a queue of more than that much model time (its texts times the
+    recent time per text) is refused with 429 and Retry-After, under the bound in texts; an empty queue takes all."""
+    from matryoshka2d.deploy.api import ApiError
+
+    admission = Admission(max_queued_texts=1024, max_queue_ms=1000)
+    admission.admit(texts=1, queued=100, drain_seconds=0.9)  # 900 ms waiting: let in
+    admission.admit(texts=1, queued=0, drain_seconds=5.0)  # nothing waits: always let in
+    with pytest.raises(ApiError) as refused:
+        admission.admit(texts=1, queued=100, drain_seconds=2.3)
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "3"
+    assert "need about 2300 ms of the model" in str(refused.value) and "--max-queue-ms" in str(refused.value)
+    Admission(max_queued_texts=8).admit(texts=1, queued=7, drain_seconds=60.0)  # no bound in time unless asked
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--max-queue-ms must be a positive number"):
+            Admission(max_queue_ms=bad)
+
+
 def test_a_request_larger_than_the_bound_is_taken_when_nothing_waits(tokenizer):
     gate = Gate(tokenizer)
     gate.open.set()

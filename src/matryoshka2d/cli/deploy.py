@@ -110,7 +110,7 @@ def cmd_serve(args) -> int:
     from matryoshka2d.deploy.admission import Admission
     from matryoshka2d.deploy.routing import parse_cell
 
-    admission = Admission.from_options(args.api_key, args.max_queued_texts)  # an empty key is refused here
+    admission = Admission.from_options(args.api_key, args.max_queued_texts, args.max_queue_ms)  # refuses an empty key
     query_cell = parse_cell(args.query_cell) if args.query_cell is not None else None
     if args.onnx_cache:  # before the model loads: makedirs would fail only after, with "[Errno 17] File exists"
         from matryoshka2d.deploy.backends import cache_folder_problem
@@ -203,6 +203,7 @@ def cmd_serve(args) -> int:
         batch_size=args.batch_size,
         max_wait=args.max_wait_ms / 1000,
         max_queued_texts=args.max_queued_texts,
+        max_queue_ms=args.max_queue_ms,
     )
     name = args.served_name or args.model
     kind = f"onnx {args.quantize or 'fp32'}" if args.backend == "onnx" else "torch"
@@ -212,6 +213,8 @@ def cmd_serve(args) -> int:
         file=sys.stderr,
     )
     guards = [f"at most {args.max_queued_texts} texts waiting (429 past it)"]
+    if args.max_queue_ms is not None:
+        guards.append(f"nor more than {args.max_queue_ms:g} ms of the model's time")
     guards.append("API key required (Authorization: Bearer)" if admission.needs_key else "no API key (open to all)")
     if depth is not None:
         guards.append(f"adaptive depth: layers {depth.layers}, target {depth.target_ms:g} ms")
@@ -397,6 +400,12 @@ def register(sub, model_args) -> None:
         default=1024,
         help="texts waiting for the model past which a request is answered 429 with Retry-After (size it to what "
         "your clients wait: about the texts per second the model answers, times their timeout)",
+    )
+    p.add_argument(
+        "--max-queue-ms",
+        type=float,
+        help="also answer 429 when what waits would take the model longer than this (texts waiting x recent time "
+        "per text): a bound in time that follows the machine's load (default: the bound in texts alone)",
     )
     p.add_argument(
         "--drain-seconds",

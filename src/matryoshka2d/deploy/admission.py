@@ -6,10 +6,15 @@ and the bound on waiting work.
   The key is compared in constant time and never written anywhere: not in a message, not in a log line.
 - Drain: once SIGTERM arrives the server stops accepting (503 to every request, `/health` included, so a load
   balancer takes the replica out), finishes what is in flight, and exits 0 (deploy/server.py).
-- Bound on waiting work (`--max-queued-texts`): a request whose texts would take the queue past the bound is
-  answered 429 with `Retry-After` (the seconds the model needs for what waits now), before it is queued; nothing
-  already queued is ever dropped. A request larger than the bound is still taken when nothing waits, so every
-  request the server accepts by its size limits can be answered.
+- Bound on waiting work (`--max-queued-texts`, and `--max-queue-ms`): a request whose texts would take the queue
+  past the bound, or that would join a queue the model needs longer than `--max-queue-ms` to answer (its texts
+  times the model's recent time per text), is answered 429 with `Retry-After` (the seconds the model needs for what
+  waits now), before it is queued; nothing already queued is ever dropped. A request larger than the bound is
+  still taken when nothing waits, so every request the server accepts by its size limits can be answered. The
+  bound in time follows the machine: under overload the event loop's own work (reading requests, refusing them)
+  takes part of the core, the model answers fewer texts a second, and a count of texts sized at rest lets in
+  requests whose clients time out before their answer (3x full depth's capacity on one core, a 2 s deadline and
+  256 texts: 4,320 requests accepted and then left by their clients in 30 s).
 
 `Guard` is the ASGI middleware that applies the first two and counts every answer (deploy/metrics.py); the bound
 is applied by the embeddings route, which knows how many texts a request holds.
@@ -31,19 +36,21 @@ OPEN_ROUTES = ("/health",)
 class Admission:
     """The API key, the drain flag and the bound on queued texts of one server."""
 
-    def __init__(self, api_key: str | None = None, max_queued_texts: int = 1024):
+    def __init__(self, api_key: str | None = None, max_queued_texts: int = 1024, max_queue_ms: float | None = None):
         if api_key is not None and not api_key.strip():
             raise ValueError(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it out")
         if max_queued_texts < 1:
             raise ValueError(f"--max-queued-texts must be at least 1, got {max_queued_texts}")
+        if max_queue_ms is not None and not (math.isfinite(max_queue_ms) and max_queue_ms > 0):
+            raise ValueError(f"--max-queue-ms must be a positive number of milliseconds, got {max_queue_ms}")
         self._key = api_key.encode() if api_key is not None else None
-        self.max_queued_texts = max_queued_texts
+        self.max_queued_texts, self.max_queue_ms = max_queued_texts, max_queue_ms
         self.draining = False
 
     @classmethod
-    def from_options(cls, api_key: str | None, max_queued_texts: int) -> Admission:
+    def from_options(cls, api_key: str | None, max_queued_texts: int, max_queue_ms: float | None = None) -> Admission:
         """`--api-key` if given, else the environment variable (so the key need not be on a command line)."""
-        return cls(api_key if api_key is not None else os.environ.get(API_KEY_ENV), max_queued_texts)
+        return cls(api_key if api_key is not None else os.environ.get(API_KEY_ENV), max_queued_texts, max_queue_ms)
 
     @property
     def needs_key(self) -> bool:
@@ -76,13 +83,20 @@ class Admission:
 
     def admit(self, texts: int, queued: int, drain_seconds: float) -> None:
         """Let `texts` more texts join `queued` waiting ones, or raise a 429 saying when to come back."""
-        if queued == 0 or queued + texts <= self.max_queued_texts:
+        if queued == 0:
+            return
+        if queued + texts > self.max_queued_texts:
+            why = f"{queued} texts are waiting and this request adds {texts} (the bound is {self.max_queued_texts}, "
+            why += "--max-queued-texts)"
+        elif self.max_queue_ms is not None and 1000 * drain_seconds > self.max_queue_ms:
+            why = f"the {queued} texts waiting need about {1000 * drain_seconds:.0f} ms of the model (the bound is "
+            why += f"{self.max_queue_ms:g} ms, --max-queue-ms)"
+        else:
             return
         retry = max(1, math.ceil(drain_seconds))
         raise ApiError(
             429,
-            f"The model is overloaded: {queued} texts are waiting and this request adds {texts} (the bound is "
-            f"{self.max_queued_texts}, --max-queued-texts); retry after {retry} s",
+            f"The model is overloaded: {why}; retry after {retry} s",
             None,
             "model_overloaded",
             kind="server_error",

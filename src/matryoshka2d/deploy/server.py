@@ -70,6 +70,7 @@ class ServerLimits:
     # interactive search waits; bulk clients send fewer, larger requests (a request larger than the bound is taken
     # when nothing waits).
     max_queued_texts: int = 1024
+    max_queue_ms: float | None = None  # and past this much of the model's time for what waits (deploy/admission.py)
 
 
 def _error_response(error: ApiError):
@@ -120,7 +121,7 @@ def create_app(
     from starlette.exceptions import HTTPException
 
     limits = limits or ServerLimits()
-    admission = admission or Admission(max_queued_texts=limits.max_queued_texts)
+    admission = admission or Admission(max_queued_texts=limits.max_queued_texts, max_queue_ms=limits.max_queue_ms)
     metrics = ServerMetrics()
     main = _Served.of(model_id, model, limits, metrics, depth)
     own = query_layers or {}
