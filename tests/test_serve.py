@@ -731,3 +731,31 @@ def test_the_model_runs_below_the_event_loop():
     loop_nice = asyncio.run(run())
     assert loop_nice == os.getpriority(os.PRIO_PROCESS, 0)
     assert backend.nice == min(19, loop_nice + micro_batching.MODEL_THREAD_NICENESS)
+
+
+def test_the_drain_rate_counts_the_event_loops_time_between_calls():
+    """ms_per_text (Retry-After, --max-queue-ms) is the wall time per text at which the queue drains: with the model
+    taking 10 ms a call and the event loop busy 30 ms between calls, about 40 ms a text, not the model's 10."""
+    import asyncio
+
+    from matryoshka2d.deploy import micro_batching
+
+    class Slow(ReleasingBackend):
+        def pooled(self, texts, layer, encoded=None):
+            time.sleep(0.01)
+            return super().pooled(texts, layer, encoded)
+
+    async def run():
+        async with started(micro_batching.MicroBatcher(Slow(), max_batch=1, max_wait=0.0)) as batcher:
+
+            async def busy_loop():  # the event loop's own work (reading, refusing requests) between model calls
+                while True:
+                    await asyncio.sleep(0)
+                    time.sleep(0.03)
+
+            hog = asyncio.create_task(busy_loop())
+            await asyncio.gather(*(batcher.encode([f"t{i}"], 1) for i in range(12)))
+            hog.cancel()
+            return batcher.ms_per_text
+
+    assert asyncio.run(run()) >= 25

@@ -89,7 +89,12 @@ class MicroBatcher:
         )
         self.batches = 0
         self.trims = 0
-        self.ms_per_text = 0.0  # model time per text of recent calls, for Retry-After
+        # Wall time per text at which the queue drains, from recent calls: the time from the end of the call before
+        # (or from its own start, when nothing waited) to the end of this one, so that what the event loop does on
+        # the same core between calls counts too (under overload, reading and refusing requests takes a share of
+        # the core the model call alone does not see). For --max-queue-ms and Retry-After.
+        self.ms_per_text = 0.0
+        self._draining_since: float | None = None
         self._trimmed_at, self._untrimmed = time.monotonic(), False
         self._task: asyncio.Task | None = None
 
@@ -202,6 +207,7 @@ class MicroBatcher:
                 if all(job.encoded is not None for job in group):
                     encoded = {k: [row for job in group for row in job.encoded[k]] for k in group[0].encoded}
                 tokens = sum(job.tokens for job in group)
+                since = self._draining_since if self._draining_since is not None else time.monotonic()
                 try:
                     vectors = await loop.run_in_executor(self.executor, self._encode, texts, layer, encoded, tokens)
                 except Exception as exc:  # the model failed: every waiting request hears why
@@ -214,17 +220,16 @@ class MicroBatcher:
                     if not job.future.done():
                         job.future.set_result((vectors[start : start + len(job.texts)], layer))
                     start += len(job.texts)
+                now = time.monotonic()
+                per_text = 1000 * (now - since) / len(texts)
+                self.ms_per_text = 0.8 * self.ms_per_text + 0.2 * per_text if self.batches else per_text
+                self._draining_since = now if self.queue else None
                 self.batches += 1
 
     def _encode(self, texts: list[str], layer: int, encoded: dict | None = None, tokens: int = 0) -> np.ndarray:
         start = time.perf_counter()
         vectors = self.backend.pooled(texts, layer, encoded)
         seconds = time.perf_counter() - start
-        self.ms_per_text = (
-            0.8 * self.ms_per_text + 0.2 * (1000 * seconds / len(texts))
-            if self.batches
-            else (1000 * seconds / len(texts))
-        )
         if self.controller is not None:
             self.controller.cost.observe(layer, tokens, 1000 * seconds)
         if self.metrics is not None:
