@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from matryoshka2d.files import file_sha256, inside
 from matryoshka2d.models.heads import HEADS_FILE, INPUTS, RECORD_KEY, ExitHeads, HeadsError
-from matryoshka2d.models.identity import backbone_sha256
+from matryoshka2d.models.identity import backbone_sha256, folder_record
 
 
 def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
@@ -46,14 +45,7 @@ def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
 
 def read_record(folder: str | Path) -> dict | None:
     """The `exit_heads` record of a model folder's matryoshka2d.json, or None if the folder has no heads."""
-    meta = Path(folder) / "matryoshka2d.json"
-    if not meta.is_file():
-        return None
-    try:
-        record = json.loads(meta.read_text(encoding="utf-8")).get(RECORD_KEY)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise HeadsError(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
-    return record if record else None
+    return folder_record(folder, RECORD_KEY, HeadsError)
 
 
 def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:

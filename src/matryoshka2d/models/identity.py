@@ -66,6 +66,24 @@ def query_encoder_record(encoder) -> dict | None:
 PAIR_KEY = "pair"  # matryoshka2d.json of a query/document pair folder: what each route holds (deploy.pair)
 
 
+def folder_record(folder, key: str, error: type[Exception]) -> dict | None:
+    """The `key` record of a model folder's matryoshka2d.json (exit heads, a static cell), or None when the folder
+    has no such file or record; a file that is not JSON is an `error` naming it."""
+    import json
+    from pathlib import Path
+
+    if not folder:
+        return None
+    meta = Path(folder) / "matryoshka2d.json"
+    if not meta.is_file():
+        return None
+    try:
+        record = json.loads(meta.read_text(encoding="utf-8")).get(key)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise error(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
+    return record or None
+
+
 def query_encoder_record_at(folder, route: str | None = None) -> dict | None:
     """query_encoder_record of a model folder, read before the model is loaded; of a pair folder's query route
     with `route="query"` (the student's record, kept under `pair`)."""

@@ -26,7 +26,6 @@ tokenizer as tokenizer.json; nothing in it runs.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch import nn
 from matryoshka2d.files import file_sha256, inside
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.heads import HELD_OUT_EVERY, RIDGE_GRID, NormalEquations
+from matryoshka2d.models.identity import folder_record
 
 FOLDER = "static"
 RECORD_KEY = "static"  # in matryoshka2d.json
@@ -169,16 +169,7 @@ class StaticCell(nn.Module):
 
 def read_record(folder: str | Path | None) -> dict | None:
     """The `static` record of a model folder's matryoshka2d.json, or None when it holds no static cell."""
-    if not folder:
-        return None
-    meta = Path(folder) / "matryoshka2d.json"
-    if not meta.is_file():
-        return None
-    try:
-        record = json.loads(meta.read_text(encoding="utf-8")).get(RECORD_KEY)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise StaticCellError(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
-    return record or None
+    return folder_record(folder, RECORD_KEY, StaticCellError)
 
 
 def load_static_cell(folder: str | Path, record: dict, backbone: str, dim_out: int) -> StaticCell:
