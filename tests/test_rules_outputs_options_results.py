@@ -185,6 +185,9 @@ def test_widths_are_refused_where_they_are_parsed(value, capsys):
         (["train", "--data", "x", "--output", "o", "--eval-cell", "3:x"], "--eval-cell"),
         (["train", "--data", "x", "--output", "o", "--lora-dropout", "1.5"], "--lora-dropout"),
         (["distill", "--data", "x", "--output", "o", "--max-texts", "0"], "--max-texts"),
+        (["serve", "--target-ms", "0"], "--target-ms"),
+        (["serve", "--max-queue-ms", "nan"], "--max-queue-ms"),
+        (["serve", "--drain-seconds", "-1"], "--drain-seconds"),
     ],
     ids=lambda a: a if isinstance(a, str) else a[0],
 )

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, count, positive_int, reads_and_writes
+from matryoshka2d.cli.args import command, count, positive_float, positive_int, reads_and_writes
 
 
 def cmd_export(args) -> int:
@@ -103,10 +103,6 @@ def cmd_serve(args) -> int:
     depth_flags = [f for f, v in (("--target-ms", args.target_ms), ("--min-layer", args.min_layer)) if v is not None]
     if depth_flags and not args.adaptive_depth:
         raise ValueError(f"{', '.join(depth_flags)} set how --adaptive-depth sheds depth; add --adaptive-depth")
-    if args.target_ms is not None and not args.target_ms > 0:
-        raise ValueError(f"--target-ms must be a positive number of milliseconds, got {args.target_ms}")
-    if not args.drain_seconds > 0:
-        raise ValueError(f"--drain-seconds must be positive, got {args.drain_seconds}")
     from matryoshka2d.deploy.admission import Admission
     from matryoshka2d.deploy.routing import parse_cell
 
@@ -403,13 +399,13 @@ def register(sub, model_args) -> None:
     )
     p.add_argument(
         "--max-queue-ms",
-        type=float,
+        type=positive_float,
         help="also answer 429 when what waits would take the model longer than this (texts waiting x recent time "
         "per text): a bound in time that follows the machine's load (default: the bound in texts alone)",
     )
     p.add_argument(
         "--drain-seconds",
-        type=float,
+        type=positive_float,
         default=30.0,
         help="on SIGTERM: 503 to new requests, and this long at most to answer the accepted ones before exiting",
     )
@@ -420,6 +416,6 @@ def register(sub, model_args) -> None:
         "--target-ms under the present load, never below --min-layer; needs exits aligned to the last layer "
         "(exit heads, or a `distill --mode shared` model)",
     )
-    p.add_argument("--target-ms", type=float, help="adaptive depth: the latency target per batch (default 50)")
+    p.add_argument("--target-ms", type=positive_float, help="adaptive depth: the latency target per batch (default 50)")
     p.add_argument("--min-layer", type=int, help="adaptive depth: the shallowest layer (default: the first aligned)")
     p.set_defaults(func=cmd_serve)
