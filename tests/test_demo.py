@@ -55,6 +55,11 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     assert picked["backends"] == ["torch", "onnx-int8"]
     assert any(p["backend"] == "onnx-int8" and (p["layer"], p["dim"]) == (4, 32) for p in picked["points"])
     assert picked["recommended"]["backend"] in ("torch", "onnx-int8") and picked["recommended"]["deploy"]
+    # layer 0, the static cell, in the grid and its own point on the one frontier's time axis
+    assert "static cell (layer 0): model2vec's table of" in out and "layer 0, the static cell: (0," in out
+    zero = [p for p in picked["points"] if p["layer"] == 0]
+    assert [p["dim"] for p in zero] == [32] and all(p["backend"] == "torch" for p in zero)
+    assert picked["timing"]["ms_per_query"]["0"] < picked["timing"]["ms_per_query"]["4"]
     assert "(ridge strength: STS-B dev Spearman)" in out  # chosen as `heads fit` chooses it
     assert "exclude_sts_test: 1 rows hold an STS test sentence and are left out; 15 remain" in out
     assert (tmp_path / "run" / "sts-no-heads" / "results.json").is_file()
@@ -69,6 +74,7 @@ def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, m
     assert main([*args, "--output", str(tmp_path / "again")]) == 0
     again = capsys.readouterr().out
     assert "reusing the cached fine-tune" in again and "reusing the cached heads" in again
+    assert "reusing the cached static cell" in again
 
 
 def test_demo_cells_is_the_quick_timing_demo(tiny_dir, capsys):

@@ -1,12 +1,14 @@
 """`matryoshka2d demo`: the whole loop on the default backbone, each step printing what it produced.
 
 1. a short elastic fine-tune (2dmse) of the model on the shared NLI triplets, cached in the cache directory so a
-   second run reuses it; then exit heads fitted on the same sentences in closed form (cached too);
-2. its STS grid (layers x dims) on a few STS sets, with and without the heads from one pass, and the same grid
-   as served in int8 (the ONNX graphs `serve --backend onnx --quantize int8` runs; needs onnxruntime);
+   second run reuses it; then exit heads fitted on the same sentences in closed form, and layer 0, the model's
+   static cell (model2vec's token table of it, with a head fitted in closed form onto its own vectors; cached too);
+2. its STS grid (layers 0..N x dims) on a few STS sets, with and without the heads from one pass, and the same
+   grid as served in int8 (the ONNX graphs `serve --backend onnx --quantize int8` runs; needs onnxruntime);
 3. the picker's choice of a (cell, backend) for a budget (default: half the full model's query encoding time with
-   torch), over one frontier where the full model in int8 stands next to the shallow cells in fp32 and int8; the
-   frontier without heads next to it; and in plain words whether the int8 full model is the one to deploy;
+   torch), over one frontier where the full model in int8 stands next to the shallow cells in fp32 and int8 and
+   the static cell; the frontier without heads next to it; and in plain words whether the int8 full model is the
+   one to deploy and what layer 0 gives for its time;
 4. `matryoshka2d export` of that cell for its backend: a standalone sentence-transformers folder with only its
    layers (and its int8 ONNX graph when int8 is chosen);
 5. a faiss index of a small SciFact corpus and a cascade search: shortlist with a narrow last-layer cell,
@@ -150,6 +152,42 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     return out
 
 
+def static_cell_for(args, root: Path, model_dir: Path) -> Path:
+    """Layer 0: the model's static cell in closed form (model2vec's token table of this model, then the ridge head
+    onto the model's own unit vectors of the same training sentences the exit heads saw), cached beside the model
+    like the heads. `distill --mode static` trains it further; the demo shows the untrained start, which is what
+    the model gives for about a minute of work."""
+    import itertools
+
+    from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.static import distill_table, fit_head
+    from matryoshka2d.training.checkpoints import save_model_atomically
+    from matryoshka2d.training.data import read_sentences
+
+    out = model_dir.with_name(f"{model_dir.name}-static")
+    if (out / "matryoshka2d.json").is_file():
+        print(f"    reusing the cached static cell {out}")
+        return out
+    encoder = ElasticEncoder(str(model_dir), device=args.device)
+    unseen = LeftOutSentences(sts_test_sentence_keys(root))  # no fit sees an STS test sentence
+    texts = list(
+        itertools.islice(unseen.filter(read_sentences(root / "nli" / "train_triplets.tsv")), args.head_sentences)
+    )
+    targets = encoder.encode(texts, normalize=True)  # the full model's own vectors: the space its index is in
+    cell = distill_table(encoder)
+    report = fit_head(cell, texts, targets)
+    encoder.set_static_cell(cell)
+    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
+    save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
+    print(
+        f"    static cell (layer 0): model2vec's table of {cell.vocabulary:,} tokens made in "
+        f"{cell.record['table_seconds']:.0f} s, its head fitted in closed form on {report['head_texts']} sentences "
+        f"in {report['head_seconds']:.0f} s"
+    )
+    return out
+
+
 def export_cell(encoder, layer: int, dim: int, out: Path, backend: str = "torch", sts_file=None) -> str:
     """`matryoshka2d export` of the picked cell on its backend: only `layer` layers and the first `dim` numbers, a
     folder that loads with SentenceTransformer(out) alone (and, for onnx-int8, its int8 ONNX graph), checked against
@@ -218,6 +256,18 @@ def int8_verdict(points: list[dict], chosen: dict, num_layers: int, hidden: int,
     )
 
 
+def static_point(points: list[dict], full_ms: float) -> str:
+    """Plain words on layer 0, the static cell: its best point, its time against the full model's, and whether
+    the frontier holds it."""
+    zero = max((p for p in points if p["layer"] == 0), key=lambda p: p["score"])
+    where = "on the frontier" if any(p["frontier"] for p in points if p["layer"] == 0) else "off the frontier"
+    return (
+        f"layer 0, the static cell: ({zero['layer']},{zero['dim']}) scores {zero['score']:.2f} at "
+        f"{zero['latency_ms']:.3f} ms/query, {full_ms / zero['latency_ms']:.0f}x faster than the full model in torch "
+        f"({where}; `distill --mode static` trains it towards the model's vectors)"
+    )
+
+
 def run_loop(args) -> int:
     from matryoshka2d.deploy.cost import layer_latency
     from matryoshka2d.deploy.pick import run_pick
@@ -240,15 +290,13 @@ def run_loop(args) -> int:
     model_dir = fine_tune(args, root)
     meta = json.loads((model_dir / "matryoshka2d.json").read_text())
     dev = meta.get("final_eval", {})
-    model_dir = fit_heads_for(args, root, model_dir)
+    model_dir = static_cell_for(args, root, fit_heads_for(args, root, model_dir))
     done(t, f"{model_dir}; STS-B dev Spearman at the full model: {dev.get('spearman', '?')}")
 
-    t = step(2, f"STS grid on {', '.join(args.sts)}: every layer x dims, with and without exit heads")
+    t = step(2, f"STS grid on {', '.join(args.sts)}: every layer (0: the static cell) x dims, with and without heads")
     encoder = ElasticEncoder(str(model_dir), device=args.device)
     dims = sorted({d for d in (32, 64, 128, 256) if d < encoder.hidden_size} | {encoder.hidden_size})
-    cells = EncoderCells(
-        encoder, range(1, encoder.num_layers + 1), dims, show_progress=not args.quiet, compare_heads=True
-    )
+    cells = EncoderCells(encoder, encoder.layers, dims, show_progress=not args.quiet, compare_heads=True)
     result = evaluate_sts(cells, root, datasets=args.sts, log=quiet)
     write_outputs(result, work / "sts")
     without = evaluate_sts(cells.without_heads(), root, datasets=args.sts, log=quiet)
@@ -262,11 +310,15 @@ def run_loop(args) -> int:
             f"{int8.summary['average']:.2f} ({int8.summary['average'] - full['average']:+.2f} vs torch fp32) -> "
             f"{work / 'sts-int8'}"
         )
+    from matryoshka2d.evaluate.results import cell_average
+
+    static = cell_average(result.scores, result.metric)[(0, encoder.hidden_size)]
     done(
         t,
         f"{work / 'sts'}/results.md and heatmap.png (and sts-no-heads/); full model ({full['cell'][0]},"
         f"{full['cell'][1]}): {full['average']:.2f} Spearman; layers below it at full width: "
-        f"{shallow[False]:.2f} without heads, {shallow[True]:.2f} with",
+        f"{shallow[False]:.2f} without heads, {shallow[True]:.2f} with; the static cell (0,{encoder.hidden_size}): "
+        f"{static:.2f}",
     )
 
     t = step(3, "pick a cell and a backend for a budget")
@@ -305,6 +357,7 @@ def run_loop(args) -> int:
     )
     if int8 is not None:
         print(f"    {int8_verdict(picked['points'], chosen, encoder.num_layers, encoder.hidden_size, budget)}")
+    print(f"    {static_point(picked['points'], latency['torch'][encoder.num_layers])}")
     done(t, f"recommended ({layer},{dim}) on {backend} at {chosen['score']:.2f}; {work / 'pick'}/pick.md and pick.png")
 
     t = step(4, f"export cell ({layer},{dim}) for {backend}")
