@@ -193,8 +193,10 @@ def test_cells_out_of_range(tiny_bert):
         EncoderCells(tiny_bert, dims=[64])
 
 
-def test_matches_sentence_transformers_evaluator_on_stsb(minilm):
-    """Layer 6, dim 384 of minilm-l6 on STS-B test equals sentence-transformers' own evaluator within 0.01."""
+def test_matches_sentence_transformers_evaluator_on_stsb(minilm, tmp_path):
+    """Layer 6, dim 384 of minilm-l6 on STS-B test equals sentence-transformers' own evaluator within 0.01: on every
+    third pair of the test set (460 of 1,379, every genre and year in it; the whole set took 27 s of the suite for
+    the same comparison)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
@@ -205,12 +207,16 @@ def test_matches_sentence_transformers_evaluator_on_stsb(minilm):
         root = data_dir()
     except FileNotFoundError as exc:  # the shared data lives beside the checkout, not in it
         pytest.skip(f"shared STS data not available here: {exc}")
-    ours = evaluate_sts(EncoderCells(minilm, layers=[6], dims=[384]), root, datasets=["stsb"], log=lambda m: None)
-    pairs = load_pairs(root / "sts" / "raw" / "stsb_test.tsv")
+    header, *rows = (root / "sts" / "raw" / "stsb_test.tsv").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "sts" / "raw").mkdir(parents=True)
+    (tmp_path / "sts" / "raw" / "stsb_test.tsv").write_text("\n".join([header, *rows[::3]]) + "\n", encoding="utf-8")
+    ours = evaluate_sts(EncoderCells(minilm, layers=[6], dims=[384]), tmp_path, datasets=["stsb"], log=lambda m: None)
+    pairs = load_pairs(tmp_path / "sts" / "raw" / "stsb_test.tsv")
+    assert len(pairs.gold) == 460
     model = SentenceTransformer(str(minilm_dir()), device="cpu")
     evaluator = EmbeddingSimilarityEvaluator(
         pairs.sentences1, pairs.sentences2, pairs.gold.tolist(), batch_size=64, main_similarity="cosine"
     )
     theirs = evaluator(model)["spearman_cosine"] * 100
     assert ours.scores[0]["spearman"] == pytest.approx(theirs, abs=0.01)
-    assert 80 < theirs < 85  # all-MiniLM-L6-v2 on STS-B test is about 82
+    assert 80 < theirs < 85, theirs  # all-MiniLM-L6-v2: 82.3 on these pairs, about 82 on the whole set

@@ -92,8 +92,9 @@ def test_a_weight_of_one_gives_that_model_and_equal_weights_are_the_default(star
     assert (
         main(["merge", "--models", str(run), str(start), "--weights", "1", "0", "--output", str(tmp_path / "a")]) == 0
     )
+    trained = _weights(run)
     for key, value in _weights(tmp_path / "a").items():
-        assert torch.equal(value, _weights(run)[key])
+        assert torch.equal(value, trained[key])
     assert main(["merge", "--models", str(run), str(start), "--output", str(tmp_path / "soup")]) == 0
     record = json.loads((tmp_path / "soup" / "matryoshka2d.json").read_text())
     assert record["merge"]["weights"] == [0.5, 0.5]
