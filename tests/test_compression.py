@@ -145,7 +145,6 @@ def test_report_of_a_tiny_model(tiny_dir, stsb_dir, tmp_path, capsys):
     [
         (["--dims", "64", "32"], "--dims 64 32: K must be at least 1 and smaller than FULL (32)"),
         (["--dims", "8", "32", "--layer", "9"], "--layer 9: --model "),
-        (["--dims", "8", "32", "--layer", "0"], "--layer 0: --model "),
         (["--exit", "2", "--layer", "2"], "--exit 2: the exit must be a layer below --layer 2"),
         ([], "give --dims K FULL (the width view), --exit N (the depth view), or both"),
         (["--dims", "8", "32", "--sentences", "5"], "--sentences 5: give more than 10"),
@@ -154,6 +153,13 @@ def test_report_of_a_tiny_model(tiny_dir, stsb_dir, tmp_path, capsys):
 def test_cli_refusals(tiny_dir, stsb_dir, tmp_path, capsys, options, message):
     assert report(tiny_dir, stsb_dir, tmp_path / "rep", *options) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_layer_below_1_is_refused_where_it_is_parsed(tiny_dir, stsb_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        report(tiny_dir, stsb_dir, tmp_path / "rep", "--dims", "8", "32", "--layer", "0")
+    assert stopped.value.code == 2 and "argument --layer: must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "rep").exists()
 
 

@@ -63,11 +63,17 @@ def test_every_eval_cell_is_evaluated(tiny_dir, files, tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize(("extra", "needle"), [(["--layer", "0", "--dim", "0"], "(0,0)"), (["--dim", "0"], "(4,0)")])
-def test_separate_refuses_zero_layer_or_dim(tiny_dir, files, tmp_path, capsys, extra, needle):
+@pytest.mark.parametrize(("extra", "option"), [(["--layer", "0", "--dim", "0"], "--layer"), (["--dim", "0"], "--dim")])
+def test_separate_refuses_zero_layer_or_dim(tiny_dir, files, tmp_path, capsys, extra, option):
     out = tmp_path / "run"
-    assert main(train_args(tiny_dir, files, out, "--method", "separate", *extra)) == 2
-    one_line_error(capsys, f"separate: the cell {needle} is outside the model's 4 layers x 32 dims", "--layer must be")
+    with pytest.raises(SystemExit) as stopped:  # at parse time, naming the option (rule 4)
+        main(train_args(tiny_dir, files, out, "--method", "separate", *extra))
+    assert stopped.value.code == 2
+    one_line_error(capsys, f"argument {option}: must be at least 1, got 0")
+    assert not out.exists()
+    # a cell beyond the model is the method's to refuse, naming the model's size
+    assert main(train_args(tiny_dir, files, out, "--method", "separate", "--dim", "64")) == 2
+    one_line_error(capsys, "separate: the cell (4,64) is outside the model's 4 layers x 32 dims")
     assert not (out / "matryoshka2d.json").exists()
 
 
@@ -300,10 +306,11 @@ def test_serve_checks_its_address_before_loading_the_model(tmp_path, capsys):
     import socket
 
     missing = str(tmp_path / "no-model")  # never loaded: the address is checked first
-    assert main(["serve", "--model", missing, "--port", "70000"]) == 2
-    one_line_error(capsys, "--port must be 0..65535", "got 70000")
-    assert main(["serve", "--model", missing, "--port", "-1"]) == 2
-    one_line_error(capsys, "--port must be 0..65535")
+    for bad in ("70000", "-1"):
+        with pytest.raises(SystemExit) as stopped:  # the range at parse time (rule 4)
+            main(["serve", "--model", missing, "--port", bad])
+        assert stopped.value.code == 2
+        one_line_error(capsys, "argument --port: must be 0..65535", f"got {bad}")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -165,6 +165,32 @@ def test_every_command_with_an_output_says_what_it_reads():
 # ---- rule 4: every option is checked where it is parsed ---------------------------------------------------------
 
 
+def test_every_typed_option_of_every_command_goes_through_a_converter_of_cli_args():
+    """Rule 4 in one place: a new option cannot take bare `int` or `float` (which accept 'nan', '-1', '1e3'
+    without saying which option is wrong): each typed option uses a converter of matryoshka2d.cli.args, whose
+    errors argparse prints with the option's name before anything loads."""
+    from matryoshka2d.cli import args as converters
+
+    def commands(parser, path=()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, (*path, name))
+        if path:
+            yield path, parser
+
+    bare = [
+        f"{' '.join(path)} {action.option_strings[0]}: type={action.type.__name__}"
+        for path, parser in commands(build_parser())
+        for action in parser._actions
+        if action.type is not None
+        and action.option_strings
+        and getattr(action.type, "__module__", None) != converters.__name__
+        and action.type is not str
+    ]
+    assert bare == []
+
+
 @pytest.mark.parametrize("value", ["abc", "16,,32", "1e3", "", "16,0"])
 def test_widths_are_refused_where_they_are_parsed(value, capsys):
     with pytest.raises(SystemExit) as stopped:

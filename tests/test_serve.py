@@ -361,11 +361,25 @@ def test_the_openai_client_raises_its_own_errors(any_server):
         client.embeddings.create(model="other", input=["x"])
 
 
-def test_serve_refuses_bad_limits(capsys):
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--max-batch", "0", "must be at least 1, got 0"),
+        ("--max-queued-texts", "-3", "must be at least 1, got -3"),
+        ("--max-wait-ms", "nan", "must be a finite number, got 'nan'"),  # started the server before
+        ("--max-wait-ms", "-1", "must be at least 0, got -1"),
+        ("--port", "99999", "must be 0..65535 (0: any free port), got 99999"),
+        ("--default-dimensions", "1e3", "'1e3' is not a whole number"),
+        ("--min-layer", "-1", "must be at least 0, got -1"),
+    ],
+)
+def test_serve_refuses_bad_limits_where_they_are_parsed(option, value, message, capsys):
     from matryoshka2d.cli import main
 
-    assert main(["serve", "--model", "minilm-l6", "--max-batch", "0"]) == 2
-    assert "--max-batch must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--model", "minilm-l6", option, value])
+    assert stopped.value.code == 2
+    assert f"argument {option}: {message}" in capsys.readouterr().err
 
 
 # ---- the onnx backend: what differs from torch -----------------------------------------------------------
@@ -523,8 +537,8 @@ def test_serve_refuses_a_default_cell_out_of_range(capsys, tiny_folder):
 
     assert main(["serve", "--model", str(tiny_folder), "--device", "cpu", "--default-layer", "5"]) == 2
     assert "--default-layer 5: layer 5 is out of range" in capsys.readouterr().err
-    assert main(["serve", "--model", str(tiny_folder), "--device", "cpu", "--default-dimensions", "0"]) == 2
-    assert "--default-dimensions 0: dim 0 is out of range" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_folder), "--device", "cpu", "--default-dimensions", "64"]) == 2
+    assert "--default-dimensions 64: dim 64 is out of range" in capsys.readouterr().err
 
 
 def test_a_request_is_tokenized_once_and_long_texts_are_cut_as_encode_cuts_them(tiny_folder, tiny_local):

@@ -65,9 +65,26 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
+    """A finite number of at least 0 (a wait that may be none)."""
     value = number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def at_least_one(text: str) -> float:
+    """A finite number of at least 1 (a factor that multiplies a count: oversampling)."""
+    value = number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free port)."""
+    value = _whole(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535 (0: any free port), got {value}")
     return value
 
 

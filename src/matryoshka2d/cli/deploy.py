@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from matryoshka2d.cli.args import command, count, positive_float, positive_int, reads_and_writes
+from matryoshka2d.cli.args import (
+    command,
+    count,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+    reads_and_writes,
+)
 
 
 def cmd_export(args) -> int:
@@ -64,8 +72,6 @@ def check_listen(host: str, port: int) -> None:
     the model loaded)."""
     import socket
 
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be 0..65535 (0: any free port), got {port}")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -83,11 +89,6 @@ def cmd_serve(args) -> int:
     from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.server import ServerLimits, serve
 
-    for name in ("max_batch", "batch_size", "max_inputs", "max_body_bytes", "max_queued_texts"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.max_wait_ms < 0:
-        raise ValueError(f"--max-wait-ms must be at least 0, got {args.max_wait_ms}")
     if args.backend == "torch" and (args.quantize or args.layers is not None or args.onnx_cache):
         used = [
             f
@@ -335,20 +336,26 @@ def register(sub, model_args) -> None:
     )
     model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--served-name", help="the model id clients send (default: --model as given)")
-    p.add_argument("--default-layer", type=int, help="layer for requests that name none (default: the last)")
-    p.add_argument("--default-dimensions", type=int, help="width for requests that name none (default: the full width)")
-    p.add_argument("--max-batch", type=int, default=256, help="texts collected from requests for one model call")
-    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass within a model call")
+    p.add_argument("--default-layer", type=count, help="layer for requests that name none (default: the last)")
+    p.add_argument(
+        "--default-dimensions", type=positive_int, help="width for requests that name none (default: the full width)"
+    )
+    p.add_argument(
+        "--max-batch", type=positive_int, default=256, help="texts collected from requests for one model call"
+    )
+    p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass within a model call")
     p.add_argument(
         "--max-wait-ms",
-        type=float,
+        type=non_negative_float,
         default=5.0,
         help="how long a batch waits for more requests when others are already queued (a lone request never waits)",
     )
-    p.add_argument("--max-inputs", type=int, default=2048, help="texts per request")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)")
+    p.add_argument("--max-inputs", type=positive_int, default=2048, help="texts per request")
+    p.add_argument(
+        "--max-body-bytes", type=positive_int, default=8 * 1024 * 1024, help="request body limit (413 above)"
+    )
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
     p.add_argument(
         "--max-length",
@@ -392,7 +399,7 @@ def register(sub, model_args) -> None:
     )
     p.add_argument(
         "--max-queued-texts",
-        type=int,
+        type=positive_int,
         default=1024,
         help="texts waiting for the model past which a request is answered 429 with Retry-After (size it to what "
         "your clients wait: about the texts per second the model answers, times their timeout)",
@@ -417,5 +424,5 @@ def register(sub, model_args) -> None:
         "(exit heads, or a `distill --mode shared` model)",
     )
     p.add_argument("--target-ms", type=positive_float, help="adaptive depth: the latency target per batch (default 50)")
-    p.add_argument("--min-layer", type=int, help="adaptive depth: the shallowest layer (default: the first aligned)")
+    p.add_argument("--min-layer", type=count, help="adaptive depth: the shallowest layer (default: the first aligned)")
     p.set_defaults(func=cmd_serve)

@@ -17,6 +17,7 @@ from matryoshka2d.cli.args import (
     command,
     command_group,
     count,
+    positive_float,
     positive_int,
     reads_and_writes,
 )
@@ -425,12 +426,12 @@ def register(sub, model_args) -> None:
     g.add_argument("--model", action="append", help="a model to draw (again for more): " + MODEL_HELP)
     g.add_argument("--pooling", choices=POOLING_CHOICES, help=POOLING_HELP)
     g.add_argument("--device", help=DEVICE_HELP)
-    g.add_argument("--layer", type=int, help="L, the layer of the whole vector (default: the model's last)")
+    g.add_argument("--layer", type=positive_int, help="L, the layer of the whole vector (default: the model's last)")
     g.add_argument("--dims", nargs="+", help="K FULL: the width view, (L, FULL) against its first K numbers (L, K)")
-    g.add_argument("--exit", type=int, help="N: the depth view, (L, FULL) against the exit's (N, FULL)")
-    g.add_argument("--sentences", type=int, help="the first N distinct STS-B test sentences (default: all)")
-    g.add_argument("--seed", type=int, help="t-SNE's random_state (default 0)")
-    g.add_argument("--perplexity", type=float, help="t-SNE's perplexity (default 30)")
+    g.add_argument("--exit", type=positive_int, help="N: the depth view, (L, FULL) against the exit's (N, FULL)")
+    g.add_argument("--sentences", type=positive_int, help="the first N distinct STS-B test sentences (default: all)")
+    g.add_argument("--seed", type=count, help="t-SNE's random_state (default 0)")
+    g.add_argument("--perplexity", type=positive_float, help="t-SNE's perplexity (default 30)")
     g.add_argument(
         "--layout",
         choices=["joint", "separate"],

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from matryoshka2d.cli.args import (
+    at_least_one,
     command,
     command_group,
     load_encoder,
@@ -304,7 +305,7 @@ def register(sub, model_args) -> None:
     )
     p.add_argument(
         "--oversampling",
-        type=float,
+        type=at_least_one,
         help="qdrant, quantised small cells: shortlist this many times --shortlist by quantised scores, then rescore "
         "them with the original vectors",
     )

@@ -166,8 +166,8 @@ def register(sub, model_args) -> None:
     )
     run_options(p, "--save-steps")
     p.add_argument("--sizes", type=cell_list, help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
-    p.add_argument("--layer", type=int, help="separate: train the model cut to this many layers")
-    p.add_argument("--dim", type=int, help="separate: at this width")
+    p.add_argument("--layer", type=positive_int, help="separate: train the model cut to this many layers")
+    p.add_argument("--dim", type=positive_int, help="separate: at this width")
     p.add_argument("--method-option", action="append", metavar="KEY=VALUE", help="e.g. k=64, kl_temperature=0.5")
     p.add_argument("--loss-option", action="append", metavar="KEY=VALUE", help="e.g. angle_weight=0.02")
     p.add_argument(
