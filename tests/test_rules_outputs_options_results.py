@@ -143,20 +143,22 @@ def test_results_may_be_written_inside_the_model_folder_they_describe(model, tmp
         check_outputs(parser.parse_args(["eval", "sts", "--model", str(model / "no-heads"), "--output", str(model)]))
 
 
+def every_command(parser, path=()):
+    """(words, parser) of every command and subcommand under `parser`, e.g. (("index", "build"), its parser)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from every_command(sub, (*path, name))
+    if path:
+        yield path, parser
+
+
 def test_every_command_with_an_output_says_what_it_reads():
     """A new command with --output cannot skip rule 2: each declares its inputs (cli.args.reads_and_writes)."""
 
-    def commands(parser, path=()):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    yield from commands(sub, (*path, name))
-        if path:
-            yield path, parser
-
     undeclared = [
         " ".join(path)
-        for path, parser in commands(build_parser())
+        for path, parser in every_command(build_parser())
         if any("--output" in a.option_strings for a in parser._actions) and not parser.get_default("reads")
     ]
     assert undeclared == []
@@ -171,17 +173,9 @@ def test_every_typed_option_of_every_command_goes_through_a_converter_of_cli_arg
     errors argparse prints with the option's name before anything loads."""
     from matryoshka2d.cli import args as converters
 
-    def commands(parser, path=()):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    yield from commands(sub, (*path, name))
-        if path:
-            yield path, parser
-
     bare = [
         f"{' '.join(path)} {action.option_strings[0]}: type={action.type.__name__}"
-        for path, parser in commands(build_parser())
+        for path, parser in every_command(build_parser())
         for action in parser._actions
         if action.type is not None
         and action.option_strings
