@@ -364,6 +364,11 @@ def test_the_recipe_reproduces_the_measured_runs():
     assert values == {"epochs": 3.5, "lr": 1e-4} and "2,041 steps" in line
     values, line = recipe("shared", 12, 768, 10000, 64)
     assert values == {"epochs": 5.0, "lr": 3e-4} and "785 steps" in line and "12-layer teacher" in line
+    # the static run (docs/distill.md: the same 78,091 texts, 3 epochs at 3e-3, no weight decay, full width)
+    values, line = recipe("static", 6, 384, 78091, 64)
+    assert values == {"lr": 3e-3, "epochs": 3.0, "weight_decay": 0.0, "passage_tokens": 48}
+    assert "3,663 steps" in line and "no weight decay" in line and "full width 384" in line and "static run" in line
+    assert recipe("shared", 6, 384, 37276, 64)[0].keys() == {"epochs", "lr"}  # weight decay is static's alone
     assert recipe("shared", 6, 384, 37276, 64, choose=()) == ({}, "")  # every option given: nothing chosen
 
 

@@ -292,6 +292,24 @@ def test_static_mode_options_and_resume(teacher, other_teacher, sentences, files
         DistillTrainer(again).run(resume=True, progress=False)
 
 
+def test_a_bare_distill_mode_static_runs_the_static_recipe_and_says_so(teacher, sentences, files, tmp_path, capsys):
+    """issue 42: the defaults are the measured recipe of each mode; the static run's (lr 3e-3, no weight decay,
+    passages of 48 tokens, the loss on the full width the teacher's index holds), not shared mode's."""
+    args = ["distill", "--teacher", str(teacher), "--mode", "static", "--data", str(sentences), "--quiet"]
+    args += ["--no-exclude-sts-test", "--eval-file", str(files / "dev.tsv"), "--steps", "2"]
+    assert main([*args, "--output", str(tmp_path / "bare")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("distill recipe (--mode static)"))
+    assert "lr 3e-3" in line and "no weight decay" in line and "passages of 48 tokens" in line and "full width" in line
+    record = json.loads((tmp_path / "bare" / "matryoshka2d.json").read_text())
+    assert record["training"]["lr"] == 3e-3 and record["training"]["weight_decay"] == 0.0
+    assert record["distill"]["widths"] == [32] and record["distill"]["passage_tokens"] == 48
+    assert record["distill"]["recipe"] == line
+    # a given option wins over the recipe
+    assert main([*args, "--weight-decay", "0.1", "--lr", "1e-3", "--output", str(tmp_path / "given")]) == 0
+    record = json.loads((tmp_path / "given" / "matryoshka2d.json").read_text())
+    assert record["training"]["lr"] == 1e-3 and record["training"]["weight_decay"] == 0.1
+
+
 def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_the_floor_of_adaptive_depth(student, teacher):
     """Layer 0 is served where a cell is: `layer: 0` (and MODEL@0xD), a static cell folder as the query side of its
     teacher (`serve --query-model`, input_type "query"), and the shallowest layer adaptive depth may shed to."""

@@ -289,6 +289,7 @@ def read_json(path: str | Path, error: type[Exception] = DataFormatError):
 # boolean or a string is not); NaN or inf is a score that could not be computed (a correlation of constant
 # vectors), which pick names and leaves out. A cell's average must be the mean of its per-dataset scores.
 
+
 def open_input(path: str):
     """The input as a seekable binary file (standard input is spooled to a temporary file, read twice)."""
     if path == "-":

@@ -17,6 +17,7 @@ from matryoshka2d.cli.args import (
     run_training,
     training_options,
 )
+from matryoshka2d.training.distill_recipe import RECIPE_CHOICES
 
 # The run's defaults; the learning rate, the number of epochs and the passages' length are the measured recipe's
 # (training.distill_recipe.recipe, which says in one line what it chose); every one can be given.
@@ -78,9 +79,15 @@ def cmd_distill(args) -> int:
 def recipe_for(values: dict) -> list[str]:
     """The options the measured recipe chooses: those not given (--steps stands for --epochs; --max-length for
     the passages' length)."""
-    given = {"lr": "lr", "epochs": "epochs", "steps": "epochs", "max_length": "passage_tokens"}
+    given = {
+        "lr": "lr",
+        "epochs": "epochs",
+        "steps": "epochs",
+        "max_length": "passage_tokens",
+        "weight_decay": "weight_decay",
+    }
     taken = {given[name] for name in given if name in values}
-    return [name for name in ("lr", "epochs", "passage_tokens") if name not in taken]
+    return [name for name in RECIPE_CHOICES if name not in taken]
 
 
 def ray_targets(args, values: dict):
@@ -185,14 +192,15 @@ def register(sub, model_args) -> None:
         "--save-steps",
         "--eval-steps",
         "--eval-file",
-        epochs="passes over the texts (default: the recipe's: 3 for --mode query; about 2,000 steps, at most 5 "
-        "epochs, for shared; the run's first line says)",
+        epochs="passes over the texts (default: the recipe's: 3 for --mode query and static; about 2,000 steps, at "
+        "most 5 epochs, for shared; the run's first line says)",
         batch_size="texts per step (default 64)",
-        lr="learning rate (default: the recipe's: 2e-4 for --mode query; 1e-4 for a 6-layer teacher, 3e-4 for "
-        "12 layers, in shared mode)",
+        lr="learning rate (default: the recipe's: 2e-4 for --mode query, 3e-3 for static; 1e-4 for a 6-layer "
+        "teacher, 3e-4 for 12 layers, in shared mode)",
+        weight_decay="AdamW's weight decay (default 0.01; --mode static: 0, the recipe's)",
         warmup_ratio="share of the steps with a rising learning rate (default 0.05)",
         max_length="tokens per text; BEIR documents are cut into passages of this many (default: the model's; "
-        "--mode query cuts passages of 48 tokens)",
+        "--mode query and static cut passages of 48 tokens)",
         save_steps="checkpoint every N steps (default 100)",
         eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
     )

@@ -218,12 +218,13 @@ class DistillTrainer(Trainer):
         if bad := [name for name in self.recipe_for if name not in RECIPE_CHOICES]:
             raise DistillError(f"recipe_for {bad}: the recipe chooses {', '.join(RECIPE_CHOICES)} only")
         self.passage_tokens = options.pop("passage_tokens", None)
-        if options.get("mode") == "query" and "passage_tokens" in self.recipe_for:
-            self.passage_tokens = PASSAGE_TOKENS
+        if options.get("mode") in ("query", "static") and "passage_tokens" in self.recipe_for:
+            self.passage_tokens = PASSAGE_TOKENS  # both answer queries against an index of the teacher's documents
         trained = _folder_record(self.encoder).get("trained_widths")
-        if "widths" not in options:  # a query encoder serves an index of the teacher's full vectors
+        if "widths" not in options:  # a query encoder (or layer 0) serves an index of the teacher's full vectors
             width = self.encoder.hidden_size
-            options["widths"] = [width] if options.get("mode") == "query" else default_widths(width, trained)
+            query = options.get("mode") in ("query", "static")
+            options["widths"] = [width] if query else default_widths(width, trained)
         objective = DistillObjective(self.encoder.num_layers, self.encoder.hidden_size, loss=cfg.loss, **options)
         if objective.mode == "query":  # only the head that the query encoder keeps
             self.head_layers = [objective.layer]
@@ -272,6 +273,7 @@ class DistillTrainer(Trainer):
             self.method.widths_list,
         )
         cfg.lr, cfg.epochs = chosen.get("lr", cfg.lr), chosen.get("epochs", cfg.epochs)
+        cfg.weight_decay = chosen.get("weight_decay", cfg.weight_decay)
         if self.recipe_line and self.processes.main:
             print(self.recipe_line)
         self.teacher_sha = weights_sha256(encoder)
