@@ -121,17 +121,32 @@ def fine_tune(args, root: Path) -> Path:
     return Trainer(config).run(resume=True, progress=not args.quiet)
 
 
+def head_sentences(root: Path, limit: int) -> list[str]:
+    """The first `limit` training sentences of the fine-tune's NLI file that are no STS test sentence: what the
+    exit heads and the static cell are fitted on (no fit sees a sentence the grid scores)."""
+    import itertools
+
+    from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
+    from matryoshka2d.training.data import read_sentences
+
+    unseen = LeftOutSentences(sts_test_sentence_keys(root))
+    return list(itertools.islice(unseen.filter(read_sentences(root / "nli" / "train_triplets.tsv")), limit))
+
+
+def save_beside(encoder, model_dir: Path, out: Path) -> None:
+    """`encoder` saved to `out` (atomically) with the record of the model it was fitted on."""
+    from matryoshka2d.training.checkpoints import save_model_atomically
+
+    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
+    save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
+
+
 def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     """Exit heads fitted in closed form on the fine-tune's own training sentences, cached beside it; the ridge
     strength chosen on STS-B dev as `heads fit` does by default (held-out squared error if the file is missing)."""
-    import itertools
-
     from matryoshka2d.cli.heads import ridge_selection
-    from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.heads import fit_heads
-    from matryoshka2d.training.checkpoints import save_model_atomically
-    from matryoshka2d.training.data import read_sentences
 
     select, dev = ridge_selection("auto", root / "sts" / "raw" / "stsb_dev.tsv")
     out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}")
@@ -139,12 +154,10 @@ def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
         print(f"    reusing the cached heads {out}")
         return out
     encoder = ElasticEncoder(str(model_dir), device=args.device)
-    unseen = LeftOutSentences(sts_test_sentence_keys(root))  # no fit sees an STS test sentence
-    texts = itertools.islice(unseen.filter(read_sentences(root / "nli" / "train_triplets.tsv")), args.head_sentences)
-    heads, report = fit_heads(encoder, iter(lambda: list(itertools.islice(texts, 512)), []), select=select, dev=dev)
+    texts = head_sentences(root, args.head_sentences)
+    heads, report = fit_heads(encoder, [texts[i : i + 512] for i in range(0, len(texts), 512)], select=select, dev=dev)
     encoder.set_exit_heads(heads)
-    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
-    save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
+    save_beside(encoder, model_dir, out)
     print(
         f"    {heads.describe()}, fitted on {report.sentences} training sentences in {report.seconds:.0f} s "
         f"(ridge strength: {heads.record['ridge_chosen_by']})"
@@ -157,29 +170,20 @@ def static_cell_for(args, root: Path, model_dir: Path) -> Path:
     onto the model's own unit vectors of the same training sentences the exit heads saw), cached beside the model
     like the heads. `distill --mode static` trains it further; the demo shows the untrained start, which is what
     the model gives for about a minute of work."""
-    import itertools
-
-    from matryoshka2d.evaluate.sts import LeftOutSentences, sts_test_sentence_keys
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.static import distill_table, fit_head
-    from matryoshka2d.training.checkpoints import save_model_atomically
-    from matryoshka2d.training.data import read_sentences
 
     out = model_dir.with_name(f"{model_dir.name}-static")
     if (out / "matryoshka2d.json").is_file():
         print(f"    reusing the cached static cell {out}")
         return out
     encoder = ElasticEncoder(str(model_dir), device=args.device)
-    unseen = LeftOutSentences(sts_test_sentence_keys(root))  # no fit sees an STS test sentence
-    texts = list(
-        itertools.islice(unseen.filter(read_sentences(root / "nli" / "train_triplets.tsv")), args.head_sentences)
-    )
+    texts = head_sentences(root, args.head_sentences)
     targets = encoder.encode(texts, normalize=True)  # the full model's own vectors: the space its index is in
     cell = distill_table(encoder)
     report = fit_head(cell, texts, targets)
     encoder.set_static_cell(cell)
-    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
-    save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
+    save_beside(encoder, model_dir, out)
     print(
         f"    static cell (layer 0): model2vec's table of {cell.vocabulary:,} tokens made in "
         f"{cell.record['table_seconds']:.0f} s, its head fitted in closed form on {report['head_texts']} sentences "

@@ -147,7 +147,7 @@ def record_own_identity(folder, encoder) -> None:
     path = Path(folder) / "matryoshka2d.json"
     meta = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     record = meta.get(DISTILL_KEY) if isinstance(meta, dict) else None
-    if not isinstance(record, dict) or record.get("mode") not in ("query", "static"):
+    if not isinstance(record, dict) or record.get("mode") not in QUERY_MODES:
         return
     record.update(weights_sha256=weights_sha256(encoder), width=encoder.hidden_size)
     path.write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")

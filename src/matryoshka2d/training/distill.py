@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from matryoshka2d.files import DataFormatError
-from matryoshka2d.models.identity import backbone_sha256, weights_sha256
+from matryoshka2d.models.identity import QUERY_MODES, backbone_sha256, weights_sha256
 from matryoshka2d.training.config import eval_cells
 from matryoshka2d.training.data import TrainingData, read_sentences
 from matryoshka2d.training.distill_recipe import PASSAGE_TOKENS, RECIPE_CHOICES, recipe
@@ -218,12 +218,12 @@ class DistillTrainer(Trainer):
         if bad := [name for name in self.recipe_for if name not in RECIPE_CHOICES]:
             raise DistillError(f"recipe_for {bad}: the recipe chooses {', '.join(RECIPE_CHOICES)} only")
         self.passage_tokens = options.pop("passage_tokens", None)
-        if options.get("mode") in ("query", "static") and "passage_tokens" in self.recipe_for:
+        if options.get("mode") in QUERY_MODES and "passage_tokens" in self.recipe_for:
             self.passage_tokens = PASSAGE_TOKENS  # both answer queries against an index of the teacher's documents
         trained = _folder_record(self.encoder).get("trained_widths")
         if "widths" not in options:  # a query encoder (or layer 0) serves an index of the teacher's full vectors
             width = self.encoder.hidden_size
-            query = options.get("mode") in ("query", "static")
+            query = options.get("mode") in QUERY_MODES
             options["widths"] = [width] if query else default_widths(width, trained)
         objective = DistillObjective(self.encoder.num_layers, self.encoder.hidden_size, loss=cfg.loss, **options)
         if objective.mode == "query":  # only the head that the query encoder keeps
@@ -404,7 +404,7 @@ class DistillTrainer(Trainer):
         folder as saved (cut to n layers, its head a Dense module): what every command that loads it checks
         (models.identity.check_own_weights), so that other weights under this record, or the record under other
         weights, are refused."""
-        if self.method.mode not in ("query", "static"):  # both answer queries against the teacher's documents
+        if self.method.mode not in QUERY_MODES:  # both answer queries against the teacher's documents
             return
         from matryoshka2d.models.encoder import ElasticEncoder
         from matryoshka2d.models.identity import record_own_identity

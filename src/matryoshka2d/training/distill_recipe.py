@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from matryoshka2d.models.identity import QUERY_MODES
+
 QUERY_LR, QUERY_EPOCHS = 2e-4, 3.0  # SciFact half B: 95.5% of flat nDCG@10 with 3 layers (63 minutes here)
 PASSAGE_TOKENS = 48  # query mode: BEIR documents cut into claim-sized passages (80% -> 89% of flat with 2 epochs)
 # static mode (layer 0: a token table and a head, nothing else learns): SciFact half B 92.2% of flat, STS-B 76.65
@@ -32,7 +34,7 @@ def recipe(mode: str, num_layers: int, width: int, texts: int, batch_size: int, 
     """
     values, why = {}, []
     steps_per_epoch = max(1, math.ceil(texts / batch_size))
-    if mode in ("query", "static"):
+    if mode in QUERY_MODES:
         lr, epochs = (QUERY_LR, QUERY_EPOCHS) if mode == "query" else (STATIC_LR, STATIC_EPOCHS)
         if "lr" in choose:
             values["lr"] = lr
