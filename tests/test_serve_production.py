@@ -265,6 +265,23 @@ def test_while_draining_every_request_gets_503_and_health_says_so(plain):
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_shutting_down"
 
 
+def test_serve_puts_what_it_loaded_out_of_the_collectors_reach_before_it_answers(plain, monkeypatch):
+    """A full collection over the model and its libraries stops the event loop and the model thread for ~200 ms;
+    `serve` freezes them before the first request, so that only the requests' own objects are ever walked."""
+    import gc
+
+    from matryoshka2d.deploy import server
+
+    frozen_at_start = []
+    monkeypatch.setattr(server._DrainingServer, "run", lambda self: frozen_at_start.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        server.serve(plain, "tiny", port=0)
+        assert frozen_at_start and frozen_at_start[0] > 10_000  # torch, FastAPI and the model: far more than 10,000
+    finally:
+        gc.unfreeze()  # the suite goes on in this process: its objects are collected as usual again
+
+
 # -- request bodies: bounded before conversion, never a 500 ------------------------------------------------------
 HUGE = "9" * 5000
 BODIES = {
