@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from conftest import TINY, WORDS, tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.deploy.admission import Admission
-from matryoshka2d.deploy.depth import DepthController, LayerCost, Work, aligned_layers
+from matryoshka2d.deploy.depth import DepthController, LayerCost, Work, aligned_layers, along_depth
 from matryoshka2d.deploy.server import ServerLimits, create_app
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.heads import fit_heads
@@ -76,6 +76,15 @@ def test_the_cost_line_is_the_measured_points_and_follows_what_the_server_observ
     assert cost.predict(3, 100) == pytest.approx(14.0, rel=0.01)
     assert cost.predict(2, 100) == pytest.approx(10.0, rel=0.01)  # a layer not chosen since is not left stale
     assert cost.describe()["speed_against_the_start"] == pytest.approx(0.5, rel=0.01)
+
+
+def test_a_layer_timed_off_the_line_of_the_others_is_put_back_on_it_and_the_static_cell_keeps_its_time():
+    measured = {0: 0.3, 1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0, 5: 7.0, 6: 7.0}  # layer 5 timed during a burst of load
+    fitted = along_depth(measured)
+    assert fitted[0] == 0.3
+    assert [round(fitted[n], 6) for n in range(1, 7)] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert along_depth({3: 4.0, 6: 9.0}) == {3: 4.0, 6: 9.0}  # two exits: nothing to fit a line through
+    assert along_depth({1: 5.0, 2: 4.0, 3: 3.0}) == {1: 5.0, 2: 4.0, 3: 3.0}  # falling with depth: kept as measured
 
 
 def test_with_nothing_waiting_the_controller_keeps_the_full_depth():

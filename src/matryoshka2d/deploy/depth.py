@@ -49,11 +49,33 @@ class _Line:
         return self.a + self.b * x
 
 
+def along_depth(ms: dict[int, float]) -> dict[int, float]:
+    """The measured times of the transformer's exits (layer -> ms), put on one line in the depth.
+
+    Every layer of a transformer costs the same, so a call's time grows in a line with the exit's depth. A
+    measurement taken while the machine is busy can put one layer off that line (at a start beside a training run,
+    layer 5 timed as slow as layer 6), and the controller then never chooses that layer while the server runs,
+    since the running server only rescales all layers alike. The robust line through the layers' times (Theil-Sen:
+    the median of the slopes between pairs of layers, which one layer off the line does not move) replaces them.
+    Layer 0, the static cell, runs no transformer layer and keeps its own time; fewer than three exits, or a line
+    that does not rise with depth, keep what was measured."""
+    from scipy.stats import theilslopes
+
+    deep = sorted(n for n in ms if n >= 1)
+    if len(deep) < 3:
+        return dict(ms)
+    slope, intercept, *_ = theilslopes([ms[n] for n in deep], deep)
+    if not slope > 0:
+        return dict(ms)
+    return {n: ms[n] if n == 0 else intercept + slope * n for n in ms}
+
+
 class LayerCost:
     """Model time (ms) of one call at each layer, from the number of tokens it runs.
 
     The measurement at start gives each layer's line (its layers measured in turns, round by round, so that a
-    change in the machine's load touches them all alike: deploy/cost.py). What a running server observes then moves
+    change in the machine's load touches them all alike: deploy/cost.py; then put on one line in the depth:
+    along_depth). What a running server observes then moves
     one factor, the machine's present speed against that measurement, from every call at any layer: a layer the
     controller seldom chooses never keeps a stale cost (a start under load made every layer look slow, and a
     per-layer refit left the layers not chosen since as slow as they looked then)."""
@@ -92,8 +114,8 @@ class LayerCost:
         """Measured on `backend` as pick measures (deploy/cost.py): one query per call, and `batch` texts per call."""
         from matryoshka2d.deploy.cost import QUERY_TEXTS, measure_batched, measure_latency
 
-        one = measure_latency(backend, layers)
-        per_text = measure_batched(backend, layers, batch)
+        one = along_depth(measure_latency(backend, layers))
+        per_text = along_depth(measure_batched(backend, layers, batch))
         tokens = sum(len(ids) for ids in backend.tokenizer(QUERY_TEXTS)["input_ids"]) / len(QUERY_TEXTS)
         return cls({n: [(tokens, one[n]), (tokens * batch, per_text[n] * batch)] for n in layers})
 
