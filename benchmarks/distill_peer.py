@@ -7,7 +7,7 @@ way; wall time per step side by side.
 
     # 0. ours: any `matryoshka2d distill --mode query ... --output RUN` (finished)
     # 1. here: the start, the texts and the targets of RUN, for the peer (no training)
-    python benchmarks/distill_peer.py prepare --run RUN --output PREP
+    python benchmarks/distill_peer.py prepare --run RUN --output PREP [--steps N]
     # 2. in a virtualenv with sentence-transformers[train] and WITHOUT matryoshka2d (the peer's own)
     V/bin/python benchmarks/distill_peer.py train --prep PREP --output PEER
     # 3. here: both scored the same way: STS 7-set at (n, width), and SciFact half B against the teacher's index
@@ -58,7 +58,7 @@ def prepare(args) -> None:
     (out / "texts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts), encoding="utf-8")
     np.save(out / "targets.npy", np.asarray(targets, dtype=np.float32))
     settings = {
-        "steps": record["steps"],
+        "steps": args.steps or record["steps"],
         "batch_size": config.batch_size,
         "lr": config.lr,
         "warmup_ratio": config.warmup_ratio,
@@ -69,7 +69,6 @@ def prepare(args) -> None:
         "layer": layer,
         "width": trainer.encoder.hidden_size,
         "texts": len(texts),
-        "ours_seconds_per_step": record.get("seconds_per_step"),
         "run": str(run.resolve()),
     }
     (out / "peer.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
@@ -162,7 +161,13 @@ def score(args) -> None:
     run, peer, out = Path(args.run), Path(args.peer), Path(args.output)
     settings = json.loads((peer / "peer.json").read_text(encoding="utf-8"))
     layer, width = settings["layer"], settings["width"]
-    teacher = json.loads((run / "matryoshka2d.json").read_text(encoding="utf-8"))["distill"]["teacher"]
+    record = json.loads((run / "matryoshka2d.json").read_text(encoding="utf-8"))
+    if record["steps"] != settings["steps"]:
+        raise SystemExit(
+            f"{run} trained {record['steps']} steps and the peer {peer} {settings['steps']}: compare at the same steps "
+            f"(prepare --steps {record['steps']}, or a run of {settings['steps']} steps)"
+        )
+    teacher = record["distill"]["teacher"]
     rows = {}
     for name, folder in (("matryoshka2d distill", run), ("sentence-transformers EmbedDistillLoss", peer)):
         sts = out / f"sts-{folder.name}"
@@ -204,7 +209,7 @@ def score(args) -> None:
     ]
     flat = _ndcg(by_model.get("the teacher (flat)"))
     per_step = {
-        "matryoshka2d distill": settings.get("ours_seconds_per_step"),
+        "matryoshka2d distill": record.get("seconds_per_step"),
         "sentence-transformers EmbedDistillLoss": settings.get("peer_seconds_per_step"),
     }
     for name, values in rows.items():
@@ -237,6 +242,12 @@ def main() -> None:
     p = sub.add_parser("prepare")
     p.add_argument("--run", required=True, help="a finished `distill --mode query` run folder")
     p.add_argument("--output", required=True)
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="the peer's steps (default: the run's); with a run of the same options and `--steps N`, both can train "
+        "side by side, one core each",
+    )
     p = sub.add_parser("train")
     p.add_argument("--prep", required=True)
     p.add_argument("--output", required=True)

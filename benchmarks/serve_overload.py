@@ -347,7 +347,7 @@ async def _closed_loop(server: Server, clients: int, seconds: float, layer, quer
 
 
 def encode_all(server: Server, texts: list[str], layer: int | None, input_type: str | None = None) -> np.ndarray:
-    """Vectors of `texts` from the server, one request per 32 texts, 4 at a time."""
+    """Vectors of `texts` from the server, one request per 32 texts, 4 at a time (a 429 retried after Retry-After)."""
 
     async def run():
         pool, out = Pool(server.port), [None] * len(texts)
@@ -357,7 +357,12 @@ def encode_all(server: Server, texts: list[str], layer: int | None, input_type: 
             body = {"model": "bench", "input": part, "encoding_format": "base64", "layer": layer}
             if input_type is not None:
                 body = {k: v for k, v in body.items() if k != "layer"} | {"input_type": input_type}
-            status, _, raw = await pool.send(request_bytes("/v1/embeddings", body))
+            status, headers, raw = await pool.send(request_bytes("/v1/embeddings", body))
+            for _ in range(10):  # a busy machine can put the server past its bound: it says when to retry
+                if status != 429:
+                    break
+                await asyncio.sleep(float(headers.get("retry-after", 1)))
+                status, headers, raw = await pool.send(request_bytes("/v1/embeddings", body))
             if status != 200:
                 raise RuntimeError(f"encoding failed: {status} {raw[:300]!r}")
             for j, item in enumerate(orjson.loads(raw)["data"]):
