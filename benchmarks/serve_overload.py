@@ -78,6 +78,7 @@ def free_port() -> int:
 
 
 _PAUSED = {"on": False, "pids": []}
+_STARTED: list = []  # every server this run started: stopped at the end, also when the run fails
 
 
 def _mine() -> set[int]:
@@ -152,6 +153,7 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+        _STARTED.append(self)
         deadline = time.monotonic() + ARGS.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -684,3 +686,5 @@ if __name__ == "__main__":
         main()
     finally:
         _resume_others()
+        for started in _STARTED:
+            started.stop()
