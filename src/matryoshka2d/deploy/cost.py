@@ -35,35 +35,36 @@ QUERY_TEXTS = [
 ]
 
 
+def _fastest_in_turns(backend, calls: list[tuple[list[str], int]], repeats: int) -> list[float]:
+    """ms of each (texts, layer) call at its fastest of `repeats`, the calls made in turns, round by round, so that
+    a change in the machine's load touches every layer alike; each layer is warmed up first (an onnx session loads
+    at its first call)."""
+    for layer in sorted({n for _, n in calls}):
+        backend.pooled(calls[0][0], layer)
+    best = [float("inf")] * len(calls)
+    for _ in range(repeats):
+        for i, (texts, layer) in enumerate(calls):
+            start = time.perf_counter()
+            backend.pooled(texts, layer)
+            best[i] = min(best[i], 1000 * (time.perf_counter() - start))
+    return best
+
+
 def measure_latency(backend, layers: list[int], repeats: int = 3) -> dict[int, float]:
     """ms to encode one short query, one text per call, at each layer (see the module's docstring)."""
     layers = sorted(layers)
-    for layer in layers:
-        backend.pooled([QUERY_TEXTS[0]], layer)  # warm-up (an onnx session loads at its first call)
-    best = {(n, t): float("inf") for n in layers for t in QUERY_TEXTS}
-    for _ in range(repeats):
-        for t in QUERY_TEXTS:
-            for n in layers:
-                start = time.perf_counter()
-                backend.pooled([t], n)
-                best[(n, t)] = min(best[(n, t)], 1000 * (time.perf_counter() - start))
+    calls = [([t], n) for t in QUERY_TEXTS for n in layers]
+    best = dict(zip(((n, t[0]) for t, n in calls), _fastest_in_turns(backend, calls, repeats), strict=True))
     return {n: statistics.median(best[(n, t)] for t in QUERY_TEXTS) for n in layers}
 
 
 def measure_batched(backend, layers: list[int], batch: int, repeats: int = 3) -> dict[int, float]:
     """ms per text when `batch` query texts go in one call at each layer: the fastest of `repeats` calls, the layers
-    measured in turns, round by round (as measure_latency), so that a burst of load on the machine touches them all."""
+    measured in turns as measure_latency's."""
     texts = [f"{QUERY_TEXTS[i % len(QUERY_TEXTS)]} ({i})" for i in range(batch)]
     layers = sorted(layers)
-    for n in layers:
-        backend.pooled(texts, n)  # warm-up
-    best = {n: float("inf") for n in layers}
-    for _ in range(repeats):
-        for n in layers:
-            start = time.perf_counter()
-            backend.pooled(texts, n)
-            best[n] = min(best[n], 1000 * (time.perf_counter() - start) / batch)
-    return best
+    best = _fastest_in_turns(backend, [(texts, n) for n in layers], repeats)
+    return {n: ms / batch for n, ms in zip(layers, best, strict=True)}
 
 
 def cost_key(info: dict, backend: str = "torch", batch: int | None = None) -> str:
