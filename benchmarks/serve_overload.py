@@ -219,6 +219,7 @@ def start_ours() -> Server:
     command += ["--max-queue-ms", str(ARGS.max_queue_ms)] if ARGS.max_queue_ms else []
     command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
+    command += ["--max-wait-ms", str(ARGS.max_wait_ms)] if ARGS.max_wait_ms is not None else []
     return Server("ours", command, port, env)
 
 
@@ -533,6 +534,13 @@ def main() -> None:
         help="our server's bound in model time (serve --max-queue-ms; 0: none): half the deadline, the rest for the "
         "event loop and the batch that runs",
     )
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        help="full depth's capacity in requests/s, not measured: the rates are multiples of it (to compare server "
+        "options at the same rates across runs)",
+    )
+    parser.add_argument("--max-wait-ms", type=float, help="our server's --max-wait-ms (default: the server's own)")
     parser.add_argument("--capacity-clients", type=int, default=64)
     parser.add_argument("--capacity-seconds", type=float, default=20.0)
     parser.add_argument(
@@ -584,9 +592,17 @@ def main() -> None:
         f"{len(data.doc_texts)} documents and {len(queries)} queries encoded at full depth in "
         f"{time.monotonic() - started:.0f} s; flat nDCG@10 at full depth {100 * flat.mean():.2f}"
     )
-    with others_paused():
-        capacity = asyncio.run(_closed_loop(ours, ARGS.capacity_clients, ARGS.capacity_seconds, ARGS.layers, queries))
-    print(f"full-depth capacity: {capacity:.1f} requests/s ({ARGS.capacity_clients} closed-loop clients)", flush=True)
+    if ARGS.capacity:
+        capacity = ARGS.capacity
+        print(f"full-depth capacity: {capacity:.1f} requests/s (given: --capacity, not measured)", flush=True)
+    else:
+        with others_paused():
+            capacity = asyncio.run(
+                _closed_loop(ours, ARGS.capacity_clients, ARGS.capacity_seconds, ARGS.layers, queries)
+            )
+        print(
+            f"full-depth capacity: {capacity:.1f} requests/s ({ARGS.capacity_clients} closed-loop clients)", flush=True
+        )
     depth = depth_lever(ours, queries, docs, data.qrels, flat, capacity) if ARGS.layer_seconds > 0 else []
     layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None}
     rows = []
@@ -620,6 +636,26 @@ def main() -> None:
         Path(ARGS.results).write_text(json.dumps(results, indent=1))
     if ARGS.plot:
         plot(rows, ARGS.plot)
+
+
+def depth_bound(depth: list[dict], load: float) -> float | None:
+    """The largest nDCG share any choice of layers could keep at `load` (a multiple of full depth's capacity), from
+    the layer table: a share f_n of the requests answered at layer n, each costing 1 / (layer n's capacity) of the
+    core, with the core's time for `load` x full depth's capacity requests a second at most all of it. A linear
+    program (the optimum mixes at most two layers); None when even the fastest layer cannot keep up."""
+    from scipy.optimize import linprog
+
+    quality = [d["ndcg_share_of_flat"] for d in depth]
+    seconds_per_request = [1 / d["of_full"] for d in depth]  # in units of full depth's at the run's capacity
+    solved = linprog(
+        c=[-q for q in quality],
+        A_ub=[seconds_per_request],
+        b_ub=[1 / load],
+        A_eq=[[1.0] * len(depth)],
+        b_eq=[1.0],
+        bounds=[(0, 1)] * len(depth),
+    )
+    return -solved.fun if solved.success else None
 
 
 def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[dict]) -> None:
@@ -657,6 +693,13 @@ def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[di
         f = by.get(("full", load))
         if a and f and f["goodput_per_s"]:
             print(f"goodput, adaptive / fixed full depth at {load:g}x: {a['goodput_per_s'] / f['goodput_per_s']:.2f}x")
+    adaptive = [r for r in rows if r["mode"] == "adaptive" and r["ndcg_share_of_flat"] is not None]
+    if depth and adaptive:
+        print("\nnDCG share, adaptive depth against the most any choice of layers keeps at that load (depth_bound):")
+        for r in adaptive:
+            bound = depth_bound(depth, r["load"])
+            most = f"{bound:.1f}%" if bound is not None else "none keeps up"
+            print(f"  {r['load']:g}x: {r['ndcg_share_of_flat']:.1f}% of flat; at most {most}")
     if drain:
         print(f"\ndrain on SIGTERM at 1.5x: {json.dumps(drain)}")
 

@@ -86,8 +86,11 @@ def test_layer_out_of_range(tiny_bert, layer):
 
 
 def test_layer_0_on_a_model_without_a_static_cell_says_how_to_make_one(tiny_bert):
-    with pytest.raises(BackboneError, match=r"layer 0 is a model's static cell .* holds none: make one with "
-                       r"`matryoshka2d distill --mode static"):
+    with pytest.raises(
+        BackboneError,
+        match=r"layer 0 is a model's static cell .* holds none: make one with "
+        r"`matryoshka2d distill --mode static",
+    ):
         tiny_bert.encode(["x"], layer=0)
 
 

@@ -699,6 +699,52 @@ def test_a_lone_request_never_waits_for_company_but_queued_ones_are_batched():
     assert alone[0] == 1 and len(together) == 64 and batches <= 2
 
 
+def test_by_default_a_batch_takes_what_queued_and_waits_for_no_more():
+    """A wait for company left the model idle with work in hand (full depth's p99 at 82 queries a second on one
+    core: 99.8 ms with a 5 ms wait, 37.4 without; 2026-11-26). The server's, the command's and the batcher's default agree, and with it the requests
+    queued behind a busy call go together the moment it ends, though the batch (256 texts) is far from full."""
+    import asyncio
+    import threading
+
+    from matryoshka2d.cli import build_parser
+    from matryoshka2d.deploy import micro_batching
+    from matryoshka2d.deploy.server import ServerLimits
+
+    limits = ServerLimits()
+    serve_args = build_parser().parse_args(["serve", "--model", "m"])
+    assert serve_args.max_wait_ms / 1000 == limits.max_wait == micro_batching.DEFAULT_MAX_WAIT
+
+    class Gated(ReleasingBackend):
+        """Each call waits until the test lets it go, and says when it has started and with which texts."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls, self.started, self.go = [], threading.Semaphore(0), threading.Semaphore(0)
+
+        def pooled(self, texts, layer, encoded=None):
+            self.calls.append(list(texts))
+            self.started.release()
+            self.go.acquire(timeout=30)
+            return super().pooled(texts, layer, encoded)
+
+    backend = Gated()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        async with started(micro_batching.MicroBatcher(backend, limits.max_batch, limits.max_wait)) as batcher:
+            first = asyncio.ensure_future(batcher.encode(["busy"], 1))
+            await loop.run_in_executor(None, backend.started.acquire)  # the model is busy with "busy"
+            queued = [asyncio.ensure_future(batcher.encode([t], 1)) for t in ("a", "b")]
+            await asyncio.sleep(0)
+            backend.go.release()  # "busy" ends: a and b go at once, together
+            await asyncio.wait_for(loop.run_in_executor(None, backend.started.acquire), timeout=30)
+            backend.go.release()
+            await asyncio.wait_for(asyncio.gather(first, *queued), timeout=30)
+
+    asyncio.run(run())
+    assert backend.calls == [["busy"], ["a", "b"]]
+
+
 def test_the_onnx_backend_needs_the_api_key_on_every_route_but_health(tiny_folder, onnx_graphs):
     """The key is checked in front of every route (deploy/admission.Guard), whatever runs the model."""
     from fastapi.testclient import TestClient

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -529,3 +530,22 @@ def test_a_request_whose_client_went_away_is_not_run(tokenizer):
 
     assert asyncio.run(run()) == 499
     assert gate.calls == [(2, 1)]  # only the first request ran
+
+
+def test_the_overload_benchmark_bounds_what_any_choice_of_layers_keeps_at_a_load(monkeypatch):
+    """benchmarks/serve_overload.py prints, beside adaptive depth's nDCG share, the most any mix of layers could keep
+    at that load: at a load between two layers' capacities it mixes those two, using all of the core."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from serve_overload import depth_bound
+
+    depth = [
+        {"layer": 1, "of_full": 4.0, "ndcg_share_of_flat": 80.0},
+        {"layer": 2, "of_full": 2.0, "ndcg_share_of_flat": 90.0},
+        {"layer": 3, "of_full": 1.0, "ndcg_share_of_flat": 100.0},
+    ]
+    assert depth_bound(depth, 0.5) == pytest.approx(100.0)  # room for every request at full depth
+    # at 1.5x: f at layer 3 and 1 - f at layer 2 fill the core: f / 1 + (1 - f) / 2 = 1 / 1.5, f = 1/3
+    assert depth_bound(depth, 1.5) == pytest.approx(100 / 3 + 90 * 2 / 3)
+    # at 3x: 1/3 at layer 2 and 2/3 at layer 1 (a mix of layers 3 and 1 fits only 1/9 at layer 3: 82.2)
+    assert depth_bound(depth, 3.0) == pytest.approx(90 / 3 + 80 * 2 / 3)
+    assert depth_bound(depth, 5.0) is None  # not even layer 1 keeps up

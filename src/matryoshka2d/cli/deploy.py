@@ -349,8 +349,9 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--max-wait-ms",
         type=non_negative_float,
-        default=5.0,
-        help="how long a batch waits for more requests when others are already queued (a lone request never waits)",
+        default=0.0,  # deploy/micro_batching.py DEFAULT_MAX_WAIT: why a batch does not wait by default
+        help="how long a batch that found others queued waits for more requests (a lone request never waits); worth "
+        "it only where a call's fixed cost is large, as on a GPU",
     )
     p.add_argument("--max-inputs", type=positive_int, default=2048, help="texts per request")
     p.add_argument(

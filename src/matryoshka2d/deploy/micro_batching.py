@@ -1,7 +1,8 @@
 """Micro-batching for the embeddings server (matryoshka2d.deploy.server): one worker thread runs the model; texts
-that arrive while it is busy, or within `max_wait` of the first, go into the next batch (up to `max_batch` texts; a
-larger request is one batch on its own), grouped by layer so that an exit at layer n still runs n layers. A lone
-request never waits for company. Between batches and at rest the heap's free pages are given back to the system.
+that arrive while it is busy (and, when `max_wait` is set, within it of the first) go into the next batch (up to
+`max_batch` texts; a larger request is one batch on its own), grouped by layer so that an exit at layer n still runs
+n layers. A lone request never waits for company. Between batches and at rest the heap's free pages are given back
+to the system.
 
 A request may leave its layer open (adaptive depth, deploy/depth.py): the batcher asks the depth controller for the
 layer of each batch of such requests, from what waits now, and tells each request the layer that answered it. The
@@ -30,6 +31,18 @@ from matryoshka2d.deploy.depth import Work
 # pages it gives back are faulted in again by the next batch. Trimmed at most this often under load, and
 # whenever the queue runs dry, so a server at rest holds no more than after its warm-up.
 TRIM_INTERVAL = 5.0  # seconds
+
+
+# A batch takes what queued while the model was busy and does not wait for more by default, as Triton's dynamic
+# batcher ("will not delay when forming batches" unless max_queue_delay is set). On a CPU a call's cost grows with
+# its texts (minilm-l6 int8 at layer 6, one thread: 4.36 ms for one query, 4.31 ms a query in a call of 8), so
+# grouping saves almost nothing, while every millisecond of waiting leaves the model idle with work in hand. The
+# 5 ms wait used until 2026-11-26 more than doubled the tail at 82 SciFact queries a second (open loop, one core,
+# benchmarks/serve_overload.py --capacity 164 --rates 0.5 --max-wait-ms 5, then 0: full depth p50 21.9 / p99 99.8
+# ms with it, 9.5 / 37.4 ms without), and with adaptive depth (target 50 ms) it made the controller answer 8% of
+# those requests at shallower layers; without it, none. `serve --max-wait-ms` sets one where a call's fixed cost is
+# large (a GPU).
+DEFAULT_MAX_WAIT = 0.0  # seconds
 
 
 # The queue is empty between every two batches of a closed loop of clients (all of them wait for their replies,

@@ -28,10 +28,10 @@ bound on waiting work: deploy/admission.py), which encoder and cell answer a req
 side: deploy/routing.py), depth on demand (deploy/depth.py), metrics (deploy/metrics.py).
 
 Requests are micro-batched (deploy/micro_batching.py): one worker thread runs the model; texts that arrive while it
-is busy, or within `max_wait` of the first, go into the next batch (up to `max_batch` texts; a larger request is
-one batch on its own), grouped by layer so that an exit at layer n still runs n layers; the model call sorts its
-texts by length and runs them `batch_size` at a time, as offline `encode` does. Errors have OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}.
+is busy (and, when `max_wait` is set, within it of the first) go into the next batch (up to `max_batch` texts; a
+larger request is one batch on its own), grouped by layer so that an exit at layer n still runs n layers; the model
+call sorts its texts by length and runs them `batch_size` at a time, as offline `encode` does. Errors have OpenAI's
+shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from matryoshka2d.deploy.admission import Admission, Guard
 from matryoshka2d.deploy.api import ApiError, encode_rows, parse_body, reply_bytes
 from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.deploy.metrics import ServerMetrics
-from matryoshka2d.deploy.micro_batching import MicroBatcher
+from matryoshka2d.deploy.micro_batching import DEFAULT_MAX_WAIT, MicroBatcher
 from matryoshka2d.deploy.routing import Catalog
 from matryoshka2d.models.encoder import ElasticEncoder
 
@@ -64,7 +64,7 @@ class ServerLimits:
     truncate: bool = False  # texts over the model's max_length: False -> 400, True -> cut to max_length
     max_batch: int = 256  # texts collected for one model call (sorted by length there, then run in batches)
     batch_size: int = 64  # texts per forward pass within a model call
-    max_wait: float = 0.005  # seconds the first request of a batch waits for company
+    max_wait: float = DEFAULT_MAX_WAIT  # seconds a batch that found others queued waits for more company
     # Texts waiting for the model, all encoders together, past which a request is answered 429 (Retry-After). What
     # waits is what the next requests queue behind: at minilm-l6's int8 full depth on one core, one-text queries
     # are answered at about 200-300 a second, so 1,024 of them are 3-5 s of waiting, about as long as a client of an
