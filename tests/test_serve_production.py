@@ -234,6 +234,11 @@ def test_past_the_bound_a_request_gets_429_with_retry_after_and_nothing_queued_i
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "model_overloaded" and "--max-queued-texts" in refused.text
+        # a full queue refuses before the body is read: under overload most requests are refused, and a refusal
+        # that parses, checks and tokenizes first takes that time from the core the model needs
+        unread = client.post("/v1/embeddings", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert unread.status_code == 429 and int(unread.headers["retry-after"]) >= 1
+        assert client.post("/v1/embeddings", json={"model": "gate", "input": [], "layer": 2}).status_code == 429
         gate.open.set()
         answers = [w.result(timeout=30) for w in waiting]
     assert [a.status_code for a in answers] == [200] * 4  # every accepted request answered

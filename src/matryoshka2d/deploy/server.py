@@ -143,7 +143,11 @@ def create_app(
 
     app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan)
     app.state.batcher, app.state.admission, app.state.metrics = main.batcher, admission, metrics
-    app.add_middleware(Guard, admission=admission, metrics=metrics, respond=_error_response)
+
+    def waiting() -> tuple[int, float]:
+        return sum(s.batcher.queued_texts for s in everyone), main.batcher.drain_seconds()
+
+    app.add_middleware(Guard, admission=admission, metrics=metrics, respond=_error_response, waiting=waiting)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -185,7 +189,7 @@ def create_app(
         plan = catalog.plan(parse_body(await _body(request, limits.max_body_bytes)))
         served, texts = plan.served, plan.texts
         encoded, used, truncated = _tokenized(served, texts, limits.truncate)
-        admission.admit(len(texts), sum(s.batcher.queued_texts for s in everyone), main.batcher.drain_seconds())
+        admission.admit(len(texts), *waiting())
         vectors, layer = await _unless_gone(request, served.batcher.answer(texts, plan.layer, encoded))
         data = encode_rows(vectors[:, : plan.dim], plan.encoding, plan.embedding_type)
         metrics.answered(served.name, layer, len(texts), sum(used))
