@@ -195,6 +195,11 @@ def test_a_static_cell_searches_its_teachers_index_only(student, teacher, other_
     capsys.readouterr()
     assert main([*search, "--index", str(tmp_path / "idx")]) == 0
     assert "1. d3 " in capsys.readouterr().out  # the query's own document first
+    # the closed-form start the run keeps beside it is a query encoder of the same index, measured the same way
+    start = ["search", "--query", lines[3], "--query-model", str(student / CLOSED_FORM), "--top-k", "5"]
+    assert main([*start, "--index", str(tmp_path / "idx")]) == 0, capsys.readouterr().err
+    assert main([*start, "--index", str(tmp_path / "idx-other")]) == 2
+    assert "was distilled from" in capsys.readouterr().err
     assert main([*search, "--index", str(tmp_path / "idx-other")]) == 2
     assert "was distilled from" in capsys.readouterr().err
     assert main([*search, "--index", str(tmp_path / "idx"), "--query-layer", "2"]) == 2

@@ -336,6 +336,7 @@ class DistillTrainer(Trainer):
 
         metadata = {**self.extra_metadata(), "stage": "the closed-form start of the static cell, before training"}
         out = save_model_atomically(lambda folder: self.encoder.save(folder, metadata=metadata), self.out / CLOSED_FORM)
+        self.complete_saved(out)  # a query encoder of the teacher's index as the trained one is: its own checksum
         print(f"static cell: the closed-form start saved to {out}")
         return out
 
