@@ -701,8 +701,9 @@ def test_a_lone_request_never_waits_for_company_but_queued_ones_are_batched():
 
 def test_by_default_a_batch_takes_what_queued_and_waits_for_no_more():
     """A wait for company left the model idle with work in hand (full depth's p99 at 82 queries a second on one
-    core: 99.8 ms with a 5 ms wait, 37.4 without; 2026-11-26). The server's, the command's and the batcher's default agree, and with it the requests
-    queued behind a busy call go together the moment it ends, though the batch (256 texts) is far from full."""
+    core: 99.8 ms with a 5 ms wait, 37.4 without; 2026-11-26). The server's, the command's and the batcher's
+    default agree, and with it the requests queued behind a busy call go together the moment it ends, though the
+    batch (256 texts) is far from full."""
     import asyncio
     import threading
 
