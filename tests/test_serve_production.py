@@ -238,6 +238,7 @@ def test_past_the_bound_a_request_gets_429_with_retry_after_and_nothing_queued_i
         # that parses, checks and tokenizes first takes that time from the core the model needs
         unread = client.post("/v1/embeddings", content=b"{not json", headers={"Content-Type": "application/json"})
         assert unread.status_code == 429 and int(unread.headers["retry-after"]) >= 1
+        assert "6 texts are waiting (the bound is 6, --max-queued-texts)" in unread.json()["error"]["message"]
         assert client.post("/v1/embeddings", json={"model": "gate", "input": [], "layer": 2}).status_code == 429
         gate.open.set()
         answers = [w.result(timeout=30) for w in waiting]

@@ -91,14 +91,14 @@ class Admission:
         if refusal is not None:
             raise refusal
 
-    def overloaded(self, texts: int, queued: int, drain_seconds: float) -> ApiError | None:
+    def overloaded(self, texts: int | None, queued: int, drain_seconds: float) -> ApiError | None:
         """The 429 for `texts` more texts joining `queued` waiting ones (the model needs `drain_seconds` for them),
-        or None when they may. With `texts` 1: whether what waits refuses any request."""
+        or None when they may. `texts` None (a request not read yet): whether what waits refuses any request."""
         if queued == 0:
             return None
-        if queued + texts > self.max_queued_texts:
-            why = f"{queued} texts are waiting and this request adds {texts} (the bound is {self.max_queued_texts}, "
-            why += "--max-queued-texts)"
+        if queued + (texts or 1) > self.max_queued_texts:
+            adds = f" and this request adds {texts}" if texts is not None else ""
+            why = f"{queued} texts are waiting{adds} (the bound is {self.max_queued_texts}, --max-queued-texts)"
         elif self.max_queue_ms is not None and 1000 * drain_seconds > self.max_queue_ms:
             why = f"the {queued} texts waiting need about {1000 * drain_seconds:.0f} ms of the model (the bound is "
             why += f"{self.max_queue_ms:g} ms, --max-queue-ms)"
@@ -137,7 +137,7 @@ class Guard:
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         refusal = self.admission.refusal(path, authorization)
         if refusal is None and self.waiting is not None and path in BOUNDED_ROUTES and scope["method"] == "POST":
-            refusal = self.admission.overloaded(1, *self.waiting())
+            refusal = self.admission.overloaded(None, *self.waiting())
         try:
             if refusal is not None:
                 await self.respond(refusal)(scope, receive, counted)
