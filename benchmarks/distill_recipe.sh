@@ -8,11 +8,12 @@
 #            on half B of the 809 train queries (benchmarks/scifact_halves.py),
 #            the teacher's flat search in the same run; one-query time against the teacher (query_latency.py)
 #   heads    the heads recipe's model (benchmarks/heads_wiseft_recipe.sh) as teacher, `--mode shared`, `eval sts`
-#   mpnet    `--mode shared` of mpnet-base on 10,000 NLI sentences (5 epochs at lr 3e-4: a 12-layer model's layer-3
-#            exit needs more steps and a larger rate than minilm's), next to closed-form heads on the same sentences
+#   mpnet    `--mode shared` of mpnet-base on 10,000 NLI sentences, the bare command (its recipe chooses 5 epochs
+#            at lr 3e-4: a 12-layer model's layer-3 exit needs more steps and a larger rate than minilm's), next to
+#            closed-form heads on the same sentences
 #
 #   benchmarks/distill_recipe.sh [STEP ...]      (default: every step; OUT=runs/distill, THREADS=1)
-# Knobs (env): HEADS_EPOCHS (3.5), MPNET_EPOCHS (5), MPNET_LR (3e-4).
+# Knobs (env): HEADS_EPOCHS (3.5); MPNET_EPOCHS and MPNET_LR (unset: distill's recipe chooses).
 # No step sees an STS test sentence (distill and heads fit leave them out) or a SciFact query that is scored. Every
 # step is skipped when its output is there, and every run resumes from its last checkpoint, so a killed run goes on.
 set -euo pipefail
@@ -76,9 +77,8 @@ if wanted mpnet; then
   make mpnet > /dev/null
   [ -f "$OUT/mpnet-heads/matryoshka2d.json" ] || "$BIN/matryoshka2d" heads fit --model mpnet-base --data "$NLI" \
     --max-sentences 10000 --output "$OUT/mpnet-heads" --quiet
-  distill mpnet-shared --teacher mpnet-base --data "$NLI" --max-texts 10000 --epochs "${MPNET_EPOCHS:-5}" \
-    --lr "${MPNET_LR:-3e-4}" \
-    --eval-cell 3:768,6:768,9:768
+  distill mpnet-shared --teacher mpnet-base --data "$NLI" --max-texts 10000 \
+    ${MPNET_EPOCHS:+--epochs "$MPNET_EPOCHS"} ${MPNET_LR:+--lr "$MPNET_LR"}
   for m in mpnet-heads mpnet-shared; do
     [ -f "$OUT/$m/sts/results.json" ] || "$BIN/matryoshka2d" eval sts --model "$OUT/$m" --layers 3 6 9 12 \
       --dims 128 768 --output "$OUT/$m/sts" --quiet
