@@ -1,7 +1,7 @@
 """Open-loop overload, side by side: fixed full depth, a fixed shallow cell, adaptive depth and infinity-emb.
 
     python benchmarks/serve_overload.py --model DIR [--rates 0.5 1 1.5 2 3] [--seconds 60] [--target-ms 50]
-        [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive adaptive-queue infinity] [--timeout 2]
+        [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive infinity] [--timeout 2]
         [--server-core 0] [--client-core 1] [--pause python|PATTERN] [--results FILE.json] [--plot FILE.png]
 
 Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact query (how a query
@@ -15,12 +15,10 @@ flat nDCG@10 kept when every query is encoded at that layer.
 
 Our server is one `matryoshka2d serve --backend onnx --quantize int8 --adaptive-depth` process on --server-core
 with one thread; the modes differ only in the request: `layer: N` (full), `layer: --shallow-layer` (shallow),
-no layer (adaptive: the server's depth controller chooses per batch). adaptive-queue is adaptive depth on a
-second server of ours started with `--rate-window 0`: its controller plans from the queue alone, as it did before
-it also planned from the rate of arrivals, so the two are compared in one run. The peer is infinity-emb (engine
-torch, one thread, same core) serving the model's full depth from a folder of it, started afresh for each rate (it
-has no bound, so a rate would otherwise inherit the backlog of the one before; ours reports its queue and is let
-empty it). The client is this process on --client-core. Every request has a deadline (--timeout s from its scheduled
+no layer (adaptive: the server's depth controller chooses per batch). The peer is infinity-emb (engine torch, one
+thread, same core) serving the model's full depth from a folder of it, started afresh for each rate (it has no
+bound, so a rate would otherwise inherit the backlog of the one before; ours reports its queue and is let empty
+it). The client is this process on --client-core. Every request has a deadline (--timeout s from its scheduled
 arrival); past it the request counts as a timeout. Goodput: answers (200) within the deadline per second.
 
 Quality of what was answered: the documents are the model's full-depth vectors of the SciFact corpus (made by the
@@ -185,7 +183,7 @@ class Server:
 
     def statuses(self) -> dict[str, float]:
         """Our server's own count of the embeddings requests it answered, by status (its /metrics); {} for a peer."""
-        if not self.kind.startswith("ours"):
+        if self.kind != "ours":
             return {}
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -210,7 +208,7 @@ class Server:
         return self.process.returncode
 
 
-def start_ours(rate_window: float | None = None, kind: str = "ours") -> Server:
+def start_ours() -> Server:
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     port = free_port()
@@ -222,8 +220,7 @@ def start_ours(rate_window: float | None = None, kind: str = "ours") -> Server:
     command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
     command += ["--max-wait-ms", str(ARGS.max_wait_ms)] if ARGS.max_wait_ms is not None else []
-    command += ["--rate-window", str(rate_window)] if rate_window is not None else []
-    return Server(kind, command, port, env)
+    return Server("ours", command, port, env)
 
 
 def start_infinity(layers: int) -> Server:
@@ -471,7 +468,7 @@ def depth_lever(server: Server, queries: list[str], docs, qrels, flat: np.ndarra
 
 
 def wait_idle(server: Server) -> None:
-    if server.kind.startswith("ours"):
+    if server.kind == "ours":
         deadline = time.monotonic() + 60
         while server.queued() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -518,14 +515,7 @@ def main() -> None:
     parser.add_argument("--split", default="train", help="qrels split (the shared SciFact has train: 809 queries)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument(
-        "--modes",
-        nargs="+",
-        default=["full", "shallow", "adaptive", "infinity"],
-        choices=["full", "shallow", "adaptive", "adaptive-queue", "infinity"],
-        help="adaptive-queue: adaptive depth planned from the queue alone (serve --rate-window 0), the controller "
-        "before the rate's plan, on a server of its own",
-    )
+    parser.add_argument("--modes", nargs="+", default=["full", "shallow", "adaptive", "infinity"])
     parser.add_argument("--shallow-layer", type=int, default=3)
     parser.add_argument("--target-ms", type=float, default=50.0)
     parser.add_argument("--min-layer", type=int)
@@ -615,17 +605,12 @@ def main() -> None:
         )
     depth = depth_lever(ours, queries, docs, data.qrels, flat, capacity) if ARGS.layer_seconds > 0 else []
     layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None}
-    layer_of["adaptive-queue"] = None
     rows = []
     for mode in ARGS.modes:
-        queue_only = None
-        if mode == "adaptive-queue":  # the controller before the rate's plan: a server of its own, the queue alone
-            with others_paused():
-                queue_only = start_ours(rate_window=0, kind="ours-queue-only")
         for multiple in ARGS.rates:
             # infinity has no bound and no way to say what waits: a fresh server per rate, so that no rate
             # inherits the backlog of the one before (ours reports its queue, and wait_idle empties it)
-            server = start_infinity(ARGS.layers) if mode == "infinity" else queue_only or ours
+            server = start_infinity(ARGS.layers) if mode == "infinity" else ours
             rate = multiple * capacity
             wait_idle(server)
             before = server.statuses()
@@ -641,10 +626,8 @@ def main() -> None:
             if ARGS.results:
                 partial = {"capacity": capacity, "depth": depth, "rows": rows}
                 Path(ARGS.results).write_text(json.dumps(partial, indent=1))
-            if server.kind == "infinity":
+            if server is not ours:
                 server.stop()
-        if queue_only is not None:
-            queue_only.stop()
     ours.stop()
     drain = drain_check(capacity, queries) if ARGS.drain_span > 0 else None
     report(capacity, rows, drain, depth)
@@ -710,13 +693,13 @@ def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[di
         f = by.get(("full", load))
         if a and f and f["goodput_per_s"]:
             print(f"goodput, adaptive / fixed full depth at {load:g}x: {a['goodput_per_s'] / f['goodput_per_s']:.2f}x")
-    adaptive = [r for r in rows if r["mode"].startswith("adaptive") and r["ndcg_share_of_flat"] is not None]
+    adaptive = [r for r in rows if r["mode"] == "adaptive" and r["ndcg_share_of_flat"] is not None]
     if depth and adaptive:
         print("\nnDCG share, adaptive depth against the most any choice of layers keeps at that load (depth_bound):")
         for r in adaptive:
             bound = depth_bound(depth, r["load"])
             most = f"{bound:.1f}%" if bound is not None else "none keeps up"
-            print(f"  {r['mode']} {r['load']:g}x: {r['ndcg_share_of_flat']:.1f}% of flat; at most {most}")
+            print(f"  {r['load']:g}x: {r['ndcg_share_of_flat']:.1f}% of flat; at most {most}")
     if drain:
         print(f"\ndrain on SIGTERM at 1.5x: {json.dumps(drain)}")
 

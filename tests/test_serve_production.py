@@ -110,88 +110,11 @@ def test_a_backlog_sheds_depth_to_the_deepest_layer_that_meets_the_target_never_
     assert floored.choose(batch, Work(1000, 10000, 40.0)) == 2  # nothing meets it: the floor, never below
 
 
-def fed(controller: DepthController, per_second: int, tokens: int = 10, layer=None, seconds: float = 1.0) -> float:
-    """Arrivals told to the controller: `per_second` requests of one text, evenly over `seconds`; returns the time
-    of the last (the window then holds them all)."""
-    count = int(per_second * seconds)
-    for i in range(count):
-        controller.arrived(1, tokens, layer, now=i / per_second)
-    return (count - 1) / per_second
-
-
-def layers_given(controller: DepthController, batches: int, now: float, texts: int = 1) -> list[int]:
-    return [controller.choose(Work(texts, 10 * texts, 0.0), now=now) for _ in range(batches)]
-
-
-def test_a_sustained_rate_past_the_full_depth_gets_the_mix_of_the_two_layers_that_fits_it():
-    # a text of 10 tokens costs 1.2 / 1.4 / 1.6 / 1.8 ms at layers 1-4; 90% of the core is planned for
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    now = fed(controller, 400)  # 0.9 x 1000 / 400 = 2.25 ms a text: the full depth keeps up
-    assert controller.sustainable(1, now) == (4, 4, 1.0)
-    assert set(layers_given(controller, 50, now)) == {4}
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    now = fed(controller, 600)  # 1.5 ms a text: half the texts at layer 3, half at layer 2 (mean 1.5 ms)
-    shallow, deep, share = controller.sustainable(1, now)
-    assert (shallow, deep) == (2, 3) and share == pytest.approx(0.5)
-    given = layers_given(controller, 100, now)
-    assert given.count(3) == 50 and given.count(2) == 50  # the batches follow the mix, nothing else
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    now = fed(controller, 540)  # 1.667 ms: three quarters at layer 3 (0.75 x 1.6 + 0.25 x 1.4 = 1.55 <= 1.667)
-    given = layers_given(controller, 100, now)
-    share = controller.sustainable(1, now)[2]
-    assert share == pytest.approx((0.9 * 1000 / 540 - 1.6) / (1.8 - 1.6))  # layers 3 and 4, mostly 3
-    assert abs(given.count(4) - round(100 * share)) <= 1 and given.count(4) + given.count(3) == 100
-
-
-def test_a_rate_no_layer_keeps_up_with_gets_the_floor_and_the_rate_forgets_what_left_its_window():
-    controller = DepthController([1, 2, 3, 4], 2, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    now = fed(controller, 2000)  # 0.45 ms a text: below every layer's cost
-    assert controller.sustainable(1, now) == (2, 2, 1.0)
-    assert set(layers_given(controller, 10, now)) == {2}
-    assert controller.sustainable(1, now + 1.5) == (4, 4, 1.0)  # two seconds of quiet later: nothing arrives
-
-
-def test_the_event_loops_time_and_fixed_layer_texts_come_off_the_adaptive_texts_budget():
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    now = fed(controller, 400)  # alone: 2.25 ms a text, the full depth keeps up
-    controller.loop_ms_per_text = 0.6  # the event loop takes 0.6 ms of the core per text: 1.65 ms left a text
-    shallow, deep, _ = controller.sustainable(1, now)
-    assert (shallow, deep) == (3, 4)
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    fed(controller, 400)
-    # documents at layer 4: 100 a second of 100 tokens (9 ms each: 900 ms of the 900): nothing is left
-    for i in range(100):
-        controller.arrived(1, 100, 4, now=i / 100)
-    assert controller.sustainable(1, 0.99) == (1, 1, 1.0)
-
-
-def test_a_rate_window_of_0_leaves_the_choice_to_the_queue_alone():
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), window=0.0)
-    now = fed(controller, 2000)  # far past every layer's capacity, but nothing is counted
-    assert controller.sustainable(1, now) == (4, 4, 1.0)
-    assert controller.choose(Work(1, 10, 0.0), now=now) == 4
-    assert controller.choose(Work(16, 160, 2.0), Work(100, 1000, 3.0), now=now) == 1  # the queue still sheds
-    with pytest.raises(ValueError, match="--rate-window must be a number of seconds"):
-        DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), window=-1.0)
-
-
-def test_the_queue_still_sheds_below_what_the_rate_allows_and_a_call_of_many_texts_shares_its_fixed_cost():
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=0.9, window=1.0)
-    now = fed(controller, 600)
-    # a backlog that would miss the target at layers 3 and 2 (see the test above) goes to layer 1
-    assert controller.choose(Work(16, 160, 2.0), Work(100, 1000, 3.0), now=now) == 1
-    # the same 600 texts a second in calls of 30 texts: 1 / 30 + 0.08 x 10 = 0.833 ms a text at layer 4, which fits
-    # the 1.5 ms a text that a call of one does not (1.8 ms)
-    assert controller.sustainable(30, now) == (4, 4, 1.0)
-
-
 def test_the_controller_refuses_a_floor_it_cannot_use_and_a_target_that_is_no_time():
     with pytest.raises(ValueError, match="--min-layer 5"):
         DepthController([1, 2, 3, 4], 5, 50.0, fixed_cost(SYNTHETIC))
     with pytest.raises(ValueError, match="--target-ms must be positive"):
         DepthController([1, 2, 3, 4], 1, 0.0, fixed_cost(SYNTHETIC))
-    with pytest.raises(ValueError, match="utilization is a share of the core"):
-        DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC), utilization=1.5)
 
 
 class Gate:
@@ -220,7 +143,7 @@ def test_the_batcher_asks_the_controller_per_batch_and_each_request_hears_its_la
     # layer 4 costs 30 ms a call whatever its size, layer 2 1 ms: one request alone fits layer 4 (30 < 50), a
     # backlog behind a batch does not (30 + 30 > 50), so the batch goes to layer 2
     cost = fixed_cost({2: (1.0, 0.0), 4: (30.0, 0.0)})
-    controller = DepthController([2, 4], 2, 50.0, cost, window=600.0)  # every arrival stays in its window
+    controller = DepthController([2, 4], 2, 50.0, cost)
 
     async def run():
         batcher = MicroBatcher(gate, max_batch=4, max_wait=0.0, controller=controller)
@@ -238,10 +161,6 @@ def test_the_batcher_asks_the_controller_per_batch_and_each_request_hears_its_la
     layers = [layer for _, layer in crowd]
     assert 2 in layers and all(v[0, 0] == layer for v, layer in crowd)  # each answer says the layer that made it
     assert fixed[1] == 3 and fixed[0][0, 0] == 3.0  # a request that names its layer gets exactly that layer
-    # every arrival told the controller the load's rate: 13 adaptive texts, and one at layer 3, costed as layer 4
-    # (the next measured layer up: 30 ms)
-    assert controller.arrivals.adaptive_texts == 13 and controller.arrivals.texts == 14
-    assert controller.arrivals.fixed_ms == pytest.approx(30.0)
 
 
 # -- the guards --------------------------------------------------------------------------------------------------
@@ -279,8 +198,7 @@ def test_an_empty_key_is_refused_at_start(plain, monkeypatch):
 def test_metrics_parse_as_prometheus_text_and_count_what_happened(aligned):
     from prometheus_client.parser import text_string_to_metric_families
 
-    depth = DepthController([1, 2, 3, 4], 1, 1e6, fixed_cost(SYNTHETIC), window=600.0)  # no arrival leaves it here
-    app = create_app(aligned, "tiny", depth=depth)
+    app = create_app(aligned, "tiny", depth=DepthController([1, 2, 3, 4], 1, 1e6, fixed_cost(SYNTHETIC)))
     with TestClient(app) as client:
         client.post("/v1/embeddings", json={"model": "tiny", "input": ["red cat", "blue dog"]})
         client.post("/v1/embeddings", json={"model": "tiny", "input": "red cat", "layer": 2})
@@ -295,8 +213,6 @@ def test_metrics_parse_as_prometheus_text_and_count_what_happened(aligned):
     assert samples[("matryoshka2d_adaptive_batches_total", (("layer", "4"),))] == 1
     assert samples[("matryoshka2d_tokens_total", (("encoder", "tiny"),))] > 0
     assert samples[("matryoshka2d_queue_texts", ())] == 0
-    assert samples[("matryoshka2d_adaptive_arrivals_per_second", ())] == pytest.approx(3 / 600)  # 3 texts
-    assert samples[("matryoshka2d_adaptive_planned_layer", ())] == 4  # three texts a second: the full depth keeps up
     for name in (
         "matryoshka2d_request_duration_seconds",
         "matryoshka2d_batch_texts",
@@ -498,8 +414,6 @@ def test_adaptive_depth_is_refused_on_a_model_without_aligned_exits(tiny_dir, ca
     assert "not aligned to its last layer" in err and "distill --mode shared" in err
     assert main(["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0", "--target-ms", "40"]) == 2
     assert "add --adaptive-depth" in capsys.readouterr().err
-    assert main(["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0", "--rate-window", "0"]) == 2
-    assert "--rate-window set how --adaptive-depth sheds depth" in capsys.readouterr().err
 
 
 # -- a real server: the drain on SIGTERM, and a log without the key --------------------------------------------------

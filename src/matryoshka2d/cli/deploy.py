@@ -101,12 +101,7 @@ def cmd_serve(args) -> int:
         ]
         raise ValueError(f"{', '.join(used)} apply to --backend onnx; the torch backend serves every layer in fp32")
     layers = parse_layers(args.layers) if args.layers is not None else None
-    depth_options = (
-        ("--target-ms", args.target_ms),
-        ("--min-layer", args.min_layer),
-        ("--rate-window", args.rate_window),
-    )
-    depth_flags = [f for f, v in depth_options if v is not None]
+    depth_flags = [f for f, v in (("--target-ms", args.target_ms), ("--min-layer", args.min_layer)) if v is not None]
     if depth_flags and not args.adaptive_depth:
         raise ValueError(f"{', '.join(depth_flags)} set how --adaptive-depth sheds depth; add --adaptive-depth")
     from matryoshka2d.deploy.admission import Admission
@@ -196,8 +191,7 @@ def cmd_serve(args) -> int:
 
         print(f"adaptive depth: measuring the cost of layers {adaptive_layers}...", file=sys.stderr)
         cost = LayerCost.measure(model, adaptive_layers)
-        window = {"window": args.rate_window} if args.rate_window is not None else {}
-        depth = DepthController(adaptive_layers, adaptive_layers[0], args.target_ms or 50.0, cost, **window)
+        depth = DepthController(adaptive_layers, adaptive_layers[0], args.target_ms or 50.0, cost)
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,
@@ -220,8 +214,7 @@ def cmd_serve(args) -> int:
         guards.append(f"nor more than {args.max_queue_ms:g} ms of the model's time")
     guards.append("API key required (Authorization: Bearer)" if admission.needs_key else "no API key (open to all)")
     if depth is not None:
-        rate = f"the load's rate over {depth.arrivals.window:g} s" if depth.arrivals.window else "the queue alone"
-        guards.append(f"adaptive depth: layers {depth.layers}, target {depth.target_ms:g} ms, planned from {rate}")
+        guards.append(f"adaptive depth: layers {depth.layers}, target {depth.target_ms:g} ms")
     if query_cell is not None:
         guards.append(f"input_type query -> {name}@{query_cell[0]}x{query_cell[1]}")
     print("; ".join(guards), file=sys.stderr)  # the key itself is never printed
@@ -433,10 +426,4 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--target-ms", type=positive_float, help="adaptive depth: the latency target per batch (default 50)")
     p.add_argument("--min-layer", type=count, help="adaptive depth: the shallowest layer (default: the first aligned)")
-    p.add_argument(
-        "--rate-window",
-        type=non_negative_float,
-        help="adaptive depth: seconds of arrivals the sustained load is measured over, which bounds the depth by the "
-        "mix of layers that keeps up with it (default 2; 0: the queue alone decides)",
-    )
     p.set_defaults(func=cmd_serve)

@@ -10,8 +10,6 @@ mean the same (`te_` there, `matryoshka2d_` here).
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # The routes a request is counted under; any other path (a 404) is one label, so a scan cannot grow the series.
@@ -72,22 +70,6 @@ class ServerMetrics:
             ["layer"],
             registry=r,
         )
-
-        self.arrivals = Gauge(
-            "matryoshka2d_adaptive_arrivals_per_second",
-            "Texts arriving a second, as the depth controller sees the load (its window)",
-            registry=r,
-        )
-        self.planned_layer = Gauge(
-            "matryoshka2d_adaptive_planned_layer",
-            "The mean layer the arrival rate allows, the depth controller's mix of two layers (the full depth at rest)",
-            registry=r,
-        )
-
-    def watch(self, controller) -> None:
-        """The depth controller's view of the load, read at each scrape."""
-        self.arrivals.set_function(lambda: controller.arrivals.per_second(time.monotonic())[0])
-        self.planned_layer.set_function(controller.planned_layer)
 
     def request(self, path: str, status: int, seconds: float) -> None:
         route = route_of(path)

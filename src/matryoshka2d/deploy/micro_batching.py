@@ -7,8 +7,7 @@ to the system.
 A request may leave its layer open (adaptive depth, deploy/depth.py): the batcher asks the depth controller for the
 layer of each batch of such requests, from what waits now, and tells each request the layer that answered it. The
 queue's texts and tokens are counted as they come and go, for the controller, the bound on waiting work
-(deploy/admission.py) and the metrics; each arrival tells the controller the load's rate, and every model call's
-time refreshes its cost model.
+(deploy/admission.py) and the metrics; every model call's time refreshes the controller's cost model.
 """
 
 from __future__ import annotations
@@ -108,7 +107,6 @@ class MicroBatcher:
         # the same core between calls counts too (under overload, reading and refusing requests takes a share of
         # the core the model call alone does not see). For --max-queue-ms and Retry-After.
         self.ms_per_text = 0.0
-        self._model_ms = 0.0  # the model's own time in the last call
         self._draining_since: float | None = None
         self._trimmed_at, self._untrimmed = time.monotonic(), False
         self._task: asyncio.Task | None = None
@@ -134,8 +132,6 @@ class MicroBatcher:
             raise ValueError("a request without a layer needs a depth controller (serve --adaptive-depth)")
         future = asyncio.get_running_loop().create_future()
         job = _Job(texts, layer, future, encoded, _tokens(texts, encoded), time.monotonic())
-        if self.controller is not None:  # the arrival rate the controller plans the depth for
-            self.controller.arrived(len(texts), job.tokens, layer, job.arrived)
         self.queue.append(job)
         self.queued_texts += len(texts)
         self.queued_tokens += job.tokens
@@ -200,7 +196,7 @@ class MicroBatcher:
             batch = Work(
                 sum(len(j.texts) for j in adaptive), sum(j.tokens for j in adaptive), 1000 * (now - adaptive[0].arrived)
             )
-            layer = self.controller.choose(batch, self._backlog(now), fixed_ms, now)
+            layer = self.controller.choose(batch, self._backlog(now), fixed_ms)
             if self.metrics is not None:
                 self.metrics.depth_choices.labels(str(layer)).inc()
             for job in adaptive:
@@ -240,10 +236,6 @@ class MicroBatcher:
                 now = time.monotonic()
                 per_text = 1000 * (now - since) / len(texts)
                 self.ms_per_text = 0.8 * self.ms_per_text + 0.2 * per_text if self.batches else per_text
-                if self.controller is not None and self._draining_since is not None:
-                    # the queue never emptied since the call before: what the wall time per text has beyond the
-                    # model's own is the event loop's share of the core
-                    self.controller.observe_loop(per_text - self._model_ms / len(texts))
                 self._draining_since = now if self.queue else None
                 self.batches += 1
 
@@ -251,7 +243,6 @@ class MicroBatcher:
         start = time.perf_counter()
         vectors = self.backend.pooled(texts, layer, encoded)
         seconds = time.perf_counter() - start
-        self._model_ms = 1000 * seconds
         if self.controller is not None:
             self.controller.cost.observe(layer, tokens, 1000 * seconds)
         if self.metrics is not None:

@@ -132,8 +132,6 @@ def create_app(
     catalog = Catalog(main, model_id, queries, default_layer, default_dimensions, query_cell, depth, limits)
     everyone = (main, *queries.values())
     metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone))
-    if depth is not None:
-        metrics.watch(depth)
 
     @asynccontextmanager
     async def lifespan(_app):
