@@ -242,6 +242,7 @@ def start_ours() -> Server:
     command += ["--min-layer", str(ARGS.min_layer)] if ARGS.min_layer else []
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
     command += ["--max-wait-ms", str(ARGS.max_wait_ms)] if ARGS.max_wait_ms is not None else []
+    command += ["--max-batch", str(ARGS.max_batch)] if ARGS.max_batch is not None else []
     return Server("ours", command, port, env)
 
 
@@ -563,6 +564,7 @@ def main() -> None:
         "options at the same rates across runs)",
     )
     parser.add_argument("--max-wait-ms", type=float, help="our server's --max-wait-ms (default: the server's own)")
+    parser.add_argument("--max-batch", type=int, help="our server's --max-batch (default: the server's own)")
     parser.add_argument("--capacity-clients", type=int, default=64)
     parser.add_argument("--capacity-seconds", type=float, default=20.0)
     parser.add_argument(

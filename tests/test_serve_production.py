@@ -253,7 +253,10 @@ def test_the_bound_in_time_refuses_a_queue_the_model_needs_too_long_for():
 
     admission = Admission(max_queued_texts=1024, max_queue_ms=1000)
     admission.admit(texts=1, queued=100, drain_seconds=0.9)  # 900 ms waiting: let in
-    admission.admit(texts=1, queued=0, drain_seconds=5.0)  # nothing waits: always let in
+    admission.admit(texts=1, queued=0, drain_seconds=0.0)  # nothing waits or runs: always let in
+    with pytest.raises(ApiError) as refused:  # nothing waits, but the call in flight needs 1.5 s more
+        admission.admit(texts=1, queued=0, drain_seconds=1.5)
+    assert refused.value.status == 429 and "the call running need about 1500 ms" in str(refused.value)
     with pytest.raises(ApiError) as refused:
         admission.admit(texts=1, queued=100, drain_seconds=2.3)
     assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "3"
@@ -262,6 +265,38 @@ def test_the_bound_in_time_refuses_a_queue_the_model_needs_too_long_for():
     for bad in (0, -5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="--max-queue-ms must be a positive number"):
             Admission(max_queue_ms=bad)
+
+
+def test_the_time_the_model_needs_counts_the_rest_of_the_call_in_flight(tokenizer):
+    """A call answers its texts together at its end: a request that joins now waits for the rest of the call the
+    model runs, then for what queued before it. drain_seconds (--max-queue-ms, Retry-After) counts both."""
+    from matryoshka2d.deploy.micro_batching import MicroBatcher
+
+    gate = Gate(tokenizer)  # closed: the first call stays in flight
+
+    async def run():
+        batcher = MicroBatcher(gate, max_batch=64, max_wait=0.0)
+        batcher.start()
+        try:
+            batcher.ms_per_text = 100.0  # the model's recent wall time per text
+            first = asyncio.ensure_future(batcher.answer([f"t{i}" for i in range(10)], 2))
+            while batcher._running is None:  # the call of 10 texts has started (the queue is empty again)
+                await asyncio.sleep(0.001)
+            in_flight = batcher.drain_seconds()
+            second = asyncio.ensure_future(batcher.answer(["u1", "u2", "u3"], 2))
+            await asyncio.sleep(0.01)
+            behind = batcher.drain_seconds()
+            gate.open.set()
+            await asyncio.gather(first, second)
+            return in_flight, behind, batcher.drain_seconds()
+        finally:
+            gate.open.set()
+            await batcher.stop()
+
+    in_flight, behind, after = asyncio.run(run())
+    assert 0.9 < in_flight <= 1.0  # 10 texts at 100 ms a text, a few ms of which have passed: nothing queued
+    assert behind == pytest.approx(in_flight + 0.3, abs=0.05)  # three texts queued behind it
+    assert after == 0.0  # nothing runs or waits
 
 
 def test_a_request_larger_than_the_bound_is_taken_when_nothing_waits(tokenizer):

@@ -343,7 +343,11 @@ def register(sub, model_args) -> None:
         "--default-dimensions", type=positive_int, help="width for requests that name none (default: the full width)"
     )
     p.add_argument(
-        "--max-batch", type=positive_int, default=256, help="texts collected from requests for one model call"
+        "--max-batch",
+        type=positive_int,
+        default=64,
+        help="texts collected from requests for one model call (default 64: one forward pass; a call answers its "
+        "texts together at its end)",
     )
     p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass within a model call")
     p.add_argument(

@@ -92,15 +92,16 @@ class Admission:
             raise refusal
 
     def overloaded(self, texts: int | None, queued: int, drain_seconds: float) -> ApiError | None:
-        """The 429 for `texts` more texts joining `queued` waiting ones (the model needs `drain_seconds` for them),
-        or None when they may. `texts` None (a request not read yet): whether what waits refuses any request."""
-        if queued == 0:
-            return None
-        if queued + (texts or 1) > self.max_queued_texts:
+        """The 429 for `texts` more texts joining `queued` waiting ones (the model needs `drain_seconds` for them and
+        for the rest of the call it runs), or None when they may. `texts` None (a request not read yet): whether
+        what waits refuses any request. With nothing queued the bound in texts lets any request in (one larger than
+        the bound is then taken), the bound in time only while the call in flight is shorter than it."""
+        if queued and queued + (texts or 1) > self.max_queued_texts:
             adds = f" and this request adds {texts}" if texts is not None else ""
             why = f"{queued} texts are waiting{adds} (the bound is {self.max_queued_texts}, --max-queued-texts)"
         elif self.max_queue_ms is not None and 1000 * drain_seconds > self.max_queue_ms:
-            why = f"the {queued} texts waiting need about {1000 * drain_seconds:.0f} ms of the model (the bound is "
+            why = f"the {queued} texts waiting and the call running need about {1000 * drain_seconds:.0f} ms of the "
+            why += "model (the bound is "
             why += f"{self.max_queue_ms:g} ms, --max-queue-ms)"
         else:
             return None

@@ -62,7 +62,13 @@ class ServerLimits:
     max_inputs: int = 2048  # texts per request (OpenAI's limit)
     max_body_bytes: int = 8 * 1024 * 1024  # request body
     truncate: bool = False  # texts over the model's max_length: False -> 400, True -> cut to max_length
-    max_batch: int = 256  # texts collected for one model call (sorted by length there, then run in batches)
+    # Texts collected for one model call (sorted by length there, then run `batch_size` at a time): one forward
+    # pass. A call answers all its texts at its end, so under load, when it takes everything queued, the first
+    # text of a call of 256 waited for the other 255 (1.5 s at minilm-l6's int8 full depth on one core);
+    # benchmarks/serve_overload.py, 3x the full depth's capacity with --max-queue-ms 1000 (2026-11-27, 30 s):
+    # 366 of 4,600 accepted requests left by their clients before the answer with calls of 256, none of 4,027
+    # with calls of 64. A call of many texts saves little on a CPU over calls of 64 (its cost grows with its texts).
+    max_batch: int = 64
     batch_size: int = 64  # texts per forward pass within a model call
     max_wait: float = DEFAULT_MAX_WAIT  # seconds a batch that found others queued waits for more company
     # Texts waiting for the model, all encoders together, past which a request is answered 429 (Retry-After). What
