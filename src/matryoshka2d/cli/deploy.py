@@ -346,8 +346,8 @@ def register(sub, model_args) -> None:
         "--max-batch",
         type=positive_int,
         default=64,
-        help="texts collected from requests for one model call (default 64: one forward pass; a call answers its "
-        "texts together at its end)",
+        help="texts collected from requests for one model call, which answers them together at its end (the "
+        "default: one forward pass)",
     )
     p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass within a model call")
     p.add_argument(
