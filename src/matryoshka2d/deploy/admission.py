@@ -8,9 +8,10 @@ and the bound on waiting work.
   balancer takes the replica out), finishes what is in flight, and exits 0 (deploy/server.py).
 - Bound on waiting work (`--max-queued-texts`, and `--max-queue-ms`): a request whose texts would take the queue
   past the bound, or that would join a queue the model needs longer than `--max-queue-ms` to answer (its texts
-  times the model's recent time per text), is answered 429 with `Retry-After` (the seconds the model needs for what
-  waits now), before it is queued; nothing already queued is ever dropped. A request larger than the bound is
-  still taken when nothing waits, so every request the server accepts by its size limits can be answered. The
+  times the model's recent time per text, and the rest of the call in flight, whose texts are answered at its
+  end), is answered 429 with `Retry-After` (the seconds the model needs for what waits now), before it is queued;
+  nothing already queued is ever dropped. A request larger than the bound in texts is still taken when nothing
+  waits, so every request the server accepts by its size limits can be answered. The
   bound in time follows the machine: under overload the event loop's own work (reading requests, refusing them)
   takes part of the core, the model answers fewer texts a second, and a count of texts sized at rest lets in
   requests whose clients time out before their answer (3x full depth's capacity on one core, a 2 s deadline and
