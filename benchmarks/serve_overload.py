@@ -249,7 +249,7 @@ def start_ours() -> Server:
 def start_infinity(layers: int) -> Server:
     from infinity_peer import cut_folder, server_command
 
-    folder = Path(ARGS.logs) / f"infinity-L{layers}"
+    folder = Path(ARGS.logs).resolve() / f"infinity-L{layers}"  # infinity starts in its parent folder
     if not (folder / "modules.json").is_file():
         cut_folder(Path(ARGS.model), layers, folder)
     port = free_port()
