@@ -101,9 +101,10 @@ class Admission:
             adds = f" and this request adds {texts}" if texts is not None else ""
             why = f"{queued} texts are waiting{adds} (the bound is {self.max_queued_texts}, --max-queued-texts)"
         elif self.max_queue_ms is not None and 1000 * drain_seconds > self.max_queue_ms:
-            why = f"the {queued} texts waiting and the call running need about {1000 * drain_seconds:.0f} ms of the "
-            why += "model (the bound is "
-            why += f"{self.max_queue_ms:g} ms, --max-queue-ms)"
+            why = (
+                f"the {queued} texts waiting and the call running need about {1000 * drain_seconds:.0f} ms of the "
+                f"model (the bound is {self.max_queue_ms:g} ms, --max-queue-ms)"
+            )
         else:
             return None
         retry = max(1, math.ceil(drain_seconds))
