@@ -110,6 +110,35 @@ def test_a_backlog_sheds_depth_to_the_deepest_layer_that_meets_the_target_never_
     assert floored.choose(batch, Work(1000, 10000, 40.0)) == 2  # nothing meets it: the floor, never below
 
 
+def test_below_the_full_depths_capacity_a_burst_may_take_up_to_twice_the_target_before_depth_is_shed():
+    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC))
+    batch = Work(texts=16, tokens=160, waited_ms=2.0)
+    # the full depth answers the backlog of 500 tokens in 57.8 ms: past the target, within twice it
+    assert controller.choose(batch, Work(50, 500, 3.0), demand=0.6) == 4
+    assert controller.choose(batch, Work(50, 500, 3.0), demand=1.0) == 3  # at capacity: the target holds
+    assert controller.choose(batch, Work(50, 500, 3.0)) == 3  # no demand measured: the target holds
+    # 1,000 tokens: layer 4 needs 3 + 13.8 + 81 = 97.8 ms, within 100; 1,200 tokens (113.8 ms) are not
+    assert controller.choose(batch, Work(100, 1000, 3.0), demand=0.6) == 4
+    assert controller.choose(batch, Work(120, 1200, 3.0), demand=0.6) == 3  # 3 + 10.6 + 73 = 86.6
+
+
+def test_the_demand_is_the_full_depths_time_for_the_last_seconds_arrivals_at_the_machines_present_speed():
+    from matryoshka2d.deploy.depth import Demand
+
+    cost = line(SYNTHETIC)
+    demand = Demand(cost, full=4, window=1.0)
+    assert demand.share(10.0) == 0.0
+    demand.add(10.0, texts=10, tokens=100)  # adaptive: 10 texts of 10 tokens at layer 4, 1.8 ms each
+    demand.add(10.5, texts=1, tokens=50, layer=2)  # a request that names layer 2 costs what layer 2 costs: 3 ms
+    demand.add(10.6, texts=1, tokens=50, layer=9)  # a layer the cost model does not know: at full depth, 5 ms
+    assert demand.share(10.9) == pytest.approx((18 + 3 + 5) / 1000)
+    for _ in range(200):  # the machine got twice as slow: the demand follows
+        cost.observe(4, 100, 2 * (1 + 0.08 * 100))
+        cost.observe(4, 10, 2 * (1 + 0.08 * 10))
+    assert demand.share(10.9) == pytest.approx(2 * 26 / 1000, rel=0.01)
+    assert demand.share(11.2) == pytest.approx(2 * 8 / 1000, rel=0.01)  # the first arrivals left the window
+
+
 def test_the_controller_refuses_a_floor_it_cannot_use_and_a_target_that_is_no_time():
     with pytest.raises(ValueError, match="--min-layer 5"):
         DepthController([1, 2, 3, 4], 5, 50.0, fixed_cost(SYNTHETIC))
@@ -140,10 +169,11 @@ def test_the_batcher_asks_the_controller_per_batch_and_each_request_hears_its_la
 
     gate = Gate(tokenizer)
     gate.open.set()
-    # layer 4 costs 30 ms a call whatever its size, layer 2 1 ms: one request alone fits layer 4 (30 < 50), a
-    # backlog behind a batch does not (30 + 30 > 50), so the batch goes to layer 2
-    cost = fixed_cost({2: (1.0, 0.0), 4: (30.0, 0.0)})
-    controller = DepthController([2, 4], 2, 50.0, cost)
+    # layer 4 costs 100 ms a call whatever its size, layer 2 1 ms: one request alone fits layer 4 (100 < 150), a
+    # backlog behind a batch does not (100 + 100 > 150), so the batch goes to layer 2; with the one before, the crowd
+    # of 12 asks for 1.3 s of the model's last second at full depth (demand 1.3), so the target holds without slack
+    cost = fixed_cost({2: (1.0, 0.0), 4: (100.0, 0.0)})
+    controller = DepthController([2, 4], 2, 150.0, cost)
 
     async def run():
         batcher = MicroBatcher(gate, max_batch=4, max_wait=0.0, controller=controller)

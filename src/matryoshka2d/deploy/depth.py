@@ -8,6 +8,14 @@ which is what a sustained arrival rate asks of every batch). The deepest layer a
 request and the backlog's oldest would be answered within the target is chosen; when none is, the floor. With an
 empty queue that is always the full depth: nothing is shed when nothing needs to be.
 
+The target is kept strictly only while the arrivals need more of the model than it has at full depth (`Demand`: the
+model time the last second's arrivals would take at full depth, per second). Below that the queue drains by itself,
+and a burst may take up to `BURST_SLACK` times the target at full depth before depth is shed: at half the full
+depth's capacity, Poisson arrivals put the full depth's predicted time over the target for 16% of the texts, over
+twice the target for 0.5% (benchmarks/serve_overload.py at 0.5x, the server's decisions logged, 2026-11-27). Such a
+server is busier than "half" says: one query a call costs the full depth 8.1 ms inside the server, and the event
+loop 1.8 ms more, against 5.8 ms a request when calls of many keep the model busy.
+
 Only a model whose exits are aligned to its last layer may shed depth, since its answers must stay comparable
 with vectors the full depth made (an index): exit heads (closed form, `heads fit`) or a `distill --mode shared`
 model, whose every exit layer has a head into the last layer's space. `check_aligned` refuses anything else.
@@ -22,10 +30,22 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 # How much each model call moves the estimate of the machine's present speed (an exponential average).
 REFRESH = 0.05
+
+# Below the full depth's capacity (Demand.share < 1), how far past the target a burst may go at full depth before
+# depth is shed. One second of Poisson arrivals at half the capacity (minilm-l6 int8 on one core, SciFact queries,
+# target 50 ms) put the full depth's predicted time over 50 ms for 16% of the texts, over 100 ms for 0.5%, over
+# 150 ms for none (serve's depth decisions logged for 30 s at 0.5x, 2026-11-27).
+BURST_SLACK = 2.0
+
+# Seconds of arrivals the demand is measured over: long enough that a burst of a sustainable load does not read as
+# overload (a tenth of a second of Poisson arrivals at half the capacity varies by a third), short enough that an
+# overload is seen within a fraction of it.
+DEMAND_WINDOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +114,10 @@ class LayerCost:
         with self._lock:
             return self.scale * self._lines[layer](tokens)
 
+    def at_start(self, layer: int, tokens: float) -> float:
+        """The measured line's ms, without the machine's present speed (a Demand scales its sum once)."""
+        return self._lines[layer](tokens)
+
     def observe(self, layer: int, tokens: float, ms: float) -> None:
         line = self._lines.get(layer)
         expected = line(tokens) if line is not None else 0.0
@@ -120,6 +144,30 @@ class LayerCost:
         return cls({n: [(tokens, one[n]), (tokens * batch, per_text[n] * batch)] for n in layers})
 
 
+class Demand:
+    """The share of the model's time that the last `window` seconds of arrivals would take at full depth (1.0: all
+    of it), each text costed as a call of its own at its own tokens (at the full depth of a CPU a text in a call of 5
+    costs about as much as alone: minilm-l6 int8 inside the server, SciFact queries, 8.1 ms alone, 7.8 ms a text in
+    calls of 5), requests that name a layer at that layer. Arrivals are added and the share is read on the event
+    loop."""
+
+    def __init__(self, cost: LayerCost, full: int, window: float = DEMAND_WINDOW):
+        self.cost, self.full, self.window = cost, full, window
+        self._arrivals: deque[tuple[float, float]] = deque()
+        self._ms = 0.0  # the sum over _arrivals, at the measured lines' speed
+
+    def add(self, now: float, texts: int, tokens: int, layer: int | None = None) -> None:
+        layer = layer if layer in self.cost.layers else self.full
+        ms = texts * self.cost.at_start(layer, tokens / max(1, texts))
+        self._arrivals.append((now, ms))
+        self._ms += ms
+
+    def share(self, now: float) -> float:
+        while self._arrivals and self._arrivals[0][0] < now - self.window:
+            self._ms -= self._arrivals.popleft()[1]
+        return max(0.0, self.cost.scale * self._ms / (1000 * self.window))
+
+
 class DepthController:
     """The layer each batch of adaptive requests is answered at (see the module's docstring)."""
 
@@ -131,21 +179,24 @@ class DepthController:
         self.layers = sorted(n for n in layers if n >= floor)  # deepest last
         self.floor, self.target_ms, self.cost = floor, target_ms, cost
 
-    def choose(self, batch: Work, backlog: Work = Work(), fixed_ms: float = 0.0) -> int:
+    def choose(self, batch: Work, backlog: Work = Work(), fixed_ms: float = 0.0, demand: float | None = None) -> int:
         """The deepest layer at which `batch` (after `fixed_ms` of other groups in its call round) and then `backlog`
-        would be answered within the target; the floor when no layer would."""
+        would be answered within the target; the floor when no layer would. With `demand` (Demand.share) below 1,
+        within BURST_SLACK times the target."""
+        target = self.target_ms * (BURST_SLACK if demand is not None and demand < 1.0 else 1.0)
         for layer in reversed(self.layers):
             done = fixed_ms + self.cost.predict(layer, batch.tokens)
             worst = batch.waited_ms + done
             if backlog.texts:
                 worst = max(worst, backlog.waited_ms + done + self.cost.predict(layer, backlog.tokens))
-            if worst <= self.target_ms:
+            if worst <= target:
                 return layer
         return self.floor
 
     def describe(self) -> dict:
         return {
             "target_ms": self.target_ms,
+            "burst_slack_below_capacity": BURST_SLACK,
             "min_layer": self.floor,
             "layers": self.layers,
             "cost": self.cost.describe(),

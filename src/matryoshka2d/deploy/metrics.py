@@ -64,6 +64,13 @@ class ServerMetrics:
             ["encoder", "layer"],
             registry=r,
         )
+        self.demand = Gauge(
+            "matryoshka2d_full_depth_demand",
+            "Share of the model's time the last second's arrivals would take at full depth, by encoder (adaptive "
+            "depth holds its target strictly from 1 on)",
+            ["encoder"],
+            registry=r,
+        )
         self.depth_choices = Counter(
             "matryoshka2d_adaptive_batches",
             "Batches of adaptive requests, by the layer the depth controller chose",

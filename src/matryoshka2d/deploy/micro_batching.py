@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from matryoshka2d.allocator import trim_heap
-from matryoshka2d.deploy.depth import Work
+from matryoshka2d.deploy.depth import Demand, Work
 
 # malloc_trim after every model call kept RSS flat under load but cost 6% of a (3,128) server's model time (CPU
 # time per text, minilm-l6, batches of 256: 1.79 ms without, 1.91 ms with; docs/benchmarks.md, issue 19): the
@@ -94,6 +94,8 @@ class MicroBatcher:
     def __init__(self, backend, max_batch: int, max_wait: float, name: str = "model", controller=None, metrics=None):
         self.backend, self.max_batch, self.max_wait = backend, max_batch, max_wait
         self.name, self.controller, self.metrics = name, controller, metrics
+        # what the arrivals ask of the model at full depth, for the controller (None without one)
+        self.demand = Demand(controller.cost, controller.layers[-1]) if controller is not None else None
         self.queue: deque[_Job] = deque()
         self._arrival: asyncio.Event | None = None
         self.queued_texts = self.queued_tokens = 0
@@ -136,6 +138,8 @@ class MicroBatcher:
         self.queue.append(job)
         self.queued_texts += len(texts)
         self.queued_tokens += job.tokens
+        if self.demand is not None:
+            self.demand.add(job.arrived, len(texts), job.tokens, layer)
         self._arrival.set()
         return await future
 
@@ -206,9 +210,11 @@ class MicroBatcher:
             batch = Work(
                 sum(len(j.texts) for j in adaptive), sum(j.tokens for j in adaptive), 1000 * (now - adaptive[0].arrived)
             )
-            layer = self.controller.choose(batch, self._backlog(now), fixed_ms)
+            demand = self.demand.share(now)
+            layer = self.controller.choose(batch, self._backlog(now), fixed_ms, demand)
             if self.metrics is not None:
                 self.metrics.depth_choices.labels(str(layer)).inc()
+                self.metrics.demand.labels(self.name).set(demand)
             for job in adaptive:
                 job.layer = layer
             fixed.setdefault(layer, []).extend(adaptive)
