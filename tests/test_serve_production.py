@@ -398,6 +398,25 @@ def test_a_body_nested_past_the_parser_is_a_400(plain):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
 
 
+def test_the_event_loops_token_ids_are_the_tokenizers_own_whatever_state_its_backend_is_in(tokenizer, monkeypatch):
+    import copy
+
+    from matryoshka2d.deploy.server import token_ids
+
+    counter = copy.deepcopy(tokenizer)
+    texts = ["red cat", "", "  spaced   out  ", "Ünïcödé naïve café – 東京", "[SEP] [CLS] inside", "word " * 600]
+    expected = dict(tokenizer(texts, add_special_tokens=True, verbose=False))
+    assert counter.backend_tokenizer.truncation is not None  # minilm's tokenizer.json cuts at 128 and pads
+    assert token_ids(counter, texts) == expected  # so the wrapper runs, and sets the backend back
+    assert counter.backend_tokenizer.truncation is None and counter.backend_tokenizer.padding is None
+    with monkeypatch.context() as patched:  # from here on the backend alone answers, with the same ids
+        patched.setattr(type(counter), "__call__", lambda *a, **k: pytest.fail("the wrapper ran"))
+        assert token_ids(counter, texts) == expected
+    counter(["x"], truncation=True, max_length=4)  # a call that cuts leaves the backend cutting...
+    assert token_ids(counter, texts) == expected  # ...so the wrapper runs again: the long text stays whole
+    assert len(token_ids(counter, texts)["input_ids"][-1]) == 602
+
+
 # -- queries and documents in one model ----------------------------------------------------------------------------
 def embed(client, **body):
     reply = client.post("/v1/embeddings", json={"model": "tiny", "input": ["red cat sleeps", "blue dog"], **body})
