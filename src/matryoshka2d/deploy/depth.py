@@ -13,8 +13,8 @@ model time the last second's arrivals would take at full depth, per second). Bel
 and a burst may take up to `BURST_SLACK` times the target at full depth before depth is shed: at half the full
 depth's capacity, Poisson arrivals put the full depth's predicted time over the target for 16% of the texts
 (benchmarks/serve_overload.py at 0.5x, the server's decisions logged, 2026-11-27). Such a server is busier than
-"half" says: one query a call costs the full depth 8.1 ms inside the server, and the event
-loop 1.8 ms more, against 5.8 ms a request when calls of many keep the model busy.
+"half" says: one query a call costs the full depth 8.1 ms inside the server, and the event loop 1.8 ms more,
+against 5.8 ms a request when calls of many keep the model busy.
 
 Only a model whose exits are aligned to its last layer may shed depth, since its answers must stay comparable
 with vectors the full depth made (an index): exit heads (closed form, `heads fit`) or a `distill --mode shared`
