@@ -392,7 +392,8 @@ def test_an_int8_direct_graph_is_the_float_graph_with_int8_numbers():
 
     vectors = unit_rows(np.random.default_rng(5).normal(size=(600, 16)))
     int8 = searchable(make_index(vectors, "hnsw", "int8-direct"))
-    floats = faiss.downcast_index(make_index(vectors, "hnsw", "float32"))
+    float_owner = make_index(vectors, "hnsw", "float32")  # a downcast is a view: the owner must outlive it
+    floats = faiss.downcast_index(float_owner)
     np.testing.assert_array_equal(
         faiss.vector_to_array(int8.inner.hnsw.neighbors), faiss.vector_to_array(floats.hnsw.neighbors)
     )
