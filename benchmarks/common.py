@@ -7,6 +7,8 @@ import datetime
 import os
 import platform
 import shlex
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,45 @@ from pathlib import Path
 DEFAULT_DATA = Path(
     os.environ.get("MATRYOSHKA2D_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
 )
+
+
+CHECKOUT_SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def checkout_env(**extra: str) -> dict:
+    """The environment of a child process that runs this checkout's matryoshka2d with one thread per library
+    (an installed copy of another version comes after it on the path)."""
+    path = os.pathsep.join(p for p in (str(CHECKOUT_SRC), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process in MB, NaN once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 30) -> int:
+    """SIGTERM, then SIGKILL after `grace_s` seconds; the exit code (negative: the signal that ended it)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def cpu_model() -> str:

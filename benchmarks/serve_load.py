@@ -44,7 +44,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -55,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DEFAULT_DATA, header, sts_sentences
+from common import DEFAULT_DATA, checkout_env, free_port, header, rss_mb, stop_process, sts_sentences
 
 SERVERS = ("torch", "onnx", "onnx-int8", "infinity-torch", "infinity-optimum")
 MAX_CLIENTS = 256
@@ -65,19 +64,6 @@ PICK_CHECK_ROUNDS = 5  # --pick-check: rounds over pick's query texts, per text 
 PICK_CHECK_EMPTY = 200  # --pick-check: empty requests timed for the HTTP round trip
 # Built here so that this process's own command line never holds the pattern it stops.
 TRAINING_PATTERN = "matryoshka2d" + " (train|distill|eval)|wise_ft" + "_alphas"  # pkill -f: a regular expression
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -176,18 +162,12 @@ class Server:
         return rss_mb(self.process.pid)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
         self.log.close()
 
 
 def start_ours(kind: str, cells: list[tuple[int, int]]) -> Server:
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = checkout_env()
     extra = []
     if kind.startswith("onnx"):
         extra = ["--backend", "onnx", "--layers", ",".join(str(n) for n in sorted({c[0] for c in cells}))]

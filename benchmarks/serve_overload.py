@@ -52,31 +52,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from common import DEFAULT_DATA, header
+from common import DEFAULT_DATA, checkout_env, free_port, header, rss_mb, stop_process
 
 ARGS = argparse.Namespace()
 
 
 # ---- the machine -----------------------------------------------------------------------------------------------
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process, NaN once it has exited (the drain check's server)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _PAUSED = {"on": False, "pids": []}
 _STARTED: list = []  # every server this run started: stopped at the end, also when the run fails
 
@@ -218,21 +199,14 @@ class Server:
                     counts[sample.labels["status"]] = counts.get(sample.labels["status"], 0) + sample.value
         return counts
 
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def stop(self) -> int:
+        code = stop_process(self.process)
         self.log.close()
-        return self.process.returncode
+        return code
 
 
 def start_ours() -> Server:
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = checkout_env()
     port = free_port()
     command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", ARGS.model, "--served-name", "bench"]
     command += ["--port", str(port), "--device", "cpu", "--log-level", "warning", "--backend", "onnx"]
