@@ -143,6 +143,36 @@ def test_resume_refuses_a_teacher_whose_weights_changed(tiny_dir, text_file, sts
     assert _files(out) == before
 
 
+def test_a_new_run_reads_back_the_targets_its_folder_holds_and_refuses_others_by_name(
+    teacher_dir, text_file, sts_dev, tmp_path, monkeypatch, capsys
+):
+    """A second recipe on the same texts (or a run stopped before its first checkpoint, run again) must not pay the
+    teacher's pass again, nor lose the targets silently: they are read back when every check holds; targets of
+    other texts are refused by name with the folder untouched; --overwrite recomputes them."""
+    first = DistillTrainer(config(teacher_dir, text_file, tmp_path / "first", sts_dev)).run(progress=False)
+    second = tmp_path / "second"
+    shutil.copytree(first / "teacher-targets", second / "teacher-targets")
+    made = TeacherTargets(second).vectors_path.stat().st_mtime_ns
+    computed = []
+    real_compute = TeacherTargets.compute
+    monkeypatch.setattr(TeacherTargets, "compute", lambda *a, **k: computed.append(1) or real_compute(*a, **k))
+    capsys.readouterr()
+    DistillTrainer(config(teacher_dir, text_file, second, sts_dev, steps=2)).run(progress=False)
+    assert not computed and TeacherTargets(second).vectors_path.stat().st_mtime_ns == made
+    assert f"read back from {TeacherTargets(second).vectors_path}" in capsys.readouterr().out
+
+    fewer = tmp_path / "fewer.txt"
+    fewer.write_text("\n".join(text_file.read_text().split("\n")[:80]) + "\n", encoding="utf-8")
+    other = tmp_path / "other"
+    shutil.copytree(first / "teacher-targets", other / "teacher-targets")
+    before = _files(other)
+    with pytest.raises(TargetsError, match="targets.json: the targets are of other texts") as err:
+        DistillTrainer(config(teacher_dir, fewer, other, sts_dev, steps=2)).run(progress=False)
+    assert "--overwrite" in str(err.value) and _files(other) == before
+    DistillTrainer(config(teacher_dir, fewer, other, sts_dev, steps=2)).run(progress=False, overwrite=True)
+    assert computed == [1] and json.loads(TeacherTargets(other).record_path.read_text())["rows"] == 80
+
+
 def test_a_query_encoder_keeps_n_layers_and_a_head_and_meets_only_its_teachers_index(
     teacher_dir, tiny_dir, text_file, sts_dev, tmp_path, capsys
 ):

@@ -308,10 +308,13 @@ class DistillTrainer(Trainer):
 
     def prepare_run(self, resume: bool, overwrite: bool, allow_pickle: bool) -> None:
         """The Trainer's preparation, then the teacher's targets: computed on a new run (the student is still the
-        teacher then), checked and read back on a resumed one."""
+        teacher then), checked and read back on a resumed one. A new run into a folder that already holds targets
+        (a run stopped before its first checkpoint, or a user trying another recipe on the same texts) reads them
+        back too when every check holds, instead of spending the teacher's pass again (25 minutes on the 78,091
+        SciFact and NLI texts here), and refuses them by name when one fails; only --overwrite recomputes them."""
         super().prepare_run(resume, overwrite, allow_pickle)
         targets, texts = TeacherTargets(self.out), self.data.columns[0]
-        if not resume:
+        if overwrite:
             targets.remove()
         if self.step == 0 and not targets.exists():
             engine = self.targets_engine(self.config.model) if self.targets_engine is not None else None
@@ -320,6 +323,8 @@ class DistillTrainer(Trainer):
             )
         else:
             self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size)
+            if not resume:
+                print(f"teacher targets: read back from {targets.vectors_path} (the same texts and teacher)")
         if self.method.mode == "static" and self.step == 0:  # the closed-form head (a resumed run has its own)
             from matryoshka2d.models.static import fit_head
 
