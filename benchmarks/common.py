@@ -21,11 +21,11 @@ DEFAULT_DATA = Path(
 CHECKOUT_SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def checkout_env(**extra: str) -> dict:
+def checkout_env() -> dict:
     """The environment of a child process that runs this checkout's matryoshka2d with one thread per library
     (an installed copy of another version comes after it on the path)."""
     path = os.pathsep.join(p for p in (str(CHECKOUT_SRC), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:

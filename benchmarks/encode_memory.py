@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DEFAULT_DATA, header
+from common import DEFAULT_DATA, checkout_env, header
 
 IN_MEMORY = """
 import sys, numpy as np, torch
@@ -46,7 +46,7 @@ def sentences(data_dir: Path, n: int) -> list[str]:
 
 def run(command: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in MB) of one child process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = checkout_env()
     start = time.perf_counter()
     child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(child.pid, 0)
