@@ -127,7 +127,7 @@ def read_result_record(path: str | Path, kinds: tuple[str, ...] = ("grid", "casc
         raise FileNotFoundError(
             f"{path}: no {' or '.join(names[k] for k in kinds)} (give a folder or file that `matryoshka2d eval` wrote)"
         )
-    record = read_json(file, ResultFileError)
+    record = read_json(file, ResultFileError)  # names file and field of anything it cannot read
     if isinstance(record, dict) and record.get("task") == "retrieval-cascade":
         if "cascade" not in kinds:
             raise ResultFileError(f"{file}: a cascade result of `eval retrieval`; give a grid's results.json")

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from matryoshka2d.cli.args import check_outputs, model_args
+from matryoshka2d.cli.args import check_outputs, command_scope_of, model_args
 
 # In the order `matryoshka2d --help` lists them.
 COMMAND_MODULES = (
@@ -34,15 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()  # imports torch: a Ctrl-C during start-up is one line too
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("matryoshka2d: interrupted (Ctrl-C) while starting; nothing was written", file=sys.stderr)
+        return 130
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --processes` starts it again
     try:
-        check_outputs(args)  # rule 2: before the command deletes or writes anything
-        return args.func(args)
+        with command_scope_of(args):  # the one writer checks every write against the command's inputs
+            check_outputs(args)  # rule 2: before the command deletes or writes anything
+            return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         print(f"matryoshka2d {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback; what was written is whole (the writer renames finished files only)
+        print(
+            f"matryoshka2d {args.command}: interrupted (Ctrl-C); files being written were left unfinished "
+            "and removed, finished ones are whole",
+            file=sys.stderr,
+        )
+        return 130
 
 
 __all__ = ["build_parser", "main"]
