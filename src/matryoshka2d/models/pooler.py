@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError
 from matryoshka2d.models.backbones import POOLING_MODES, BackboneError
+from matryoshka2d.outputs import make_folder, write_text, writing
 
 # The activations a Dense module may declare that we reproduce exactly (class paths as sentence-transformers
 # writes them with `fullname(...)`).
@@ -70,19 +72,19 @@ class PoolerHead(nn.Module):
     def save(self, folder: str | Path) -> Path:
         from safetensors.torch import save_file
 
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
+        out = make_folder(Path(folder))
         config = {
             "in_features": self.in_features,
             "out_features": self.out_features,
             "bias": self.linear.bias is not None,
             "activation_function": self.activation_name,
         }
-        (out / "config.json").write_text(json.dumps(config, indent=2))
+        write_text(out / "config.json", json.dumps(config, indent=2))
         tensors = {"linear.weight": self.linear.weight.detach().float().cpu().contiguous()}
         if self.linear.bias is not None:
             tensors["linear.bias"] = self.linear.bias.detach().float().cpu().contiguous()
-        save_file(tensors, str(out / "model.safetensors"))
+        with writing(out / "model.safetensors") as tmp:
+            save_file(tensors, str(tmp))
         return out
 
     @classmethod
@@ -90,14 +92,17 @@ class PoolerHead(nn.Module):
         from safetensors.torch import load_file
 
         folder = Path(folder)
-        config_file = folder / "config.json"
+        try:  # read only inside itself: its links are checked before anything there is opened
+            confined = ConfinedFolder(folder, "Dense module")
+            config_file, weights = confined.path("config.json"), confined.path("model.safetensors")
+        except OutsideFolderError as exc:
+            raise BackboneError(str(exc)) from None
         if not config_file.is_file():
             raise BackboneError(f"{folder}: a Dense module folder needs config.json")
         config = json.loads(config_file.read_text())
         missing = [k for k in ("in_features", "out_features") if k not in config]
         if missing:
             raise BackboneError(f"{config_file}: missing {', '.join(missing)}")
-        weights = folder / "model.safetensors"
         if not weights.is_file():
             found = sorted(p.name for p in folder.iterdir() if p.suffix in {".bin", ".pt", ".pth"})
             hint = f" (found {', '.join(found)}; convert it to safetensors)" if found else ""

@@ -8,22 +8,22 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from matryoshka2d.files import OutsideFolderError, inside
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError
 from matryoshka2d.models.backbones import POOLING_MODES, BackboneError, layer_stack
 from matryoshka2d.models.card import write_model_card
 from matryoshka2d.models.heads import HEADS_FILE, RECORD_KEY, HeadsError
 from matryoshka2d.models.heads_on_disk import save_heads
-from matryoshka2d.models.identity import backbone_sha256, without_own_identity
+from matryoshka2d.models.identity import RECORD_FILE, backbone_sha256, without_own_identity
 from matryoshka2d.models.pooler import ACTIVATIONS, PoolerHead
 from matryoshka2d.models.static import FOLDER as STATIC_FOLDER
 from matryoshka2d.models.static import RECORD_KEY as STATIC_KEY
+from matryoshka2d.outputs import make_folder, move_into_place, remove_file, remove_tree, temporary_folder, write_text
 
 # sentence-transformers' pooling_mode names (any version: its Pooling module converts the legacy
 # pooling_mode_*_token flags) -> ours.
@@ -92,26 +92,84 @@ ROUTER_CONFIG = "router_config.json"  # Router.save writes it beside modules.jso
 PAIR_ROUTES = ("query", "document")  # Router.for_query_document's routes; "document" is its default route
 
 
+def confined(model_dir) -> ConfinedFolder:
+    """`model_dir` as a ConfinedFolder (one given is kept as it is; a path is wrapped, its links not yet checked)."""
+    return model_dir if isinstance(model_dir, ConfinedFolder) else ConfinedFolder(model_dir, "model", check=False)
+
+
+def _named(folder: ConfinedFolder, name, named_by, field: str, folder_itself: bool = False) -> Path:
+    """folder.path as a BackboneError: a name a file of the model folder gives, confined to the folder."""
+    try:
+        return folder.path(name, named_by, field, folder_itself)
+    except OutsideFolderError as exc:
+        raise BackboneError(str(exc)) from None
+
+
+def _read_modules(folder: ConfinedFolder) -> tuple[Path, list | None]:
+    """(modules.json, its list of modules, or None when the folder has none), every module's path checked to
+    name a folder inside the model folder before anything there is opened."""
+    modules_file = _named(folder, "modules.json", folder.folder, "sentence-transformers' module list")
+    if not modules_file.is_file():
+        return modules_file, None
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise BackboneError(f"{modules_file}: not a list of modules (objects with 'type' and 'path')")
+    for i, module in enumerate(modules):
+        kind = module.get("type", "")
+        _named(folder, module.get("path", ""), modules_file, f"entry {i} ({kind or 'no type'}) path", True)
+    return modules_file, modules
+
+
+def model_folder(location) -> ConfinedFolder | None:
+    """The one reader of a local model folder (a plain Hugging Face or sentence-transformers folder, one with exit
+    heads or a static cell, a query encoder, a pair), checked before anything in it is opened: every name that its
+    modules.json and a Router's router_config.json give stays inside it (files.inside), and no link in it leaves
+    it (a file that transformers, tokenizers or safetensors open by a fixed name, a tokenizer.json or a
+    model.safetensors, would otherwise be read from anywhere). A Hugging Face cache snapshot, whose files link into
+    its own `../../blobs`, is a model folder (files.confinement). None for a hub id (not a local folder)."""
+    if isinstance(location, ConfinedFolder):
+        return location
+    if location is None or not Path(location).is_dir():
+        return None
+    folder = confined(location)
+    try:
+        _read_modules(folder)
+        router_routes(folder)
+        folder.check_links()
+    except OutsideFolderError as exc:
+        raise BackboneError(str(exc)) from None
+    except RuntimeError as exc:  # pathlib's "Symlink loop from ...": a link that leads nowhere
+        raise BackboneError(
+            f"{location}: a symbolic link in the model folder loops ({exc}); nothing in it was read: remove the link"
+        ) from None
+    return folder
+
+
 def router_routes(model_dir) -> dict[str, list[tuple[str, str]]] | None:
     """The routes of a folder that sentence-transformers' Router.for_query_document wrote (route -> its modules as
     (type, subfolder), in order), read from router_config.json; None for a folder whose modules.json lists no
-    Router. A Router of other routes (modalities, several tasks) is refused, naming what it holds."""
-    root = Path(model_dir) if model_dir else None
-    if root is None or not (root / "modules.json").is_file():
+    Router. A Router of other routes (modalities, several tasks) is refused, naming what it holds. Every module a
+    route names is checked to be a folder inside the model folder before anything is opened there."""
+    if not model_dir:
         return None
-    try:
-        modules = json.loads((root / "modules.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise BackboneError(f"{root / 'modules.json'}: not valid JSON ({exc})") from None
-    if not any(str(m.get("type", "")).rpartition(".")[2] in ("Router", "Asym") for m in modules):
+    folder = confined(model_dir)
+    root = folder.folder
+    _, modules = _read_modules(folder)
+    if modules is None or not any(str(m.get("type", "")).rpartition(".")[2] in ("Router", "Asym") for m in modules):
         return None
-    where = root / ROUTER_CONFIG
+    where = _named(folder, ROUTER_CONFIG, root / "modules.json", "the Router's config")
     try:
-        config = json.loads(where.read_text())
+        config = json.loads(where.read_text(encoding="utf-8"))
         types, structure = config["types"], config["structure"]
         routes = {name: [(types[module], module) for module in structure[name]] for name in structure}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BackboneError(f"{where}: not a Router config sentence-transformers wrote ({exc!r})") from None
+    for name, modules_of_route in routes.items():
+        for i, (_, sub) in enumerate(modules_of_route):
+            _named(folder, sub, where, f"structure.{name}[{i}]")
     if len(modules) != 1 or sorted(routes) != sorted(PAIR_ROUTES) or config.get("parameters", {}).get("route_mappings"):
         raise BackboneError(
             f"{root}: a Router with routes {sorted(routes)} and {len(modules)} top-level modules; matryoshka2d reads "
@@ -121,15 +179,18 @@ def router_routes(model_dir) -> dict[str, list[tuple[str, str]]] | None:
 
 
 def route_transformer_dir(model_dir, route: str) -> Path:
-    """The subfolder holding the Transformer (weights, config, tokenizer) of one route of a pair folder."""
-    routes = router_routes(model_dir) or {}
+    """The subfolder holding the Transformer (weights, config, tokenizer) of one route of a pair folder, checked to
+    lie inside the pair folder."""
+    folder = confined(model_dir)
+    routes = router_routes(folder) or {}
     kind, sub = (routes.get(route) or [("", "")])[0]
+    where = folder.folder / ROUTER_CONFIG
     if kind.rpartition(".")[2] != "Transformer":
-        raise BackboneError(f"{Path(model_dir) / ROUTER_CONFIG}: the {route} route does not start with a Transformer")
-    return Path(model_dir) / sub
+        raise BackboneError(f"{where}: the {route} route does not start with a Transformer")
+    return _named(folder, sub, where, f"structure.{route}[0]")
 
 
-def read_sentence_config(model_dir: str | None, route: str | None = None) -> SentenceConfig:
+def read_sentence_config(model_dir, route: str | None = None) -> SentenceConfig:
     """Read a sentence-transformers folder's modules: Transformer, Pooling and Normalize from their JSON where it
     reads plainly (`settings_module`), anything else through sentence-transformers' own module classes.
 
@@ -137,40 +198,33 @@ def read_sentence_config(model_dir: str | None, route: str | None = None) -> Sen
     config format it reads, old `pooling_mode_mean_tokens` flags and new `pooling_mode` alike, is read here),
     except the Transformer, whose weights `load_transformer` loads; only its settings (max_seq_length) are read.
     A plain Hugging Face folder (no modules.json) gives an empty config. A query/document pair (router_routes)
-    gives the modules of `route`, by default its document route.
+    gives the modules of `route`, by default its document route. `model_dir`: a path (checked first:
+    model_folder) or the ConfinedFolder that model_folder returned.
     """
     cfg = SentenceConfig()
     if model_dir is None:
         return cfg
-    root = Path(model_dir)
-    if not root.is_dir():
+    folder = model_folder(model_dir)
+    if folder is None:
         return cfg
-    modules_file = root / "modules.json"
-    if not modules_file.is_file():
-        bert_cfg = root / "sentence_bert_config.json"
+    root = folder.folder
+    modules_file, modules = _read_modules(folder)
+    if modules is None:
+        bert_cfg = _named(folder, "sentence_bert_config.json", root, "sentence-transformers' settings")
         if bert_cfg.is_file():
-            cfg.max_length = json.loads(bert_cfg.read_text()).get("max_seq_length")
+            cfg.max_length = json.loads(bert_cfg.read_text(encoding="utf-8")).get("max_seq_length")
         return cfg
-    routes = router_routes(root)
+    routes = router_routes(folder)
     if routes is not None:
         modules = [{"type": kind, "path": sub} for kind, sub in routes[route or "document"]]
         modules_file = root / ROUTER_CONFIG
-    else:
-        try:
-            modules = json.loads(modules_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise BackboneError(f"{modules_file}: not valid JSON ({exc})") from None
     dense_dirs = []
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise BackboneError(f"{modules_file}: not a list of modules (objects with 'type' and 'path')")
     for i, module in enumerate(modules):
         kind, sub = module.get("type", ""), module.get("path", "")
         where = f"{modules_file} entry {i} ({kind or 'no type'}, path '{sub}')"
-        try:  # before any of the module's files is read, here or by sentence-transformers
-            folder = inside(root, sub, modules_file, f"entry {i} ({kind or 'no type'}) path", folder_itself=True)
-        except OutsideFolderError as exc:
-            raise BackboneError(str(exc)) from None
-        plain = settings_module(kind, folder)
+        # before any of the module's files is read, here or by sentence-transformers
+        module_dir = _named(folder, sub, modules_file, f"entry {i} ({kind or 'no type'}) path", folder_itself=True)
+        plain = settings_module(kind, module_dir)
         if plain is None:
             from sentence_transformers.util.misc import import_module_class
 
@@ -187,7 +241,7 @@ def read_sentence_config(model_dir: str | None, route: str | None = None) -> Sen
                 mode = plain[1]["pooling_mode"] if plain else module_class.load(str(root), subfolder=sub).pooling_mode
                 if mode not in ST_POOLING:
                     raise BackboneError(
-                        f"{folder / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
+                        f"{module_dir / 'config.json'}: pooling mode {mode!r} is not supported; matryoshka2d "
                         f"supports {', '.join(ST_POOLING)} (its names: {', '.join(POOLING_MODES)})"
                     )
                 cfg.pooling = ST_POOLING[mode]
@@ -197,7 +251,7 @@ def read_sentence_config(model_dir: str | None, route: str | None = None) -> Sen
                 if cfg.normalize:
                     raise BackboneError(f"{where}: a Dense module after Normalize is not supported")
                 cfg.dense = module_class.load(str(root), subfolder=sub, trust_remote_code=False)
-                cfg.pooler_dir = str(folder)
+                cfg.pooler_dir = str(module_dir)
                 dense_dirs.append(sub)
             else:
                 raise BackboneError(
@@ -289,13 +343,18 @@ def save_folder(
     matryoshka2d.json); a model cut to layer n < N keeps the head of layer n as a Dense module holding only the
     output rows the cell needs, so plain sentence-transformers gives the cell's vectors, head included.
 
-    A static cell (layer 0, matryoshka2d.models.static) is kept by a whole model: the `static/` folder and its
-    record in matryoshka2d.json.
+    A static cell (layer 0, matryoshka2d.models.static) is kept by a whole model whose backbone is still the one the
+    cell was aligned to (`StaticCell.aligned_to`): the `static/` folder and its record in matryoshka2d.json. A model
+    whose weights changed since (train, distill, merge) is saved without it: the cell's vectors live in the old
+    weights' space, and a record stamped with the new weights would vouch for them.
 
-    Writes into `path` directly; a caller wanting an atomic save writes to a temporary folder and renames.
+    Every file goes through the one writer (matryoshka2d.outputs): the third-party writers (transformers,
+    sentence-transformers, safetensors) write into a temporary folder inside `path`, whose files are then moved
+    into place one by one (entry points, modules.json and config.json, last); a file of an earlier save that the
+    new one does not have (exit heads, a module folder, a static cell) is removed first. A caller wanting the whole
+    folder atomic writes to a temporary folder and renames (training.checkpoints.save_model_atomically).
     """
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     n = self.check_layer(keep_layers) if keep_layers else self.num_layers
     width = self.check_dim(dim) if dim is not None else None
     normalize = self.normalize_output if normalize is None else bool(normalize)
@@ -314,36 +373,64 @@ def save_folder(
             "folder pools one layer: export the cell as an ONNX graph only (export --format onnx), serve it from the "
             "model with its heads (`serve`), or fit heads with --inputs exit"
         )
-    (out / HEADS_FILE).unlink(missing_ok=True)  # an earlier save's heads must not outlive their record
-    for stale in out.iterdir():
-        # Module folders of an earlier save into this folder (2_Dense, 2_Normalize, ...) must not survive.
-        if stale.is_dir() and re.fullmatch(r"\d+_\w+", stale.name):
-            shutil.rmtree(stale)
-    with truncated_stack(self.model, n):
-        original = layer_count_attrs(self.model.config)
-        for attr in original:
-            setattr(self.model.config, attr, n)
-        try:
-            self.model.save_pretrained(out, safe_serialization=True)
-        finally:
-            for attr, value in original.items():
-                setattr(self.model.config, attr, value)
-    self.tokenizer.save_pretrained(out)
-    model = sentence_transformer_modules(self, out, width, normalize, cell_head)
-    model.save(str(out), create_model_card=False)
-    if heads is not None and n == self.num_layers:
-        metadata = {**(metadata or {}), RECORD_KEY: save_heads(heads, out, backbone_sha256(self))}
-    if (out / STATIC_FOLDER).is_dir():
-        shutil.rmtree(out / STATIC_FOLDER)  # an earlier save's static cell must not outlive its record
-    if self.static_cell is not None and n == self.num_layers:  # a whole model keeps its layer 0 (models.static)
-        record = {**self.static_cell.save(out / STATIC_FOLDER), "backbone_sha256": backbone_sha256(self)}
-        metadata = {**(metadata or {}), STATIC_KEY: record}
-    if metadata is not None:
-        (out / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
-    widths = matryoshka_widths(metadata, width or self.hidden_size)
-    write_matryoshka_config(out / "config.json", widths)
-    write_model_card(out, self, layers=n, dim=width, normalize=normalize, metadata=metadata, widths=widths)
+    whole = n == self.num_layers
+    heads = heads if whole else None
+    cell = self.static_cell if whole else None
+    backbone = backbone_sha256(self) if heads is not None or cell is not None else None
+    if cell is not None and getattr(cell, "aligned_to", None) != backbone:
+        cell = None  # a stale cell: the weights it was aligned to changed since (it is not carried over)
+    make_folder(out)
+    staging = temporary_folder(out, "save")
+    try:
+        with truncated_stack(self.model, n):
+            original = layer_count_attrs(self.model.config)
+            for attr in original:
+                setattr(self.model.config, attr, n)
+            try:
+                self.model.save_pretrained(staging, safe_serialization=True)
+            finally:
+                for attr, value in original.items():
+                    setattr(self.model.config, attr, value)
+        self.tokenizer.save_pretrained(staging)
+        model = sentence_transformer_modules(self, staging, width, normalize, cell_head)
+        model.save(str(staging), create_model_card=False)
+        if heads is not None:
+            metadata = {**(metadata or {}), RECORD_KEY: save_heads(heads, staging, backbone)}
+        if cell is not None:  # a whole model keeps its layer 0 (models.static)
+            record = {**cell.save(staging / STATIC_FOLDER), "backbone_sha256": cell.aligned_to}
+            metadata = {**(metadata or {}), STATIC_KEY: record}
+        if metadata is not None:
+            write_text(staging / RECORD_FILE, json.dumps(metadata, indent=2, default=str))
+        widths = matryoshka_widths(metadata, width or self.hidden_size)
+        write_matryoshka_config(staging / "config.json", widths)
+        write_model_card(
+            staging, self, layers=n, dim=width, normalize=normalize, metadata=metadata, widths=widths, results=out
+        )
+        _replace_model_files(staging, out)
+    finally:
+        remove_tree(staging)
     return out
+
+
+ENTRY_POINTS = ("modules.json", "config.json")  # what sentence-transformers and transformers open first
+
+
+def _replace_model_files(staging: Path, out: Path) -> None:
+    """Move a saved model's files from `staging` into `out`; what an earlier save into `out` left and this one
+    does not write (its exit heads, module folders such as 2_Dense, a static cell, its matryoshka2d.json) is removed
+    first, so that no file outlives its record and no record its files."""
+    new = sorted(p.name for p in staging.iterdir())
+    for old in sorted(out.iterdir()):
+        module_folder = re.fullmatch(r"\d+_\w+", old.name) or old.name == STATIC_FOLDER
+        if old.name in (HEADS_FILE, RECORD_FILE) and old.name not in new:
+            remove_file(old)
+        elif module_folder and (old.is_dir() or old.is_symlink()):
+            remove_tree(old) if not old.is_symlink() else remove_file(old)
+    for name in [n for n in new if n not in ENTRY_POINTS] + [n for n in ENTRY_POINTS if n in new]:
+        target = out / name
+        if target.is_dir() and not target.is_symlink():
+            remove_tree(target)
+        move_into_place(staging / name, target)
 
 
 def matryoshka_widths(metadata: dict | None, width: int) -> list[int]:
@@ -375,7 +462,7 @@ def write_matryoshka_config(config_path: Path, widths: list[int]) -> None:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["is_matryoshka"] = len(widths) > 1
     config["matryoshka_dimensions"] = widths
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize: bool, cell_head=None):
@@ -419,13 +506,14 @@ def sentence_transformer_modules(self, folder: Path, dim: int | None, normalize:
     return SentenceTransformer(modules=modules, device="cpu", similarity_fn_name="cosine")
 
 
-def pair_route(location: str, display: str, route: str | None) -> tuple[str | None, str, str]:
-    """(route, name, transformer folder) of a folder to load: a pair folder (router_routes) loads its document
-    route unless `route` says "query"; any other folder loads as it is (route None), and may not be given one."""
+def pair_route(location, display: str, route: str | None) -> tuple[str | None, str, str]:
+    """(route, name, transformer folder) of a folder to load (a path, a hub id, or the ConfinedFolder of
+    model_folder): a pair folder (router_routes) loads its document route unless `route` says "query"; any other
+    folder loads as it is (route None), and may not be given one."""
     if router_routes(location) is None:
         if route is not None:
             raise BackboneError(f"{display} is not a query/document pair folder; route={route!r} is for one")
-        return None, display, location
+        return None, display, str(location.folder if isinstance(location, ConfinedFolder) else location)
     route = route or "document"
     if route not in PAIR_ROUTES:
         raise BackboneError(f"route {route!r}: a pair folder has routes {', '.join(PAIR_ROUTES)}")

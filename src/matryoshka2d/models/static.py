@@ -34,10 +34,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.files import file_sha256, inside
+from matryoshka2d.files import file_sha256
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.heads import HELD_OUT_EVERY, RIDGE_GRID, NormalEquations
-from matryoshka2d.models.identity import folder_record
+from matryoshka2d.models.identity import confined_folder, folder_record
+from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder
 
 FOLDER = "static"
 RECORD_KEY = "static"  # in matryoshka2d.json
@@ -70,6 +71,9 @@ class StaticCell(nn.Module):
         super().__init__()
         self.embedding, self.head = embedding, head
         self.record: dict = {}  # how it was made, saved with it
+        # the backbone sha256 (models.identity) whose output space the cell lands in: the record's when loaded, the
+        # model's when put on it (ElasticEncoder.set_static_cell); a model saved with other weights drops the cell
+        self.aligned_to: str | None = None
 
     @classmethod
     def build(cls, tokenizer, table: np.ndarray | torch.Tensor, dim_out: int) -> StaticCell:
@@ -149,11 +153,17 @@ class StaticCell(nn.Module):
         return SentenceTransformer(modules=modules, device="cpu", similarity_fn_name="cosine")
 
     def save(self, folder: str | Path) -> dict:
-        """Write the cell as a sentence-transformers folder; returns the record for matryoshka2d.json (without the
+        """Write the cell as a sentence-transformers folder (built in a temporary folder beside it and moved into
+        place: the one writer, matryoshka2d.outputs); returns the record for matryoshka2d.json (without the
         backbone, which the model's save adds)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.sentence_transformer().save(str(folder), create_model_card=False)
+        staging = temporary_folder(folder.parent, folder.name)
+        try:
+            self.sentence_transformer().save(str(staging), create_model_card=False)
+            remove_tree(folder)
+            move_into_place(staging, folder)
+        finally:
+            remove_tree(staging)
         return {
             "folder": folder.name,
             "files": {name: file_sha256(folder / name) for name in FILES},
@@ -167,19 +177,22 @@ class StaticCell(nn.Module):
 # ---- in a model folder --------------------------------------------------------------------------------------
 
 
-def read_record(folder: str | Path | None) -> dict | None:
+def read_record(folder) -> dict | None:
     """The `static` record of a model folder's matryoshka2d.json, or None when it holds no static cell."""
     return folder_record(folder, RECORD_KEY, StaticCellError)
 
 
-def load_static_cell(folder: str | Path, record: dict, backbone: str, dim_out: int) -> StaticCell:
-    """The static cell a model folder's record describes, checked against its files and against the backbone
-    (`backbone`: the folder's backbone sha256; `dim_out`: the model's output width)."""
+def load_static_cell(folder, record: dict, backbone: str, dim_out: int) -> StaticCell:
+    """The static cell a model folder's record describes, checked against its files (the table, the tokenizer and
+    the head, each by its sha256 in the record) and against the backbone (`backbone`: the folder's backbone sha256;
+    `dim_out`: the model's output width). The folder and its files are resolved inside the model folder (`folder`:
+    a path or its files.ConfinedFolder), so a Hugging Face cache snapshot's links into its blobs/ read too."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
-    folder = Path(folder)
+    confined = confined_folder(folder)
+    folder = confined.folder
     record_file = folder / "matryoshka2d.json"
     where = f"{record_file} ({RECORD_KEY})"
     try:
@@ -188,8 +201,8 @@ def load_static_cell(folder: str | Path, record: dict, backbone: str, dim_out: i
     except (KeyError, TypeError, ValueError) as exc:
         raise StaticCellError(f"{where}: the record is incomplete or malformed ({exc!r})") from None
     try:
-        root = inside(folder, sub, record_file, f"{RECORD_KEY}.folder")
-        paths = {name: inside(root, name, record_file, f"{RECORD_KEY}.files") for name in FILES}
+        root = confined.path(sub, record_file, f"{RECORD_KEY}.folder")
+        paths = {name: confined.path(f"{sub}/{name}", record_file, f"{RECORD_KEY}.files") for name in FILES}
     except ValueError as exc:
         raise StaticCellError(str(exc)) from None
     for name, path in paths.items():
@@ -199,9 +212,9 @@ def load_static_cell(folder: str | Path, record: dict, backbone: str, dim_out: i
             raise StaticCellError(f"{path}: the file is damaged or was changed (its sha256 is not the one in {where})")
     if aligned != backbone:
         raise StaticCellError(
-            f"{root}: this static cell was aligned to another backbone (sha256 {str(aligned)[:12]}..., this model's is "
-            f"{backbone[:12]}...): its vectors live in that model's space; distill one for this model with "
-            "`matryoshka2d distill --mode static`"
+            f"{root} ({where}): this static cell was aligned to another backbone (sha256 {str(aligned)[:12]}..., "
+            f"this model's is {backbone[:12]}...): its vectors live in that model's space; distill one for this "
+            "model with `matryoshka2d distill --mode static`"
         )
     if out != dim_out:
         raise StaticCellError(f"{where}: the cell outputs {out} numbers, the model {dim_out}")
@@ -225,6 +238,7 @@ def load_static_cell(folder: str | Path, record: dict, backbone: str, dim_out: i
     except (KeyError, RuntimeError) as exc:
         raise StaticCellError(f"{root}/{DENSE_DIR}: not the head of this table ({str(exc).splitlines()[0]})") from None
     cell.record = dict(record.get("made") or {})
+    cell.aligned_to = aligned
     return cell
 
 
