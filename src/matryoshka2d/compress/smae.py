@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.compress.masking import IGNORE, MaskedBatch, mask_batch
+from matryoshka2d.files import ConfinedFolder
 from matryoshka2d.methods.base import recorded_settings
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack
@@ -120,8 +121,9 @@ def load_mlm_head(head: MLMHead, model_dir: str | None, keys: tuple[str, str, st
     dense, norm, bias = keys
     names = [f"{dense}.weight", f"{dense}.bias", f"{norm}.weight", f"{norm}.bias", bias]
     targets = [head.dense.weight, head.dense.bias, head.norm.weight, head.norm.bias, head.bias]
+    folder = ConfinedFolder(model_dir, "model")  # its links checked before a weights file is opened
     for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
+        with safe_open(str(folder.path(file.name)), "pt") as f:
             if not set(names) <= set(f.keys()):
                 continue
             tensors = [f.get_tensor(n) for n in names]

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from matryoshka2d import outputs
+from matryoshka2d.files import ConfinedFolder
 from matryoshka2d.views import nested_dims
 
 # TrainConfig options that two-step sets itself, per run.
@@ -118,9 +119,9 @@ def _train(values: dict, progress: bool, allow_pickle: bool = False) -> Path:
 
     config = TrainConfig.from_dict(values)
     out = Path(config.output)
-    done = out / "matryoshka2d.json"
+    done = ConfinedFolder(out, "run").path("matryoshka2d.json")  # a run holding a link out is refused, not read
     if done.is_file():
-        saved = json.loads(done.read_text()).get("training", {})
+        saved = json.loads(done.read_text(encoding="utf-8")).get("training", {})
         mine = {k: getattr(config, k) for k in RUN_KEYS}
         differ = [k for k in RUN_KEYS if saved.get(k) != mine[k]]
         if differ:
@@ -132,7 +133,7 @@ def _train(values: dict, progress: bool, allow_pickle: bool = False) -> Path:
         return out
     _log(f"two-step: training {out.name} (pooler {config.pooler_dim}, frozen encoder: {config.freeze_encoder})")
     Trainer(config).run(resume=True, progress=progress, allow_pickle=allow_pickle)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the run is finished; its model is saved
+    outputs.remove_tree(out / "checkpoints")  # the run is finished; its model is saved (a link: refused)
     return out
 
 
@@ -144,8 +145,8 @@ def _combine(encoder_dir: Path, pooler_dir: Path, out: Path, device=None) -> tup
     from matryoshka2d.training.checkpoints import save_model_atomically
 
     marker = {"encoder": str(encoder_dir), "pooler": str(pooler_dir / "2_Dense")}
-    meta = out / "matryoshka2d.json"
-    if meta.is_file() and json.loads(meta.read_text()).get("two_step_combination") == marker:
+    meta = ConfinedFolder(out, "model").path("matryoshka2d.json")
+    if meta.is_file() and json.loads(meta.read_text(encoding="utf-8")).get("two_step_combination") == marker:
         return out, False
     encoder = ElasticEncoder(str(encoder_dir), device=device)
     encoder.set_pooler(PoolerHead.load(pooler_dir / "2_Dense"))
@@ -177,8 +178,7 @@ def run_two_step(config: TwoStepConfig, progress: bool = True, allow_pickle: boo
     del probe
     targets = check_dims(config.target_dims, hidden, "target dim")
     candidates = check_dims(config.candidate_dims or nested_dims(hidden), hidden, "candidate dim")
-    out = Path(config.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = outputs.make_folder(Path(config.output))
     base = {**config.train, "model": config.model, "method": "plain", "loss": config.loss, "data": config.data}
     base["eval_file"] = str(validation)
 
@@ -207,7 +207,7 @@ def run_two_step(config: TwoStepConfig, progress: bool = True, allow_pickle: boo
         combined, rebuilt = _combine(runs[opt], runs[d], out / f"step1-d{d}", device)
         final_dir = out / f"two-step-d{d}"
         if rebuilt and final_dir.exists():
-            shutil.rmtree(final_dir)  # fine-tuned on another encoder_opt: stale
+            outputs.remove_tree(final_dir)  # fine-tuned on another encoder_opt: stale (a link: refused)
         values = {**step2, "model": str(combined), "pooler_dim": d, "freeze_encoder": True, "output": str(final_dir)}
         final = _train(values, progress, allow_pickle)
         stages = {"end_to_end": runs[d], "after_step1": combined, "after_step2": final}
@@ -238,8 +238,8 @@ def run_two_step(config: TwoStepConfig, progress: bool = True, allow_pickle: boo
         "training": {**config.train, "pooler_steps": config.pooler_steps, "pooler_lr": config.pooler_lr},
         "seconds": round(time.perf_counter() - start, 1),
     }
-    (out / "two_step.json").write_text(json.dumps(result, indent=2, default=str))
-    (out / "two_step.md").write_text(markdown(result))
+    outputs.write_text(out / "two_step.json", json.dumps(result, indent=2, default=str))
+    outputs.write_text(out / "two_step.md", markdown(result))
     return result
 
 

@@ -27,12 +27,15 @@ shard is encoded up to the deepest requested layer once, pooling every requested
 
 A resumed build reads the documents of its finished shards again and compares their sha256 with the manifest's:
 a corpus edited in place (even at the same size) is refused instead of mixing old vectors with new documents.
+
+Every file of the folder is written, replaced and deleted by the one writer (matryoshka2d.outputs): the manifest,
+ids.txt, shards and faiss files go to a temporary name and are renamed into place (a link standing there is
+replaced, never written through); a `shards/` that is a link is refused.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +44,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from matryoshka2d import outputs
 from matryoshka2d.files import DataFormatError, file_sha256
 from matryoshka2d.models.identity import refuse_query_encoder_for_documents, vectors_identity
 from matryoshka2d.retrieval.faiss_indexes import HNSW_EF_CONSTRUCTION, factory_string, make_index
@@ -153,8 +157,11 @@ def build_index(
             )
         settings["qdrant"] = qdrant.describe()
         settings["quantization"] = quantization
+        if qdrant.path:  # local mode: the folder Qdrant fills, made by the one writer (checked against the inputs)
+            outputs.check_destination(qdrant.path, "--path")
+            outputs.make_folder(qdrant.path, "--path", check=False)
         # Reach the server and check any existing collection before anything is written here.
-        store = QdrantStore(qdrant)
+        store = QdrantStore(qdrant, create=True)
         try:
             replace = store.check_collection(settings, overwrite=overwrite)
         finally:
@@ -179,12 +186,14 @@ def build_index(
         manifest = old
         manifest.setdefault("vectors", vectors)  # the same model (weights_sha256 above): its vectors' identity
         log(f"{out}: resuming after {len(old['shards'])} finished shards ({old['documents']} documents)")
-    elif out.exists() and overwrite:
+    outputs.make_folder(shards_dir, own=True)  # a shards/ that links elsewhere is refused, never filled or emptied
+    if overwrite and out.exists():
         for stale in itertools.chain(out.glob("cell-*.faiss"), out.glob("cell-*.npy"), shards_dir.glob("*.npz")):
-            stale.unlink()
-    shards_dir.mkdir(parents=True, exist_ok=True)
-    for leftover in shards_dir.glob("*.tmp.npz"):
-        leftover.unlink()  # half a shard from a killed build: redone below, never read
+            outputs.remove_file(stale)
+    temporary = f".*{outputs.TEMPORARY_MARK}*"
+    for leftover in itertools.chain(shards_dir.glob("*.tmp.npz"), shards_dir.glob(temporary), out.glob(temporary)):
+        if not leftover.is_dir() or leftover.is_symlink():
+            outputs.remove_file(leftover)  # half a file from a killed build: redone below, never read
     write_json(out / "manifest.json", manifest)
 
     done = set(manifest["shards"])
@@ -234,7 +243,7 @@ def build_index(
         raise DataFormatError(f"{corpus}: no documents")
     manifest["shards"] = sorted(manifest["shards"])
     if store is not None:
-        store = QdrantStore(qdrant)
+        store = QdrantStore(qdrant, create=True)
         try:
             store.fill(out, manifest, log, replace=replace)
         finally:
@@ -243,7 +252,7 @@ def build_index(
         finalize(out, manifest, log)
     if not keep_shards:
         for name in manifest["shards"]:
-            (shards_dir / name).unlink(missing_ok=True)
+            outputs.remove_file(shards_dir / name)
         manifest["shards"] = []
         write_json(out / "manifest.json", manifest)
     return manifest
@@ -282,7 +291,7 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
 
     shards = load_shards(out, manifest)
     ids = [str(i) for s in shards for i in s["ids"]]
-    (out / "ids.txt").write_text("\n".join(ids) + "\n", encoding="utf-8")
+    outputs.write_text(out / "ids.txt", "\n".join(ids) + "\n")
     manifest["factory"] = {}
     # Size and sha256 of every file a search reads: a damaged or swapped file is named before faiss reads it.
     manifest["files"] = {"ids.txt": {"bytes": (out / "ids.txt").stat().st_size, "sha256": file_sha256(out / "ids.txt")}}
@@ -291,16 +300,19 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
         t0 = time.perf_counter()
         index = make_index(vectors, manifest["index"], manifest["storage"])
         path = out / f"{cell_name(cell)}.faiss"
-        if manifest["storage"] == "binary":
-            faiss.write_index_binary(index, str(path) + ".tmp")
-        else:
-            faiss.write_index(index, str(path) + ".tmp")
-        if manifest["storage"] in RESCORED_STORAGES:
-            rescoring = out / f"{cell_name(cell)}.f16.npy"
-            np.save(str(rescoring) + ".tmp.npy", vectors.astype(np.float16))
-            os.replace(str(rescoring) + ".tmp.npy", rescoring)
-            manifest["files"][rescoring.name] = {"bytes": rescoring.stat().st_size, "sha256": file_sha256(rescoring)}
-        os.replace(str(path) + ".tmp", path)
+        with outputs.writing(path) as tmp:  # renamed into place once written (after its rescoring vectors)
+            if manifest["storage"] == "binary":
+                faiss.write_index_binary(index, str(tmp))
+            else:
+                faiss.write_index(index, str(tmp))
+            if manifest["storage"] in RESCORED_STORAGES:
+                rescoring = out / f"{cell_name(cell)}.f16.npy"
+                with outputs.writing(rescoring) as tmp_vectors:  # ends in .npy: np.save adds nothing
+                    np.save(tmp_vectors, vectors.astype(np.float16))
+                manifest["files"][rescoring.name] = {
+                    "bytes": rescoring.stat().st_size,
+                    "sha256": file_sha256(rescoring),
+                }
         manifest["files"][path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         manifest["factory"][cell_name(cell)] = factory_string(manifest["index"], manifest["storage"], len(vectors))
         log(

@@ -112,14 +112,25 @@ def vector_params(cells: Sequence[Cell], quantization: str):
     return params
 
 
+LOCAL_META = "meta.json"  # what qdrant-client's local mode keeps in its folder
+
+
 class QdrantStore:
     """A connection to the target, with the collection's checks, filling and search."""
 
-    def __init__(self, target: QdrantTarget):
+    def __init__(self, target: QdrantTarget, create: bool = False):
+        """`create`: a build, which may start a new local-mode folder (made by the one writer beforehand). A search
+        opens only a folder that holds a collection store: qdrant-client would otherwise create one, with its
+        files, wherever --path or the index's manifest points."""
         require_qdrant()
         from qdrant_client import QdrantClient
 
         self.target = target
+        if target.path and not create and not (Path(target.path) / LOCAL_META).is_file():
+            raise IndexBuildError(
+                f"{target.where}: not a local-mode Qdrant folder (no {LOCAL_META} in it); nothing was created there: "
+                "give the folder `matryoshka2d index build --backend qdrant --path` filled"
+            )
         try:
             if target.url:
                 # The version check would warn from a thread on an unreachable server; reachability is checked

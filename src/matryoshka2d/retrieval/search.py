@@ -15,7 +15,9 @@
   documents' layer is refused: it would cost more than the documents' own exit and no method trains it.
 
 Before a search, the index is checked against what `index build` recorded: the query model's weights checksum
-and pooling against the manifest's, each file's size and sha256, and each faiss index's width and count.
+and pooling against the manifest's, each file's size and sha256, and each faiss index's width and count. The
+folder is read through the confined reader (files.ConfinedFolder): one holding a link that leaves it (an ids.txt
+or a manifest.json linked to a file elsewhere) is refused before anything in it is opened.
 """
 
 from __future__ import annotations
@@ -27,9 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import OutsideFolderError, file_sha256, inside
+from matryoshka2d.files import file_sha256
 from matryoshka2d.retrieval.faiss_indexes import hnsw_graph, searchable
-from matryoshka2d.retrieval.shards import RESCORED_STORAGES, Cell, IndexBuildError, cell_name, read_manifest
+from matryoshka2d.retrieval.shards import (
+    RESCORED_STORAGES,
+    Cell,
+    IndexBuildError,
+    cell_name,
+    confined_index,
+    index_path,
+    read_manifest,
+)
 from matryoshka2d.views import unit_rows
 
 
@@ -237,7 +247,8 @@ class CellIndex(SearchIndex):
         for flag, value in (("--nprobe", nprobe), ("--ef-search", ef_search)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise IndexBuildError(f"{flag} must be at least 1, got {value!r}")
-        self.manifest = read_manifest(self.directory)
+        self.manifest = read_manifest(self.directory)  # the folder's links checked before its manifest is read
+        self.confined = confined_index(self.directory, check=False)
         if not self.manifest.get("complete"):
             raise IndexBuildError(
                 f"{self.directory}: the build is not finished ({self.manifest.get('documents', 0)} documents so far); "
@@ -262,10 +273,7 @@ class CellIndex(SearchIndex):
         """The file, after its size and sha256 matched what the build recorded (indexes built before the
         record was kept are checked by shape only, in `index`). A name that leads out of the directory (a link)
         is refused before the file is opened."""
-        try:
-            path = inside(self.directory, name, self.directory / "manifest.json", "files")
-        except OutsideFolderError as exc:
-            raise IndexBuildError(f"{exc}; {REBUILD}") from None
+        path = index_path(self.confined, name, "files")
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing from the index directory; {REBUILD}")
         want = self.manifest.get("files", {}).get(name)

@@ -4,6 +4,10 @@ documents, and the shard files of unit vectors, written atomically and read back
 
 The local build and the Ray engine make a shard's vectors with the same encoder pass (encode_cells) and hand them
 to the same shard writer, and the faiss and Qdrant backends read the shards back with the same loader.
+
+Every file here is written by the one writer (matryoshka2d.outputs: a temporary name, then a rename; a link in
+the destination's place is replaced, never written through) and read by the one confined reader
+(files.ConfinedFolder: an index folder holding a link that leaves it is refused before anything in it is opened).
 """
 
 from __future__ import annotations
@@ -11,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import OutsideFolderError, inside, read_beir, read_json
+from matryoshka2d import outputs
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError, read_beir, read_json
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
@@ -56,17 +60,29 @@ def input_sha256(block: Sequence[tuple[str, str]]) -> str:
 
 
 def write_json(path: Path, value: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a killed build never leaves half a manifest
+    outputs.write_json(path, value, indent=1)  # atomic: a killed build never leaves half a manifest
+
+
+def confined_index(directory: str | Path, check: bool = True) -> ConfinedFolder:
+    """The index folder for reading: with `check`, its links are checked before anything in it is opened (an
+    `ids.txt`, a manifest, a shard or a faiss file that links out of it is refused, naming it)."""
+    try:
+        return ConfinedFolder(directory, "index", check=check)
+    except OutsideFolderError as exc:
+        raise IndexBuildError(f"{exc}; rebuild the index with `matryoshka2d index build ... --overwrite`") from None
+
+
+def index_path(index: ConfinedFolder, name: str, field: str) -> Path:
+    """A file of the index that the manifest names (`field`), confined to the folder."""
+    try:
+        return index.path(name, index.folder / "manifest.json", field)
+    except OutsideFolderError as exc:
+        raise IndexBuildError(f"{exc}; rebuild the index with `matryoshka2d index build ... --overwrite`") from None
 
 
 def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
-    try:  # a manifest that links out of the index is not read
-        path = inside(directory, "manifest.json", directory, "the index manifest")
-    except OutsideFolderError as exc:
-        raise IndexBuildError(str(exc)) from None
+    path = index_path(confined_index(directory), "manifest.json", "the index manifest")  # links checked first
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no manifest.json (not an index built by `matryoshka2d index build`)")
     manifest = read_json(path, IndexBuildError)
@@ -143,15 +159,14 @@ def shard_file_name(number: int) -> str:
 def write_shard(path: Path, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
     """One shard file, atomically: written under a temporary name, renamed when complete."""
     encoded = [t.encode("utf-8") for t in texts]  # texts as one byte string and end offsets (no pickled objects)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        ids=np.array(ids, dtype=object).astype(str),
-        texts_utf8=np.frombuffer(b"".join(encoded), dtype=np.uint8),
-        text_ends=np.cumsum([len(t) for t in encoded], dtype=np.int64),
-        **arrays,
-    )
-    os.replace(tmp, path)
+    with outputs.writing(path) as tmp:  # its name ends in .npz, so np.savez adds nothing
+        np.savez(
+            tmp,
+            ids=np.array(ids, dtype=object).astype(str),
+            texts_utf8=np.frombuffer(b"".join(encoded), dtype=np.uint8),
+            text_ends=np.cumsum([len(t) for t in encoded], dtype=np.int64),
+            **arrays,
+        )
 
 
 def read_shard_texts(shard) -> list[str]:
@@ -164,11 +179,12 @@ def read_shard_texts(shard) -> list[str]:
 def load_shards(out: Path, manifest: dict) -> list:
     """The manifest's shard files, in order; a missing or unreadable one is named, with what to do."""
     shards = []
+    # A shard that links out of shards/, or a shards/ that links out of the index, is refused before any is read
+    # (a build reads only these: the links it is about to replace, such as an ids.txt, do not matter here).
+    confined_index(Path(out) / "shards")
+    index = confined_index(out, check=False)
     for name in manifest["shards"]:
-        try:
-            path = inside(out, f"shards/{name}", out / "manifest.json", "shards")
-        except OutsideFolderError as exc:
-            raise IndexBuildError(f"{exc}; rebuild with --overwrite") from None
+        path = index_path(index, f"shards/{name}", "shards")
         try:
             shards.append(np.load(path, allow_pickle=False))
         except (OSError, ValueError) as exc:

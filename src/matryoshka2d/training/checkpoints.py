@@ -15,6 +15,11 @@ The final model (`save_model_atomically`) is written into a hidden temporary fol
 then moved in file by file in an order that keeps the folder either the previous complete model, not loadable
 at all, or the new complete model: the entry points (`config.json`, `modules.json`) go first on the way out
 and last on the way in.
+
+Every write, rename and delete goes through the one writer (matryoshka2d.outputs): a link in the place of a file
+is replaced, never written through, and a link in the place of a folder is refused, never followed for deletion.
+Every read goes through the one confined reader (files.ConfinedFolder): a checkpoint holding a link that leaves
+it is refused before any of its files is opened.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from matryoshka2d.files import file_sha256, inside
+from matryoshka2d import outputs
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError, file_sha256, inside
 
 TENSORS, STATE, CONFIG, MANIFEST = "tensors.safetensors", "state.json", "config.json", "manifest.json"
 LEGACY = "state.pt"
@@ -103,26 +108,41 @@ def write_checkpoint(
             "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         },
     }
-    save_file(tensors, str(folder / TENSORS), metadata={"format": FORMAT})
-    (folder / STATE).write_text(json.dumps(state), encoding="utf-8")
-    (folder / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    with outputs.writing(folder / TENSORS) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    outputs.write_text(folder / STATE, json.dumps(state))
+    outputs.write_text(folder / CONFIG, json.dumps(config, indent=2))
     files = {}
     for name in (TENSORS, STATE, CONFIG):
         _fsync(folder / name)
         files[name] = {"bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
-    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "files": files}, indent=2))
+    outputs.write_text(folder / MANIFEST, json.dumps({"format": FORMAT, "version": 1, "files": files}, indent=2))
     _fsync(folder / MANIFEST)
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
 
 
+def confined(folder: Path) -> ConfinedFolder:
+    """The checkpoint folder, its links checked before anything in it is opened (a link that leaves it, to another
+    run's files or anywhere, is a CheckpointError naming it)."""
+    try:
+        return ConfinedFolder(folder, "checkpoint")
+    except OutsideFolderError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _path(checkpoint: ConfinedFolder, name: str, named_by: Path, field: str) -> Path:
+    try:
+        return checkpoint.path(name, named_by, field)
+    except OutsideFolderError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def verify(folder: Path) -> None:
     """Check the manifest against the files (sizes, then sha256); raise CheckpointError naming the problem."""
-    try:
-        manifest_path = inside(folder, MANIFEST, folder, "the checkpoint's manifest")
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
+    checkpoint = confined(folder)
+    manifest_path = _path(checkpoint, MANIFEST, folder, "the checkpoint's manifest")
     if not manifest_path.is_file():
         raise CheckpointError(f"{folder}: no {MANIFEST} (the checkpoint was not finished)")
     try:
@@ -131,10 +151,7 @@ def verify(folder: Path) -> None:
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from None
     for name in (TENSORS, STATE, CONFIG):
-        try:  # before the file is opened or hashed: a link out of the checkpoint is never read
-            path = inside(folder, name, manifest_path, "files")
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
+        path = _path(checkpoint, name, manifest_path, "files")  # before the file is opened or hashed
         expected = files.get(name) if isinstance(files, dict) else None
         if not expected:
             raise CheckpointError(f"{manifest_path}: does not list {name}")
@@ -148,10 +165,7 @@ def verify(folder: Path) -> None:
 
 
 def read_config(folder: Path) -> dict:
-    try:
-        path = inside(folder, CONFIG, folder / MANIFEST, "files")
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
+    path = _path(confined(folder), CONFIG, folder / MANIFEST, "files")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -163,8 +177,9 @@ def read_checkpoint(folder: Path, device) -> dict:
     from safetensors.torch import load_file
 
     verify(folder)
-    state = json.loads((folder / STATE).read_text(encoding="utf-8"))
-    flat = load_file(str(folder / TENSORS), device="cpu")
+    checkpoint = ConfinedFolder(folder, "checkpoint", check=False)  # verify checked its links
+    state = json.loads(_path(checkpoint, STATE, folder / MANIFEST, "files").read_text(encoding="utf-8"))
+    flat = load_file(str(_path(checkpoint, TENSORS, folder / MANIFEST, "files")), device="cpu")
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in flat.items():
         prefix, _, rest = key.partition(".")
@@ -198,7 +213,7 @@ def read_checkpoint(folder: Path, device) -> dict:
 
 def read_legacy(folder: Path, device, allow_pickle: bool) -> dict:
     """A checkpoint from before this format: `state.pt`, a pickle. Read only if the user opted in."""
-    path = folder / LEGACY
+    path = _path(confined(folder), LEGACY, folder, "an old-format checkpoint")
     if not allow_pickle:
         raise CheckpointError(
             f"{path} is an old-format checkpoint (a pickle file; unpickling a file can run code planted in it). "
@@ -252,6 +267,11 @@ def load_latest(root: Path, device, allow_pickle: bool = False, check_config=Non
 
     `check_config(folder, saved_config)` may raise to refuse a checkpoint of another run (that is an error,
     not a reason to fall back)."""
+    if root.is_symlink():  # another run's checkpoints: never read as this run's (nor written or deleted)
+        raise CheckpointError(
+            f"{root} is a symbolic link (-> {os.readlink(root)}): a run reads only checkpoints of its own; nothing "
+            "was read: remove the link"
+        )
     problems = []
     for folder in candidates(root):
         legacy = not (folder / MANIFEST).exists() and (folder / LEGACY).exists()
@@ -260,6 +280,7 @@ def load_latest(root: Path, device, allow_pickle: bool = False, check_config=Non
                 inside(root, folder.name, root, "a checkpoint folder")
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
+            confined(folder)  # nor one holding a link out (before its config is read)
             if check_config is not None and (folder / CONFIG).is_file():
                 check_config(folder, read_config(folder))
             state = read_legacy(folder, device, allow_pickle) if legacy else read_checkpoint(folder, device)
@@ -305,31 +326,46 @@ def _is_model_file(name: str) -> bool:
     )
 
 
+SAVING = "saving-model"  # the temporary folder's name: OUT/.saving-model.m2d-tmp-XXXX (.saving-model before)
+
+
+def _remove(path: Path) -> None:
+    """A file or folder the save replaces: a link in its place is removed as a link (what it points at, another
+    model's files, is never touched); a folder of its own is deleted."""
+    if path.is_dir() and not path.is_symlink():
+        outputs.remove_tree(path)
+    else:
+        outputs.remove_file(path)
+
+
 def save_model_atomically(save, out: Path) -> Path:
-    """`save(folder)` writes a complete model folder; it is written to OUT/.saving-model, then moved into OUT
-    so that a kill at any point leaves OUT as the previous model, not loadable, or the new model."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".saving-model"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
-    new = sorted(p.name for p in tmp.iterdir())
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            _fsync(path)
-    # 1. Close the doors: from here until step 3 ends the folder loads nowhere.
-    for name in reversed(ENTRY_POINTS):
-        (out / name).unlink(missing_ok=True)
-    # 2. Take out what the previous model had and the new one does not (e.g. its pooler head, tokenizer.json).
-    for old in out.iterdir():
-        if old.name in new or old.name.startswith(".") or old.name in RUN_FILES or not _is_model_file(old.name):
-            continue
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    # 3. Move the new files in, entry points last (modules.json, then config.json).
-    order = [n for n in new if n not in ENTRY_POINTS] + [n for n in ENTRY_POINTS if n in new]
-    for name in order:
-        target = out / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(tmp / name, target)
-    shutil.rmtree(tmp, ignore_errors=True)
+    """`save(folder)` writes a complete model folder; it is written to a hidden temporary folder in OUT, then moved
+    into OUT so that a kill at any point leaves OUT as the previous model, not loadable, or the new model."""
+    out = outputs.make_folder(out)
+    for left in out.glob(f".{SAVING}*"):  # what a killed save left
+        _remove(left)
+    tmp = outputs.temporary_folder(out, SAVING)
+    try:
+        save(tmp)
+        new = sorted(p.name for p in tmp.iterdir())
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                _fsync(path)
+        # 1. Close the doors: from here until step 3 ends the folder loads nowhere.
+        for name in reversed(ENTRY_POINTS):
+            outputs.remove_file(out / name)
+        # 2. Take out what the previous model had and the new one does not (e.g. its pooler head, tokenizer.json).
+        for old in out.iterdir():
+            if old.name in new or old.name.startswith(".") or old.name in RUN_FILES or not _is_model_file(old.name):
+                continue
+            _remove(old)
+        # 3. Move the new files in, entry points last (modules.json, then config.json).
+        order = [n for n in new if n not in ENTRY_POINTS] + [n for n in ENTRY_POINTS if n in new]
+        for name in order:
+            target = out / name
+            if (tmp / name).is_dir() or target.is_dir():  # a folder is not renamed over: the old one goes first
+                _remove(target)
+            outputs.move_into_place(tmp / name, target)
+    finally:
+        outputs.remove_tree(tmp)
     return out

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from matryoshka2d.files import ConfinedFolder
 from matryoshka2d.models.encoder import ElasticEncoder
 
 
@@ -67,7 +68,8 @@ def start_of(encoder: ElasticEncoder) -> str:
 
     start = None
     if encoder.location:
-        meta_path = Path(encoder.location) / "matryoshka2d.json"
+        # The confined reader: a record that is (or lies behind) a link out of the folder is refused, not read.
+        meta_path = ConfinedFolder(encoder.location, "model").path("matryoshka2d.json")
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
             start = (meta.get("training") or {}).get("model") if isinstance(meta, dict) else None

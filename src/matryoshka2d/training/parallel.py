@@ -287,10 +287,17 @@ def launch(entry, argv: list[str], processes: int) -> int:
         previous = {s: signal.signal(s, forward) for s in handled}
     try:
         print(f"training in {processes} processes (rank 0 writes the log, checkpoints and model)", flush=True)
-        for worker in workers:
-            worker.start()
-            if stopped_by:  # a signal arrived while starting: the workers started so far were stopped
-                stop_all()
+        # SIGINT blocked while the workers start: a started worker inherits the mask, so a Ctrl-C to the process
+        # group before it sets SIG_IGN (in _worker) cannot end it mid-import with a traceback; the launcher takes
+        # its own pending Ctrl-C once unblocked, and stops the workers.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for worker in workers:
+                worker.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if stopped_by:  # a signal arrived while starting: the workers started so far are stopped
+            stop_all()
         while any(w.is_alive() for w in workers):
             for worker in workers:
                 worker.join(timeout=0.2)

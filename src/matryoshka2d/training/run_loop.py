@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from matryoshka2d import outputs
 from matryoshka2d.evaluate.sts import sts_dev_score
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training import checkpoints, exit_heads
@@ -118,7 +118,7 @@ class RunLoop:
         its folder. With several processes, rank 0 alone writes the log, the checkpoints and the model."""
         main = self.processes.main
         self.prepare_run(resume, overwrite, allow_pickle)
-        log = self.run_dir.log_path.open("a", encoding="utf-8") if main else open(os.devnull, "w")  # noqa: SIM115
+        log = outputs.open_for_append(self.run_dir.log_path) if main else _NoLog()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (progress and main), desc=self.config.method)
         start, first_step = time.perf_counter(), self.step
         try:
@@ -143,7 +143,7 @@ class RunLoop:
         self.run_dir.check(resume, overwrite)
         if overwrite and not resume and main:
             self.run_dir.clear_run()
-        self.out.mkdir(parents=True, exist_ok=True)
+        outputs.make_folder(self.out)
         self.processes.barrier()
         if resume:
             if self.resume(allow_pickle=allow_pickle) and main:
@@ -204,7 +204,7 @@ class RunLoop:
         from matryoshka2d.models.lora import save_and_merge_lora
 
         final_evals = self.evaluate()
-        with self.run_dir.log_path.open("a", encoding="utf-8") as f:
+        with outputs.open_for_append(self.run_dir.log_path) as f:
             f.writelines(json.dumps(record) + "\n" for record in final_evals)
         metadata = {
             "method": self.method.config(),
@@ -232,3 +232,16 @@ class RunLoop:
             return saved
 
         return checkpoints.save_model_atomically(save, self.out)
+
+
+class _NoLog:
+    """The log of a process other than rank 0, which writes none (nothing is opened)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

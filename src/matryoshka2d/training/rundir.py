@@ -4,16 +4,22 @@ OUTPUT/
   train_log.jsonl           one JSON record per logged step and evaluation
   checkpoints/step-NNNNNNN  what a resume needs (matryoshka2d.training.checkpoints)
   matryoshka2d.json, ...    the saved model, written last and atomically
+
+Everything a run writes, renames or deletes goes through the one writer (matryoshka2d.outputs); a `checkpoints/`
+that is a symbolic link (to another run's, say) is refused before any work, never followed to delete, fill or read
+that run's files. What a resume reads goes through the confined reader (files.ConfinedFolder): a run folder holding
+a link that leaves it is refused before anything in it is opened.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
-from matryoshka2d.files import check_apart
+from matryoshka2d import outputs
+from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.outputs import OutputError, check_apart
 from matryoshka2d.training import checkpoints
 
 # What makes a folder "hold a model or a run": `train` does not write into it without --resume or --overwrite.
@@ -57,6 +63,14 @@ class RunDir:
             return
         if not self.path.is_dir():
             raise ValueError(f"--output {self.path} is a file, not a folder")
+        if self.checkpoints.is_symlink():  # before any work: --overwrite would delete, --resume read its target
+            raise OutputError(
+                f"--output {self.path}: {self.checkpoints} is a symbolic link (-> {os.readlink(self.checkpoints)}); "
+                "a run keeps its checkpoints in a folder of its own and never reads, fills or deletes them through a "
+                "link, which could reach another run's: nothing was done: remove the link or choose another --output"
+            )
+        if resume:
+            self.confined()  # a link out of the run is refused before its checkpoints or log are read
         held = sorted(p.name for p in self.path.iterdir() if p.name in RUN_MARKERS)
         if held and not (resume or overwrite):
             raise ValueError(
@@ -72,14 +86,18 @@ class RunDir:
                     "choose another --output"
                 )
 
+    def confined(self) -> ConfinedFolder:
+        """The run folder for reading: its links checked first (OutsideFolderError names one that leaves it)."""
+        return ConfinedFolder(self.path, "run")
+
     def saved_model(self) -> str | None:
         """What saved model the folder holds, in words (with its step count when a run wrote it), or None."""
         held = [name for name in MODEL_MARKERS if (self.path / name).exists()]
         if not held:
             return None
         try:
-            meta = json.loads((self.path / "matryoshka2d.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            meta = json.loads(self.confined().read_text("matryoshka2d.json"))
+        except (OSError, ValueError):  # a link out (OutsideFolderError) is not read: described by its names
             meta = None
         if isinstance(meta, dict) and isinstance(meta.get("steps"), int):
             method = meta["method"].get("method") if isinstance(meta.get("method"), dict) else None
@@ -88,13 +106,15 @@ class RunDir:
         return f"a saved model ({', '.join(held)})"
 
     def clear_run(self) -> None:
-        """--overwrite without --resume: the old checkpoints and log go (the model is replaced when saved)."""
-        shutil.rmtree(self.checkpoints, ignore_errors=True)
-        self.log_path.unlink(missing_ok=True)
+        """--overwrite without --resume: the old checkpoints and log go (the model is replaced when saved). A
+        `checkpoints/` that is a link is refused (outputs.remove_tree), never followed; a log that is a link is
+        removed as a link."""
+        outputs.remove_tree(self.checkpoints)
+        outputs.remove_file(self.log_path)
 
     def trim_log(self, step: int) -> None:
         """After a resume, drop the log records of steps after the checkpoint: they are run again."""
-        path = self.log_path
+        path = self.confined().path(self.log_path.name)  # a log that links out of the run is refused, not read
         if not path.is_file():
             return
         kept = []
@@ -105,22 +125,32 @@ class RunDir:
                 continue  # a line cut short by a kill
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
                 kept.append(line)
-        tmp = path.with_name(".train_log.jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
+        outputs.write_text(path, "".join(line + "\n" for line in kept))
 
     def save_checkpoint(self, step: int, modules: dict, optimizer, scheduler, history, config: dict, scaler, keep: int):
         """Write everything a resume needs (safetensors + JSON, with a manifest) into a temporary folder, then
         rename it: a kill leaves no half (matryoshka2d.training.checkpoints). Keeps the newest `keep`."""
-        root = self.checkpoints
-        root.mkdir(parents=True, exist_ok=True)
+        root = outputs.make_folder(self.checkpoints, own=True)  # a link there is refused, never filled
         final = root / f"step-{step:07d}"
-        tmp = root / f".tmp-step-{step:07d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        checkpoints.write_checkpoint(tmp, modules, optimizer, scheduler, step, history, config, scaler=scaler)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        for left in root.glob(".*step-*"):  # what a killed save left (.tmp-step-N before the one writer)
+            if left.is_dir() and not left.is_symlink():
+                outputs.remove_tree(left)
+        tmp = outputs.temporary_folder(root, final.name)
+        try:
+            checkpoints.write_checkpoint(tmp, modules, optimizer, scheduler, step, history, config, scaler=scaler)
+            _remove(final)  # the same step saved before (a run resumed from an earlier checkpoint)
+            outputs.move_into_place(tmp, final)
+        finally:
+            if tmp.exists():
+                outputs.remove_tree(tmp)
         for old in sorted(root.glob("step-*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         return final
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint folder of the run's own is deleted; a link in its place is removed as a link, never followed."""
+    if path.is_symlink() or path.is_file():
+        outputs.remove_file(path)
+    else:
+        outputs.remove_tree(path)
