@@ -11,10 +11,13 @@ API, validation, micro-batching, slicing to `dimensions`, normalising, errors) t
   width; the width is sliced after, by the server. `quantize="int8"` runs onnxruntime's dynamic int8
   quantization of each graph (only the int8 graphs are kept: build_graph). The graphs are cached beside the
   model (GraphCache), in a subfolder named by the checksum of the weights they are built from, so that models
-  share a cache folder: a manifest holds the checksum of the source weights and of every graph; a graph that is
-  missing, whose file does not match its checksum, or that was built from other weights is rebuilt, never used,
-  and so is one that, when a process first uses it, does not reproduce the model on a few fixed texts as the
-  build checked, or does not load (deploy/graph_check.py). One onnxruntime session per layer,
+  share a cache folder: a manifest holds the checksum of the source weights and, for every graph, its file's
+  checksum and its cache key (cache_keys.cache_key over what the graph computes: `graph_key`); a graph that is
+  missing, whose file does not match its checksum, whose key is not this model's, or that was built from other
+  weights is rebuilt, never used, and so is one that, when a process first uses it, does not reproduce the model
+  on a few fixed texts as the build checked, or does not load (deploy/graph_check.py). Every file is written
+  through the one writer (matryoshka2d.outputs); the cache is kept by design inside the model folder it is built
+  from (`onnx-serve/`), a folder a command reads: outputs.allow_folder says so. One onnxruntime session per layer,
   loaded at its first request, or up front for the layers given (`layers`): then only those are served, and
   memory is the sum of their sessions (measured at load: `session_mb`).
 """
@@ -33,9 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from matryoshka2d import outputs
+from matryoshka2d.cache_keys import cache_key
 from matryoshka2d.deploy.graph_check import INT8_MIN_COSINE, check_graph, cosines, reference, run_reference
 from matryoshka2d.deploy.graph_check import session as _session
-from matryoshka2d.deploy.onnx_graphs import ExportError, export_exit, graph_metadata, quantize_int8
+from matryoshka2d.deploy.onnx_graphs import OPSET, ExportError, export_exit, graph_metadata, quantize_int8
 from matryoshka2d.files import OutsideFolderError, file_sha256, inside
 from matryoshka2d.models.batching import inference_batches, pad_rows
 from matryoshka2d.models.encoder import ElasticEncoder
@@ -121,12 +126,15 @@ def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
 
 def writing_problem(folder: Path) -> str | None:
     """Why nothing can be written into the existing `folder` (by trying: a permission check does not see a
-    read-only mount or an immutable folder, and root passes it everywhere), or None."""
+    read-only mount or an immutable folder, and root passes it everywhere), or None. The probe is a new empty file
+    under the one writer's temporary name, removed at once."""
     try:
-        with tempfile.TemporaryFile(dir=folder, prefix=".write-test-"):
-            return None
+        fd, name = tempfile.mkstemp(dir=folder, prefix=f".write-test{outputs.TEMPORARY_MARK}")
     except OSError as exc:
         return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(name)  # the probe this call just made (as outputs.check_writable does)
+    return None
 
 
 def cache_folder_problem(folder: str | Path) -> str | None:
@@ -149,17 +157,43 @@ def weights_folder(source: str) -> str:
     return f"weights-{source[:16]}"
 
 
+GRAPH_KIND = "onnx-exit-graph"  # the cache kind in the key
+
+
+def graph_key(source: str, pooling: str | None, layer: int, quantize: str | None) -> str:
+    """The cache key of one exit graph (cache_keys.cache_key). A graph computes `encoder.forward` at `layer` from
+    token ids: it holds the weights (every tensor, exit heads included), the pooling and the model's inputs and
+    configuration, all of which `source` (weights_digest) covers, the pooling also on its own; and it is made by a
+    recipe (exporter, opset, precision). The tokenizer and the maximum length are not in it: the backend
+    tokenizes, with the model's own tokenizer and max length, before the graph runs, so a graph serves any of them
+    exactly (tests/test_cache_keys.py shows it); texts and widths do not apply (full width, sliced after)."""
+    return cache_key(
+        GRAPH_KIND,
+        weights_sha256=source,
+        tokenizer_sha256=None,
+        max_length=None,
+        pooling=pooling,
+        widths=None,
+        texts_sha256=None,
+        layer=int(layer),
+        precision=quantize or "fp32",
+        recipe=RECIPES[quantize],
+        opset=OPSET,
+    )
+
+
 class GraphCache:
     """A cache folder (`root`) holds the graphs of any number of models, each model's in a subfolder named by the
     checksum of the weights they were built from (`weights_folder`; weights_digest covers every tensor, exit heads
     included), so that a query encoder and its teacher, or two versions of one model, share a cache folder without
     replacing each other's graphs. A subfolder holds `layer-N.onnx` / `layer-N.int8.onnx` and a manifest with the
     full checksum of the source weights and of each graph. A graph counts only if the manifest names it, for these
-    weights, with the checksum of the file as it is now; every name is resolved inside the subfolder
-    (files.inside: a link out is refused before it is read). A cache that cannot be written is used as it is."""
+    weights, under the cache key of this model's graph (`graph_key`), with the checksum of the file as it is now;
+    every name is resolved inside the subfolder (files.inside: a link out is refused before it is read). A cache
+    that cannot be written is used as it is; one that can is written only through the one writer."""
 
-    def __init__(self, root: Path, source: str):
-        self.root, self.source = Path(root), source
+    def __init__(self, root: Path, source: str, pooling: str | None = None):
+        self.root, self.source, self.pooling = Path(root), source, pooling
         self.graphs: dict[str, dict] = {}
         try:
             self.folder = inside(self.root, weights_folder(source), self.root, "the graph folder of these weights")
@@ -177,12 +211,20 @@ class GraphCache:
     def file_name(layer: int, quantize: str | None) -> str:
         return f"layer-{layer}{'.' + quantize if quantize else ''}.onnx"
 
+    def key(self, layer: int, quantize: str | None) -> str:
+        return graph_key(self.source, self.pooling, layer, quantize)
+
+    def path_of(self, layer: int, quantize: str | None) -> Path:
+        return self.folder / self.file_name(layer, quantize)
+
     def valid(self, layer: int, quantize: str | None) -> Path | None:
         """The graph's path if the manifest vouches for the file as it is; OutsideFolderError, before the file is
         opened, if its name leads out of the folder."""
         name = self.file_name(layer, quantize)
         entry = self.graphs.get(name)
         if not isinstance(entry, dict) or entry.get("recipe") != RECIPES[quantize]:
+            return None
+        if entry.get("cache_key") != self.key(layer, quantize):  # made under other settings (or before keys)
             return None
         path = inside(self.folder, name, self.folder / MANIFEST, f"graphs[{name!r}]")
         if not path.is_file() or file_sha256(path) != entry.get("sha256"):
@@ -195,32 +237,31 @@ class GraphCache:
         name = self.file_name(layer, quantize)
         self.graphs.pop(name, None)
         with contextlib.suppress(OSError):  # a read-only cache: not used; building one is refused with a message
-            (self.folder / name).unlink(missing_ok=True)
+            outputs.remove_file(self.folder / name)  # a link in its place is removed, never what it points at
 
     def writing_problem(self) -> str | None:
         """Why a graph cannot be added here (the cache, or the folder that would hold it, cannot be written)."""
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            outputs.make_folder(self.folder, check=False)  # its files are checked one by one as they are written
         except OSError as exc:
             return exc.strerror or str(exc)
         return writing_problem(self.folder)
 
-    def add(self, built: Path, layer: int, quantize: str | None, details: dict) -> Path:
-        """Move a built graph into place and record it (the manifest is rewritten atomically)."""
+    def add(self, layer: int, quantize: str | None, details: dict) -> Path:
+        """Record the graph written at `path_of(layer, quantize)` with its checksum and cache key (the manifest is
+        rewritten through the one writer: whole, or the old one)."""
         name = self.file_name(layer, quantize)
         path = self.folder / name
-        os.replace(built, path)
         self.graphs[name] = {
             "layer": layer,
             "quantize": quantize,
             "recipe": RECIPES[quantize],
+            "cache_key": self.key(layer, quantize),
             "sha256": file_sha256(path),
             **details,
         }
         manifest = {"source_sha256": self.source, "graphs": dict(sorted(self.graphs.items()))}
-        with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".json", delete=False) as f:
-            json.dump(manifest, f, indent=2)
-        os.replace(f.name, self.folder / MANIFEST)
+        outputs.write_json(self.folder / MANIFEST, manifest)
         return path
 
 
@@ -251,7 +292,7 @@ def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize
     |difference|, lowest cosine) and must reach INT8_MIN_COSINE.
 
     An int8 graph is quantized from the fp32 graph of its layer: the cached one when the cache holds it (and it
-    passes its check), else one exported for it into a temporary folder and not kept. Only what is served is
+    passes its check), else one exported for it under a temporary name and not kept. Only what is served is
     written: the fp32 graphs of an int8 server would be four times the disk of its int8 graphs (minilm-l6: 535 MB
     for six layers of both, of which int8 about 130), and rebuilding one costs seconds per layer."""
     log = log or (lambda message: print(message, file=sys.stderr))
@@ -263,31 +304,38 @@ def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize
             f"{encoder.name} (in {cache.folder.name}), and cannot be written ({problem}): pass --onnx-cache with a "
             "folder that can be written, where the graphs are built once"
         )
-    with tempfile.TemporaryDirectory(dir=cache.folder, prefix=".build-") as tmp:
-        fp32 = trusted(encoder, cache, layer, None, log) if quantize else None
-        if fp32 is None:
-            fp32 = export_exit(encoder, layer, Path(tmp) / "exit.onnx")
-            if quantize is None:
-                made = graph_metadata(fp32)
-                details = {
-                    "exporter": made["exporter"],
-                    "max_abs_difference_vs_torch": float(made["max_abs_difference_vs_torch"]),
-                }
-                return cache.add(fp32, layer, None, details)
-        features, expected = reference(encoder, layer)
-        built = quantize_int8(fp32, Path(tmp) / "exit.int8.onnx")
+    fp32 = trusted(encoder, cache, layer, None, log) if quantize else None
+    if quantize is None:  # exported straight into the cache: a temporary file beside, renamed when checked
+        with outputs.writing(cache.path_of(layer, None)) as tmp:
+            made = graph_metadata(export_exit(encoder, layer, tmp))
+        details = {
+            "exporter": made["exporter"],
+            "max_abs_difference_vs_torch": float(made["max_abs_difference_vs_torch"]),
+        }
+        return cache.add(layer, None, details)
+    features, expected = reference(encoder, layer)
+    with outputs.writing(cache.path_of(layer, quantize)) as tmp:  # renamed into the cache once it is checked
+        scratch = None
+        try:
+            if fp32 is None:  # the fp32 graph only as the input of quantization, under a temporary name, not kept
+                scratch = tmp.with_name(f"{tmp.stem}.fp32.onnx")
+                fp32 = export_exit(encoder, layer, scratch)
+            built = quantize_int8(fp32, tmp)
+        finally:
+            if scratch is not None:
+                outputs.remove_file(scratch)
         got = run_reference(built, features)
         agreement = {
             "max_abs_difference_vs_torch": float(np.abs(got - expected).max()),
             "min_cosine_vs_torch": float(cosines(got, expected).min()),
         }
-        if not agreement["min_cosine_vs_torch"] >= INT8_MIN_COSINE:
+        if not agreement["min_cosine_vs_torch"] >= INT8_MIN_COSINE:  # nothing is moved into the cache
             raise ExportError(
-                f"int8 quantization of layer {layer} of {encoder.name} agrees with the model only to a lowest cosine "
-                f"of {agreement['min_cosine_vs_torch']:.4f} on the check sentences (at least {INT8_MIN_COSINE} is "
-                "served): serve it in fp32 (no --quantize)"
+                f"int8 quantization of layer {layer} of {encoder.name} agrees with the model only to a lowest "
+                f"cosine of {agreement['min_cosine_vs_torch']:.4f} on the check sentences (at least "
+                f"{INT8_MIN_COSINE} is served): serve it in fp32 (no --quantize)"
             )
-        return cache.add(built, layer, quantize, agreement)
+    return cache.add(layer, quantize, agreement)
 
 
 class OnnxBackend:
@@ -319,7 +367,11 @@ class OnnxBackend:
         self.up_front = bool(layers)
         source = weights_digest(encoder)
         folder = Path(cache_folder) if cache_folder else default_cache_folder(encoder, source)
-        self.cache = GraphCache(folder, source)
+        # The cache is kept by design inside the model's folder (onnx-serve/), which a command such as `eval` reads:
+        # its files may be written there; the cache folder still may not be, or hold, an input of the command.
+        outputs.allow_folder(folder)
+        outputs.check_destination(folder, "--onnx-cache")
+        self.cache = GraphCache(folder, source, encoder.pooling)
         # Every servable layer's graph exists before the first request (building one takes seconds): after
         # this the torch model is no longer needed, and a request never waits for an export.
         self.paths = {}

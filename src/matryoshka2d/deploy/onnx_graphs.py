@@ -9,7 +9,6 @@ the ONNX backend of the server (matryoshka2d.deploy.backends) exports one graph 
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -18,7 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.files import OutsideFolderError, inside
+from matryoshka2d import outputs
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError, inside
 from matryoshka2d.models.batching import length_batches
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.pooler import pool
@@ -146,7 +146,6 @@ def export_onnx(
     that succeeds writes it."""
     if hasattr(cut.model.config, "use_cache"):
         cut.model.config.use_cache = False  # decoders: no key/value cache outputs in the graph
-    path.parent.mkdir(parents=True, exist_ok=True)
     names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in cut._input_names]
     sample = cut.tokenize(["a first short sentence", "and a second, slightly longer sentence here"])
     args = tuple(sample[n] for n in names)
@@ -157,17 +156,20 @@ def export_onnx(
         expected = graph(*check_args).float().numpy()
     failures = []
     for exporter in exporters:
-        path.unlink(missing_ok=True)
         try:
-            with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # tracer and deprecation warnings: the graph is checked after
-                _EXPORT[exporter](graph, args, names, path, output)
-            diff = _check_graph(path, dict(zip(names, check_args, strict=True)), expected)
+            # the one writer: the exporter writes a temporary file beside `path`, moved into place once it is
+            # checked and its metadata set (a failed exporter leaves nothing; a link at `path` is replaced)
+            with outputs.writing(path) as tmp:
+                with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # tracer and deprecation warnings: the graph is checked after
+                    _EXPORT[exporter](graph, args, names, tmp, output)
+                diff = _check_graph(tmp, dict(zip(names, check_args, strict=True)), expected)
+                _set_metadata(tmp, {"exporter": exporter, "max_abs_difference_vs_torch": repr(diff)})
+        except outputs.OutputError:
+            raise  # the destination itself is refused: no exporter can write there
         except Exception as error:  # any failure of one exporter means: try the next
             failures.append(f"{exporter}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-            path.unlink(missing_ok=True)
             continue
-        _set_metadata(path, {"exporter": exporter, "max_abs_difference_vs_torch": repr(diff)})
         if failures:
             print(f"ONNX export of {path.name}: {'; '.join(failures)}; written by {exporter}", file=sys.stderr)
         return path
@@ -223,6 +225,7 @@ def _check_graph(path: Path, features: dict[str, torch.Tensor], expected: np.nda
 
 
 def _set_metadata(path: Path, values: dict[str, str]) -> None:
+    """Set metadata on a graph being written (`path` is the one writer's temporary file, see export_onnx)."""
     import onnx
 
     model = onnx.load(str(path))
@@ -253,12 +256,15 @@ def quantize_int8(source: Path, target: Path) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    prepared = target.with_suffix(".prep.onnx")
-    try:
-        quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
-        quantize_dynamic(str(prepared), str(target), weight_type=QuantType.QInt8, per_channel=True)
-    finally:
-        prepared.unlink(missing_ok=True)
+    # the one writer: the graph is quantized into a temporary file beside `target` and moved into place when
+    # whole; the pre-processed graph it starts from lies under that temporary name too, and is removed
+    with outputs.writing(target) as tmp:
+        prepared = tmp.with_name(f"{tmp.stem}.prep.onnx")
+        try:
+            quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+            quantize_dynamic(str(prepared), str(tmp), weight_type=QuantType.QInt8, per_channel=True)
+        finally:
+            outputs.remove_file(prepared)
     return target
 
 
@@ -319,6 +325,8 @@ class OnnxCellEncoder:
 
         folder = Path(folder)
         try:
+            # before anything in it is opened (the tokenizer's files too): no link in the folder leaves it
+            ConfinedFolder(folder, "exported cell")
             graph = inside(folder, file, folder, "the exported cell's graph")
             if not graph.is_file():
                 raise ExportError(f"{graph}: no such ONNX file; export with --format onnx")
@@ -352,7 +360,7 @@ class OnnxCellEncoder:
 
 def _exported_max_length(folder: Path) -> int | None:
     try:
-        meta = json.loads((folder / "matryoshka2d.json").read_text(encoding="utf-8"))
+        meta = ConfinedFolder(folder, "exported cell", check=False).read_json("matryoshka2d.json")
         return int(meta["exported_cell"]["max_length"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

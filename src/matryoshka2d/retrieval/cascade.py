@@ -2,25 +2,29 @@
 `--query-layer`): nDCG@10 and the share of flat's top 10 each keeps, on a BEIR-format set.
 
 Encoding the corpus is nearly all of the cost. With a document cache folder (`--doc-cache`), the documents'
-pooled layer states before any exit head are kept there, keyed by what makes them: the backbone's checksum (not
-the exit heads'), pooling, maximum length, device type and the documents' texts. Models that share a backbone
-(with heads, without, with other heads) then encode the corpus once; each applies its own heads to the states.
+pooled layer states before any exit head are kept there, keyed by what makes them (cache_keys.cache_key, the key
+recorded in the file and compared on read): the backbone's checksum (not the exit heads'), the tokenizer,
+pooling, maximum length, device type and dtype, and the documents' texts hashed with their lengths. Models that
+share a backbone (with heads, without, with other heads) then encode the corpus once; each applies its own heads to
+the states. A file under another key, damaged, or a link out of the folder is a miss: computed again and replaced.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d import outputs
+from matryoshka2d.cache_keys import cache_key, texts_sha256, tokenizer_sha256
 from matryoshka2d.evaluate.results import model_record, provenance, provenance_lines
 from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
+from matryoshka2d.files import OutsideFolderError, inside
 from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
 from matryoshka2d.retrieval.faiss_indexes import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search
@@ -141,37 +145,84 @@ def evaluate_cascade(
     return result
 
 
-def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_size: int, progress: bool, cache):
-    """Full-width document vectors per layer, as the encoder makes them (through its exit heads when on), and
-    the cache file used; the pooled states under them come from `cache` when it holds them for this backbone
-    and these texts."""
+DOC_CACHE_KIND = "retrieval-document-states"  # the cache kind in the key
+
+
+def tokenizer_digest(encoder) -> str:
+    """The checksum of the tokenizer an encoder tokenizes with, as loaded (cache_keys.tokenizer_sha256)."""
+    return tokenizer_sha256(encoder.tokenizer)
+
+
+def document_cache_key(encoder, texts: Sequence[str]) -> str:
+    """The key of the documents' pooled states (cache_keys.cache_key): the backbone's weights (not the exit heads',
+    applied after), the tokenizer (as loaded), max length, pooling, the width of the pooled states, the texts hashed
+    with their lengths, and the device type and dtype the states were computed in."""
     from matryoshka2d.models.identity import backbone_sha256
 
+    return cache_key(
+        DOC_CACHE_KIND,
+        weights_sha256=backbone_sha256(encoder),
+        tokenizer_sha256=tokenizer_digest(encoder),
+        max_length=encoder.max_length,
+        pooling=encoder.pooling,
+        widths=[encoder.transformer_size],
+        texts_sha256=texts_sha256(texts),
+        device=encoder.device.type,
+        dtype=str(next(encoder.parameters()).dtype),
+    )
+
+
+def read_document_cache(path: Path, key: str, rows: int, layers: Sequence[int]) -> dict[int, np.ndarray] | None:
+    """The pooled states of `layers` the cache file at `path` holds, or None (a miss: compute them) unless it is a
+    whole file of this cache, under this exact key (recorded in it, compared here: a file renamed or copied under
+    another key's name is a miss) with `rows` rows per layer. A link out of the cache folder is a miss, never
+    opened; so is a damaged file."""
+    try:
+        inside(path.parent, path.name, path.parent, "the document cache file")
+    except OutsideFolderError:
+        return None
+    if not path.is_file():
+        return None
+    try:
+        stored = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return None
+    if not isinstance(stored, np.lib.npyio.NpzFile):  # a single array (.npy bytes): not a file of this cache
+        return None
+    try:
+        with stored:
+            if "cache_key" not in stored.files or str(stored["cache_key"]) != key:
+                return None
+            if not all(f"layer{n}" in stored.files for n in layers):
+                return None
+            pooled = {n: stored[f"layer{n}"] for n in layers}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return None
+    if any(v.ndim != 2 or len(v) != rows for v in pooled.values()):
+        return None
+    return pooled
+
+
+def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_size: int, progress: bool, cache):
+    """Full-width document vectors per layer, as the encoder makes them (through its exit heads when on), and
+    the cache file used; the pooled states under them come from `cache` when it holds them under this key
+    (document_cache_key) with every layer needed, else they are computed and the file (re)written."""
     layers = sorted(set(layers))
     reads = encoder.pooled_inputs(layers)  # the layers, and those their exit heads also read
     pooled, path = None, None
     if cache is not None:
-        key = {
-            "backbone_sha256": backbone_sha256(encoder),
-            "pooling": encoder.pooling,
-            "max_length": encoder.max_length,
-            "device": encoder.device.type,
-            "texts_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
-        }
-        path = Path(cache) / f"docs-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.npz"
-        if path.is_file():
-            with np.load(path) as stored:
-                if all(f"layer{n}" in stored for n in reads):
-                    pooled = {n: stored[f"layer{n}"] for n in reads}
+        key = document_cache_key(encoder, texts)
+        path = Path(cache) / f"docs-{key[:24]}.npz"
+        pooled = read_document_cache(path, key, len(texts), reads)
     if pooled is None:
         # every layer up to the deepest: the pass runs them all anyway, and a later run may ask for others
         wanted = sorted(set(range(1, max(layers) + 1)) | set(reads)) if path is not None else reads
         pooled = encoder.pooled_states(texts, wanted, batch_size, show_progress=progress, pooled=True)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.stem + ".tmp.npz")
-            np.savez(tmp, **{f"layer{n}": v for n, v in pooled.items()})
-            os.replace(tmp, path)  # atomic: a killed run never leaves half a cache file
+            # the one writer: a temporary file beside, renamed when whole (a killed run never leaves half a cache
+            # file; a link in its place is replaced, never written through), the key recorded inside
+            with outputs.writing(path, "--doc-cache") as tmp:
+                np.savez(tmp, cache_key=np.array(key), **{f"layer{n}": v for n, v in pooled.items()})
     return encoder.cells_from_pooled(pooled, layers, encoder.use_heads), path
 
 

@@ -25,7 +25,6 @@ equally. `train --distill-from T --distill-weight W` adds the same term to any m
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -33,14 +32,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.files import DataFormatError
+from matryoshka2d.files import ConfinedFolder, DataFormatError
 from matryoshka2d.models.identity import QUERY_MODES, backbone_sha256, weights_sha256
 from matryoshka2d.training.config import eval_cells
 from matryoshka2d.training.data import TrainingData, read_sentences
 from matryoshka2d.training.distill_recipe import PASSAGE_TOKENS, RECIPE_CHOICES, recipe
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir
-from matryoshka2d.training.targets import TeacherTargets
+from matryoshka2d.training.targets import TargetsKey, TeacherTargets
 from matryoshka2d.training.teacher import LOSSES, TEMPERATURE, default_widths, distill_term
 from matryoshka2d.training.throughput import autocast
 from matryoshka2d.training.trainer import Trainer
@@ -278,6 +277,7 @@ class DistillTrainer(Trainer):
             print(self.recipe_line)
         self.teacher_sha = weights_sha256(encoder)
         self.teacher_backbone = backbone_sha256(encoder)
+        self.targets_key = TargetsKey.of(encoder)  # its tokenizer, max length and pooling: the targets' cache key
         if self.method.mode == "static":
             self.prepare_static_cell()
         elif cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
@@ -315,16 +315,26 @@ class DistillTrainer(Trainer):
         super().prepare_run(resume, overwrite, allow_pickle)
         targets, texts = TeacherTargets(self.out), self.data.columns[0]
         if overwrite:
-            targets.remove()
+            targets.remove()  # a link in its place (to another run's targets) is refused, never followed
         if self.step == 0 and not targets.exists():
             engine = self.targets_engine(self.config.model) if self.targets_engine is not None else None
             self.targets = targets.compute(
-                self.encoder, texts, self.teacher_sha, log=print, progress=self.progress, engine=engine
+                self.encoder,
+                texts,
+                self.teacher_sha,
+                log=print,
+                progress=self.progress,
+                engine=engine,
+                settings=self.targets_key,
             )
-        else:
-            self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size)
+        else:  # refused, naming what differs, unless made from these texts by this teacher with these settings
+            self.targets = targets.load(texts, self.teacher_sha, self.encoder.hidden_size, self.targets_key)
             if not resume:
-                print(f"teacher targets: read back from {targets.vectors_path} (the same texts and teacher)")
+                print(
+                    f"teacher targets: read back from {targets.vectors_path} (the same texts, teacher, tokenizer, "
+                    "max length and pooling)"
+                )
+        self.targets_record = targets.record
         if self.method.mode == "static" and self.step == 0:  # the closed-form head (a resumed run has its own)
             from matryoshka2d.models.static import fit_head
 
@@ -382,8 +392,7 @@ class DistillTrainer(Trainer):
         return [{"step": self.step, "eval": f"{Path(path).name}@(0,{width})", "spearman": round(score, 2)}]
 
     def extra_metadata(self) -> dict:
-        record = TeacherTargets(self.out).record_path
-        targets = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
+        targets = getattr(self, "targets_record", None) or {}  # the record load checked (none before prepare_run)
         return {
             RECORD_KEY: {
                 "mode": self.method.mode,
@@ -419,10 +428,12 @@ class DistillTrainer(Trainer):
 
 
 def _folder_record(encoder) -> dict:
-    """The teacher folder's matryoshka2d.json, or {} (a short name or a folder without one)."""
-    path = Path(encoder.location or "") / "matryoshka2d.json"
+    """The teacher folder's matryoshka2d.json, or {} (a short name, a folder without one, or one whose record is a
+    link out of the folder: read only inside it, files.ConfinedFolder)."""
+    if not encoder.location or not (Path(encoder.location) / "matryoshka2d.json").is_file():
+        return {}
     try:
-        record = json.loads(path.read_text(encoding="utf-8")) if encoder.location and path.is_file() else {}
+        record = ConfinedFolder(encoder.location, "model", check=False).read_json("matryoshka2d.json")
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}

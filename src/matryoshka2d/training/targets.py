@@ -6,28 +6,33 @@ float16 file in the run folder and read back memory-mapped:
 
 OUTPUT/teacher-targets/
   targets.f16     rows x dim float16, row i the unit vector of text i (C order, no header)
-  targets.json    rows, dim, the file's sha256, the sha256 of the texts (in order), the teacher (location and
-                  weights sha256), how long the pass took
+  targets.json    rows, dim, the file's sha256, the teacher (location and weights sha256), how long the pass took,
+                  and the cache key (cache_keys.cache_key) over everything that changes the vectors: the teacher's
+                  weights, its tokenizer (as loaded), its max length and pooling, the width and the texts (hashed with
+                  their lengths, cache_keys.texts_sha256), each also recorded on its own
 
-A resumed run reads them again only if every one of those still holds: a deleted or damaged file, other texts or
-another teacher's weights are refused by name, and so is a file whose rows are not unit vectors (re-signed to pass
-the checksums); nothing in the folder is replaced (start again with --overwrite).
+A resumed run, or a new run into a folder that holds targets, reads them again only if every one of those still
+holds: a deleted or damaged file, other texts, another teacher's weights, tokenizer, max length or pooling are
+refused by name, and so is a file whose rows are not unit vectors (re-signed to pass the checksums); nothing in the
+folder is replaced (start again with --overwrite). The folder is the run's own: a `teacher-targets` that is a link
+(to another run's) is refused, never read, filled or deleted through (outputs.make_folder(own=True), remove_tree).
 float16 keeps 3 significant digits; a cosine between a float16 and a float32 unit vector of minilm-l6 differs from 1
 by about 1e-7, far below what a student learns.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.files import OutsideFolderError, file_sha256, inside
+from matryoshka2d import outputs
+from matryoshka2d.cache_keys import cache_key, texts_sha256, tokenizer_sha256
+from matryoshka2d.files import ConfinedFolder, OutsideFolderError, file_sha256
 from matryoshka2d.models.identity import short
 
 FOLDER = "teacher-targets"
@@ -40,13 +45,37 @@ class TargetsError(ValueError):
     """Cached teacher targets that cannot be used; the message names the file and what differs."""
 
 
-def texts_sha256(texts: Sequence[str]) -> str:
-    """sha256 of the texts in order (each one's UTF-8 bytes, then a NUL): the same texts in the same order."""
-    digest = hashlib.sha256()
-    for text in texts:
-        digest.update(text.encode("utf-8", "surrogatepass"))
-        digest.update(b"\0")
-    return digest.hexdigest()
+KIND = "teacher-targets"  # the cache kind in the key
+
+
+def encoder_tokenizer_sha256(encoder) -> str:
+    """The checksum of the tokenizer an encoder tokenizes with, as loaded (cache_keys.tokenizer_sha256 says why)."""
+    return tokenizer_sha256(encoder.tokenizer)
+
+
+@dataclass(frozen=True)
+class TargetsKey:
+    """What the teacher's targets depend on, besides the texts and the teacher's weights (given to load): each is
+    recorded in targets.json and compared by name, and all of them make the record's cache key."""
+
+    tokenizer_sha256: str | None
+    max_length: int
+    pooling: str
+
+    @classmethod
+    def of(cls, teacher) -> TargetsKey:
+        return cls(encoder_tokenizer_sha256(teacher), int(teacher.max_length), str(teacher.pooling))
+
+    def key(self, teacher_sha: str, dim: int, texts_digest: str) -> str:
+        return cache_key(
+            KIND,
+            weights_sha256=teacher_sha,
+            tokenizer_sha256=self.tokenizer_sha256,
+            max_length=self.max_length,
+            pooling=self.pooling,
+            widths=[int(dim)],  # the teacher's full vectors
+            texts_sha256=texts_digest,
+        )
 
 
 def unit_targets(teacher, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
@@ -62,6 +91,7 @@ class TeacherTargets:
     def __init__(self, run_folder: str | Path):
         self.run_folder = Path(run_folder)
         self.folder = self.run_folder / FOLDER
+        self.record: dict = {}  # what load or compute last read or wrote
 
     @property
     def vectors_path(self) -> Path:
@@ -72,13 +102,13 @@ class TeacherTargets:
         return self.folder / RECORD
 
     def exists(self) -> bool:
-        return self.record_path.exists() or self.vectors_path.exists()
+        """Whether the run folder holds targets, or anything in their place (a link is there too: load refuses it)."""
+        return self.folder.is_symlink() or self.record_path.exists() or self.vectors_path.exists()
 
     def remove(self) -> None:
-        for path in (self.vectors_path, self.record_path, self.folder / f".{VECTORS}.tmp"):
-            path.unlink(missing_ok=True)
-        if self.folder.is_dir() and not any(self.folder.iterdir()):
-            self.folder.rmdir()
+        """--overwrite: the folder goes, through the one writer: a `teacher-targets` that is a link (to another
+        run's) is refused (outputs.OutputError), never followed, so the other run's files stay as they are."""
+        outputs.remove_tree(self.folder)
 
     def compute(
         self,
@@ -88,16 +118,17 @@ class TeacherTargets:
         log: Callable[[str], None] | None = None,
         progress: bool = True,
         engine: Callable | None = None,
+        settings: TargetsKey | None = None,
     ) -> np.ndarray:
         """Encode `texts` with the teacher chunk by chunk into the float16 file (written under a temporary name,
-        renamed when complete), record it, and return it memory-mapped. `engine(texts, chunk)`: another encoder
-        pass (`distill --engine ray`), yielding the unit vectors of each chunk of `chunk` texts in order."""
+        moved into place when complete), record it with its cache key, and return it memory-mapped.
+        `engine(texts, chunk)`: another encoder pass (`distill --engine ray`), yielding the unit vectors of each
+        chunk of `chunk` texts in order. `settings`: the teacher's (default: read from `teacher`)."""
         from tqdm.auto import tqdm
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        settings = settings or TargetsKey.of(teacher)
+        outputs.make_folder(self.folder, own=True)  # a link in its place (to another run's) is refused
         dim = teacher.hidden_size
-        tmp = self.folder / f".{VECTORS}.tmp"
-        tmp.unlink(missing_ok=True)  # a link left in its place is removed, never written through
         start = time.perf_counter()
         bar = tqdm(total=len(texts), desc="teacher targets", unit="text", disable=not progress)
         try:
@@ -106,50 +137,62 @@ class TeacherTargets:
                 if engine is not None
                 else (unit_targets(teacher, texts[b : b + CHUNK]) for b in range(0, len(texts), CHUNK))
             )
-            with tmp.open("wb") as f:
+            # a temporary file beside, renamed when whole: a link in its place is replaced, never written through
+            with outputs.open_for_writing(self.vectors_path, "wb") as f:
                 for vectors in chunks:
                     f.write(np.asarray(vectors, dtype=np.float32).astype(np.float16).tobytes())
                     bar.update(len(vectors))
                 f.flush()
                 os.fsync(f.fileno())
+                if f.tell() != len(texts) * dim * 2:
+                    raise TargetsError(
+                        f"{self.vectors_path}: the encoder pass gave {f.tell() // (dim * 2)} of {len(texts)} rows"
+                    )
         finally:
             bar.close()
-        if tmp.stat().st_size != len(texts) * dim * 2:
-            raise TargetsError(f"{tmp}: the encoder pass gave {tmp.stat().st_size // (dim * 2)} of {len(texts)} rows")
-        os.replace(tmp, self.vectors_path)
         seconds = round(time.perf_counter() - start, 1)
+        digest = texts_sha256(texts)
         record = {
             "rows": len(texts),
             "dim": dim,
             "dtype": "float16",
             "sha256": file_sha256(self.vectors_path),
-            "texts_sha256": texts_sha256(texts),
+            "texts_sha256": digest,
             "teacher": teacher.location or teacher.name,
             "teacher_weights_sha256": teacher_sha,
+            **asdict(settings),
+            "cache_key": settings.key(teacher_sha, dim, digest),
             "what": "the teacher's last-layer vectors, unit length",
             "seconds": seconds,
             "engine": "ray" if engine is not None else "local",
         }
-        self.record_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        outputs.write_json(self.record_path, record)
         if log:
             log(f"teacher targets: {len(texts)} texts x {dim} in {seconds:.1f} s -> {self.vectors_path}")
-        return self.load(texts, teacher_sha, dim)
+        return self.load(texts, teacher_sha, dim, settings)
 
-    def load(self, texts: Sequence[str], teacher_sha: str, dim: int) -> np.ndarray:
+    def load(self, texts: Sequence[str], teacher_sha: str, dim: int, settings: TargetsKey | None = None) -> np.ndarray:
         """The cached targets, memory-mapped, after checking that they are this run's: complete, undamaged, of
-        these texts and of this teacher."""
+        these texts and of this teacher, and, with `settings` (a run always gives them), made with its tokenizer,
+        max length and pooling under the cache key they make; what differs is named."""
         again = "start the run again with --overwrite (it recomputes them), or choose another --output"
         try:  # before either file is opened: a link out of the run folder would be read and hashed
-            inside(self.run_folder, f"{FOLDER}/{RECORD}", self.run_folder, "the teacher targets' record")
-            inside(self.run_folder, f"{FOLDER}/{VECTORS}", self.record_path, "the teacher targets' vectors")
+            folder = ConfinedFolder(self.run_folder, "run", check=False)
+            folder.path(f"{FOLDER}/{RECORD}", self.run_folder, "the teacher targets' record")
+            folder.path(f"{FOLDER}/{VECTORS}", self.record_path, "the teacher targets' vectors")
         except OutsideFolderError as exc:
             raise TargetsError(f"{exc}; {again}") from None
+        if self.folder.is_symlink():  # a link to another run's folder inside this one: not this run's targets
+            raise TargetsError(
+                f"{self.folder} is a symbolic link (-> {os.readlink(self.folder)}): a run reads only the teacher "
+                f"targets it made itself; remove the link, or {again}"
+            )
         if not self.record_path.is_file():
             raise TargetsError(f"{self.record_path} is missing: the cached teacher targets cannot be checked; {again}")
         try:
-            record = json.loads(self.record_path.read_text(encoding="utf-8"))
+            record = folder.read_json(f"{FOLDER}/{RECORD}", TargetsError)
             rows, width, expected = int(record["rows"]), int(record["dim"]), str(record["sha256"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise TargetsError(f"{self.record_path}: not a readable targets record ({exc!r}); {again}") from None
         if not self.vectors_path.is_file():
             raise TargetsError(f"{self.vectors_path} is missing (the teacher targets were deleted); {again}")
@@ -164,16 +207,54 @@ class TeacherTargets:
                 f"{short(record.get('teacher_weights_sha256'))}, but {record.get('teacher')} now has "
                 f"{short(teacher_sha)}: the teacher changed since the run started; {again}"
             )
-        if rows != len(texts) or record.get("texts_sha256") != texts_sha256(texts):
+        if settings is not None and "cache_key" not in record:
+            raise TargetsError(
+                f"{self.record_path} records no cache key (written by an older matryoshka2d, before targets were "
+                f"keyed by the teacher's tokenizer, max length and pooling): they cannot be checked; {again}"
+            )
+        digest = texts_sha256(texts)
+        if rows != len(texts) or record.get("texts_sha256") != digest:
             raise TargetsError(
                 f"{self.record_path}: the targets are of other texts ({rows} recorded, {len(texts)} read now, or the "
                 f"texts differ): the data changed since the run started; {again}"
             )
         if width != dim:
             raise TargetsError(f"{self.record_path}: targets of {width} numbers, the model outputs {dim}; {again}")
+        if settings is not None:
+            check_settings(record, settings, self.record_path, again)
+            if record.get("cache_key") != settings.key(teacher_sha, dim, digest):
+                raise TargetsError(
+                    f"{self.record_path}: cache_key {short(str(record.get('cache_key')))} is not the key of this "
+                    f"run's teacher, texts and settings ({short(settings.key(teacher_sha, dim, digest))}): the "
+                    f"targets were made under other settings; {again}"
+                )
         targets = np.memmap(self.vectors_path, dtype=np.float16, mode="r", shape=(rows, width))
         check_unit_rows(targets, self.vectors_path, again)
+        self.record = record
         return targets
+
+
+# How each setting is named when it differs: the option that sets it.
+SETTING_NAMES = {
+    "max_length": "--max-length (tokens per text)",
+    "pooling": "--pooling",
+    "tokenizer_sha256": "the teacher's tokenizer (sha256 of its files)",
+}
+
+
+def check_settings(record: dict, settings: TargetsKey, where: Path, again: str) -> None:
+    """Refuse targets made with another tokenizer, max length or pooling than the run's, naming each that differs."""
+    differ = []
+    for name, now in asdict(settings).items():
+        made = record.get(name)
+        if made != now:
+            shown = (short(made), short(now)) if name == "tokenizer_sha256" else (made, now)
+            differ.append(f"{SETTING_NAMES[name]}: {shown[0]} when they were made, {shown[1]} now")
+    if differ:
+        raise TargetsError(
+            f"{where}: the targets were made with other settings than this run's ({'; '.join(differ)}): they are not "
+            f"this run's teacher vectors; {again}"
+        )
 
 
 # A unit vector stored in float16 has a length within about 1e-3 of 1 (3 significant digits per number); anything
