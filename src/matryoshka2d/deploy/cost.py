@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from matryoshka2d.evaluate.results import cpu_name
+from matryoshka2d.outputs import write_json
 
 QUERY_TEXTS = [
     "how do vaccines train the immune system",
@@ -97,12 +98,30 @@ def load_timed(model: str, pooling: str | None, recorded: str | None):
 
 
 def _read_cache(path) -> dict:
+    """The timing cache's table; a damaged one (not JSON, not UTF-8, a number too long to read, not an object) is
+    re-measured, not fatal."""
     if path.is_file():
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            pass  # a damaged cache is re-measured, not fatal
+            table = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError and int-digit limits alike
+            return {}
+        if isinstance(table, dict):
+            return table
     return {}
+
+
+def _usable(record) -> bool:
+    """Whether a cached timing holds what pick reads: ms per layer (numbers under whole-number keys) and a date."""
+    if not isinstance(record, dict) or not isinstance(record.get("date"), str):
+        return False
+    ms = record.get("ms_per_query")
+    return (
+        isinstance(ms, dict)
+        and bool(ms)
+        and all(
+            k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for k, v in ms.items()
+        )
+    )
 
 
 def layer_latency(
@@ -124,7 +143,7 @@ def layer_latency(
     cache = cache_dir() / "layer_latency.json"
     table = _read_cache(cache)
     what = f"ms per text in calls of {batch}" if batch else "encode time per query"
-    if key in table and not remeasure:
+    if _usable(table.get(key)) and not remeasure:
         record = table[key]
         log(f"{what} per layer ({backend}): cached {record['date']} ({cache})")
     else:
@@ -142,6 +161,7 @@ def layer_latency(
         }
         table = _read_cache(cache)  # another process may have added a key meanwhile
         table[key] = record
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+        # Through the one writer: a temporary file renamed into place, so a pick killed mid-write leaves the old
+        # cache whole, and a cache file that is a link (into a model folder, say) is replaced, not written through.
+        write_json(cache, table, indent=1)
     return {int(k): v for k, v in record["ms_per_query"].items()}, {**record, "key": key}

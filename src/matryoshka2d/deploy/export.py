@@ -16,9 +16,9 @@ the tokenizer and matryoshka2d.json, and without it the export is refused with w
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +37,18 @@ from matryoshka2d.deploy.onnx_graphs import (
     quantize_int8,
     require_onnx,
 )
-from matryoshka2d.files import check_apart
+from matryoshka2d.files import ConfinedFolder
 from matryoshka2d.models.backbones import count_parameters
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.identity import record_own_identity, without_own_identity
+from matryoshka2d.outputs import (
+    check_apart,
+    make_folder,
+    move_into_place,
+    remove_tree,
+    temporary_folder,
+    write_json,
+)
 
 FORMATS = ("st", "onnx")
 QUANTIZE = ("int8",)
@@ -81,6 +89,13 @@ def folder_size(path: Path, exclude: str | None = None) -> int:
 
 
 def check_output(output: Path, overwrite: bool) -> None:
+    """Before any work: the export replaces `output` as a whole, so it must be a folder (or nothing yet), empty
+    unless `overwrite`, and not a link (which the export would have to follow to delete what it points at)."""
+    if output.is_symlink():
+        raise ExportError(
+            f"--output {output} is a symbolic link (-> {output.readlink()}): export replaces its folder as a whole "
+            "and never deletes or fills through a link; give a folder path that is not a link"
+        )
     if output.exists() and not output.is_dir():
         raise ExportError(f"--output {output} is a file; give a folder")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
@@ -127,7 +142,6 @@ def export_cell(
     normalize = encoder.normalize_output if normalize is None else normalize
     metadata = _source_metadata(encoder)
     metadata["exported_cell"] = {"from": str(encoder.name), "layer": layer, "dim": dim, "normalize": normalize}
-    output.parent.mkdir(parents=True, exist_ok=True)
     if layer == 0:
         return _export_static(encoder, dim, normalize, fmt, output, metadata)
     if reads_several_layers(encoder, layer):
@@ -138,8 +152,7 @@ def export_cell(
                 "exports as an ONNX graph only: add --format onnx (or fit heads with --inputs exit)"
             )
         return _export_onnx_only(encoder, layer, dim, normalize, quantize, output, metadata, sts_file)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
-        staging = Path(tmp) / "cell"
+    with _staging(output) as staging:
         encoder.save(staging, keep_layers=layer, dim=dim, normalize=normalize, metadata=metadata)
         cut = ElasticEncoder(str(staging), device="cpu")
         record_own_identity(staging, cut)  # a query encoder's cell: its own checksum and width
@@ -181,9 +194,8 @@ def _export_onnx_only(encoder, layer, dim, normalize, quantize, output: Path, me
     Checked against encode() in onnxruntime like any ONNX export."""
     from matryoshka2d.models.st_folder import truncated_stack
 
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
-        staging = Path(tmp) / "cell"
-        staging.mkdir()
+    with _staging(output) as staging:
+        make_folder(staging, check=False)
         encoder.tokenizer.save_pretrained(staging)
         head = encoder.exit_heads.heads[str(layer)]
         with truncated_stack(encoder.model, layer):
@@ -193,7 +205,7 @@ def _export_onnx_only(encoder, layer, dim, normalize, quantize, output: Path, me
         report = ExportReport(output, layer, dim, normalize, kept + head_rows, count_parameters(encoder.model))
         cell = {**metadata["exported_cell"], "format": "onnx only", "max_length": encoder.max_length}
         metadata = {**metadata, "exported_cell": cell}
-        (staging / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+        write_json(staging / "matryoshka2d.json", _plain(metadata))
         report.notes.append(
             f"(ONNX only: the exit head of layer {layer} reads the pooled vectors of layers "
             f"{encoder.exit_heads.reads(layer)}, which a sentence-transformers folder cannot hold; run the graph with "
@@ -218,10 +230,9 @@ def _export_static(encoder, dim, normalize, fmt, output: Path, metadata) -> Expo
         )
     cell = encoder.static_cell
     metadata = {k: v for k, v in metadata.items() if k != RECORD_KEY}  # no model folder around it any more
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as tmp:
-        staging = Path(tmp) / "cell"
+    with _staging(output) as staging:
         cell.sentence_transformer(dim, normalize).save(str(staging), create_model_card=False)
-        (staging / "matryoshka2d.json").write_text(json.dumps(metadata, indent=2, default=str))
+        write_json(staging / "matryoshka2d.json", _plain(metadata))
         kept = cell.vocabulary * cell.dim_in + dim * (cell.dim_in + 1)
         full = count_parameters(encoder.model) + (count_parameters(encoder.head) if encoder.head is not None else 0)
         report = ExportReport(output, 0, dim, normalize, kept, full)
@@ -249,23 +260,43 @@ def _check_onnx(encoder, staging: Path, expected: np.ndarray, quantize, sts_file
         _score_int8(encoder, staging, report.layer, report.dim, report.normalize, sts_file, report)
 
 
+@contextlib.contextmanager
+def _staging(output: Path) -> Iterator[Path]:
+    """A folder to build the cell in: `cell` inside a new hidden folder beside `output` (the same file system, so
+    the final rename is atomic), removed with whatever is left in it when the export fails or is interrupted."""
+    holder = temporary_folder(output.parent, output.name)
+    try:
+        yield holder / "cell"
+    finally:
+        remove_tree(holder)
+
+
 def _move_into_place(staging: Path, output: Path, report: ExportReport) -> None:
-    """The checked folder replaces `output` (whose overwrite check_output allowed before anything was written)."""
+    """The checked folder replaces `output` (whose overwrite check_output allowed before anything was written),
+    through the one writer: the old folder is removed (never through a link), the new one renamed into place."""
     report.files["whole folder"] = folder_size(staging)
-    if output.exists():
-        shutil.rmtree(output)
-    staging.rename(output)
+    if output.exists() or output.is_symlink():
+        remove_tree(output)
+    move_into_place(staging, output)
+
+
+def _plain(metadata: dict) -> dict:
+    """The record as JSON takes it: what json cannot write (a path, a date) as its text, as json's default=str."""
+    return json.loads(json.dumps(metadata, default=str))
 
 
 def _source_metadata(encoder: ElasticEncoder) -> dict:
     """The training record of the source folder, so the exported card still says how the model was made."""
     if encoder.location:
-        record = Path(encoder.location) / "matryoshka2d.json"
+        # Read through the one confined reader: a record that is a link out of the model folder is refused, not read.
+        record = ConfinedFolder(encoder.location, "model").path("matryoshka2d.json")
         if record.is_file():
             try:
-                return without_own_identity(json.loads(record.read_text()))
-            except json.JSONDecodeError:
-                pass
+                loaded = json.loads(record.read_text(encoding="utf-8"))
+            except (ValueError, RecursionError):  # not JSON, not UTF-8: the card simply says less
+                loaded = None
+            if isinstance(loaded, dict):
+                return without_own_identity(loaded)
     return {}
 
 

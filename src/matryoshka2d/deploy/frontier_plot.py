@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matryoshka2d.evaluate.plots import save_figure
+
 MARKERS = {"torch": "o", "onnx": "s", "onnx-int8": "^"}
 
 
@@ -55,5 +57,4 @@ def plot(points: list, chosen, path: Path, title: str, budget: tuple[str, float]
     bar.ax.set_yticklabels([str(d) for d in dims])
     bar.set_label("dim")
     fig.suptitle(title + "  (circled: Pareto frontier)", fontsize=10)
-    fig.savefig(path, dpi=120)
-    return path
+    return save_figure(fig, path, dpi=120)  # through the one writer (outputs.py)

@@ -14,7 +14,6 @@ the one timed (its weights checksum), is refused.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from matryoshka2d.deploy.cost import layer_latency, load_timed
 from matryoshka2d.deploy.frontier_plot import plot
 from matryoshka2d.deploy.quality import Quality, load_quality
 from matryoshka2d.models.backbones import SHORT_NAMES
+from matryoshka2d.outputs import make_folder, write_json, write_text
 from matryoshka2d.retrieval.shards import STORAGES
 
 DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest option within this many points of the best score
@@ -353,7 +353,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
     how = deployment(chosen, name, full, retrieval)
     first = Path(args.results[0])
     out = Path(args.output) if args.output else (first if first.is_dir() else first.parent)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, check=False)  # by default the results folder pick reads: each file is checked as written
     budget = None
     if max_latency_ms is not None:
         budget = ("latency_ms", max_latency_ms)
@@ -381,7 +381,9 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
         table(points, chosen, only_frontier=False, full=full if retrieval else None),
         "",
     ]
-    (out / "pick.md").write_text("\n".join(md), encoding="utf-8")
+    # pick.md, pick.json and pick.png through the one writer (outputs.py): a link in a file's place is replaced,
+    # never written through, and one that reaches a file pick reads is refused.
+    write_text(out / "pick.md", "\n".join(md))
     record = {
         "quality": quality.label,
         "storage": args.storage,
@@ -400,7 +402,7 @@ def run_pick(args, latency: dict[int, float] | None = None, log: Callable[[str],
             "deploy": how,
         },
     }
-    (out / "pick.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    write_json(out / "pick.json", record, indent=1)
     print(f"Pareto frontier ({quality.label} vs encode time and bytes; recommended in bold):")
     print(frontier_table)
     print(f"recommended {reason}")

@@ -55,19 +55,23 @@ def _described(path: str, model: dict) -> str:
     return f"{path} (model {model.get('model', '?')}, weights sha256 {short(_checksum(model))})"
 
 
-def read_file(path: str) -> tuple[str, dict]:
-    """('grid', GridResult) or ('cascade', the cascade record) from a file or a result folder, read by the one
-    reader of result files (result_files.read_result_record), which names the file and the field of anything wrong."""
+def read_file(path: str) -> tuple[str, dict, str]:
+    """('grid', GridResult) or ('cascade', the cascade record), and the file read, from a file or a result folder,
+    read by the one reader of result files (result_files.read_result_record), which names the file and the field
+    of anything wrong."""
     kind, file, record = read_result_record(path)
-    return kind, (record if kind == "cascade" else result_of(record, file))
+    return kind, (record if kind == "cascade" else result_of(record, file)), str(file)
 
 
+# A layer or a width has at most 9 digits (int() of thousands of digits stops at Python's digit limit with a message
+# that names no file): a longer one is a mode pick does not know, named with its file.
+_N = r"(\d{1,9})"
 CASCADE_MODES = [  # the `mode` of a cascade.json row -> an option
-    (re.compile(r"flat \((\d+),(\d+)\) stored as ([a-z0-9-]+)(?: \(.*\))?"), "storage"),
-    (re.compile(r"flat \((\d+),(\d+)\)(?: \(queries and docs at layer \d+\))?"), "cell"),
-    (re.compile(r"queries at layer (\d+) -> docs \((\d+),(\d+)\)"), "query-layer"),
-    (re.compile(r"cascade \((\d+),(\d+)\) top \d+ -> \((\d+),(\d+)\)"), "cascade"),
-    (re.compile(r"query encoder (.+) \((\d+) layers\) -> docs \((\d+),(\d+)\)"), "query-encoder"),
+    (re.compile(rf"flat \({_N},{_N}\) stored as ([a-z0-9-]+)(?: \(.*\))?"), "storage"),
+    (re.compile(rf"flat \({_N},{_N}\)(?: \(queries and docs at layer \d+\))?"), "cell"),
+    (re.compile(rf"queries at layer {_N} -> docs \({_N},{_N}\)"), "query-layer"),
+    (re.compile(rf"cascade \({_N},{_N}\) top \d+ -> \({_N},{_N}\)"), "cascade"),
+    (re.compile(rf"query encoder (.+) \({_N} layers\) -> docs \({_N},{_N}\)"), "query-encoder"),
 ]
 
 
@@ -96,14 +100,16 @@ def cascade_options(record: dict, path: str) -> list[Option]:
                 options.append(Option(int(g[1]), int(g[3]), score, kind=kind, query_model=g[0]))
             break
         else:
-            raise ValueError(f"{path}: a row's mode {mode!r} is not one pick knows")
+            shown = repr(mode) if len(mode) <= 120 else f"{mode[:100]!r}... ({len(mode)} characters)"
+            raise ValueError(f"{path}: a row's mode {shown} is not one pick knows")
     return options
 
 
 def load_quality(paths: list[str]) -> Quality:
     """Every file's options, grids of one backend averaged. Files of different models, grids of different tasks
     across backends, and cascades next to grids of another task are refused."""
-    read = [(p, *read_file(p)) for p in paths]
+    read_with_files = [(p, *read_file(p)) for p in paths]
+    read = [(p, kind, r) for p, kind, r, _ in read_with_files]
     models = [(p, r.model if kind == "grid" else r["model"]) for p, kind, r in read]
     recorded = [(p, m) for p, m in models if _checksum(m)]
     for path, model in recorded[1:]:
@@ -137,14 +143,14 @@ def load_quality(paths: list[str]) -> Quality:
         raise ValueError(f"each backend's quality must come from the same tasks to be compared ({said})")
     quality.label = next(iter(labels.values()), "retrieval ndcg@10")
     quality.task = next((r.task for _, kind, r in read if kind == "grid"), "retrieval")
-    for path, kind, record in read:
+    for path, kind, record, file in read_with_files:
         if kind != "cascade":
             continue
         if quality.label != "retrieval ndcg@10":
             raise ValueError(f"{path} holds retrieval nDCG@10; it cannot be compared with {quality.label}")
         backend = served_as(record["model"])
         quality.backends.setdefault(backend, []).append(path)
-        for option in cascade_options(record, path):
+        for option in cascade_options(record, file):
             option.backend = backend
             quality.options.append(option)
     seen = set()  # the full cell of a retrieval grid and of a cascade file is one option: the first file's score

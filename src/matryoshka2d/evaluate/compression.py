@@ -16,7 +16,6 @@ loses.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from scipy.linalg import orthogonal_procrustes
 
 from matryoshka2d.evaluate.plots import paired_points
 from matryoshka2d.evaluate.sts import distinct_rows, load_pairs, sts_file
+from matryoshka2d.outputs import make_folder, write_json, write_text
 from matryoshka2d.views import unit_rows
 
 NEIGHBOURS = 10
@@ -216,12 +216,14 @@ def write_report(panels: Sequence[Panel], output, settings: dict, overwrite: boo
     panels per view) in `output`; an earlier report there is replaced only with `overwrite`."""
     out = Path(output)
     paths = [out / "compression.json", out / "compression.md", out / "compression.png"]
-    if not overwrite and (old := [p for p in paths if p.exists()]):
+    if not overwrite and (old := [p for p in paths if p.exists() or p.is_symlink()]):
         raise ValueError(f"--output {out} already holds {old[0].name}; pass --overwrite or choose another folder")
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, check=False)  # a folder of named files, each checked as written
     record = {"settings": settings, "panels": [p.record() for p in panels]}
-    paths[0].write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(panels), encoding="utf-8")
+    # Each file through the one writer (outputs.py): a link in a file's place (say, into a model's config.json) is
+    # replaced, never written through, and refused when it reaches a file the command reads.
+    write_json(paths[0], record, indent=1)
+    write_text(paths[1], markdown(panels))
     rows = [[p for p in panels if p.view == view] for view in ("width", "depth")]
     title = (
         f"t-SNE of {settings['sentences']} STS-B test sentences (seed {settings['seed']}): whole (dark) vs cut (light)"

@@ -8,6 +8,16 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.outputs import writing
+
+
+def save_figure(fig, path: str | Path, **options) -> Path:
+    """Save `fig` as a PNG at `path` through the one writer (outputs.writing): drawn into a temporary file beside
+    it and renamed into place, so a link in its place is replaced, never written through."""
+    path = Path(path)
+    with writing(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", **options)
+    return path
 
 
 def heatmap(
@@ -60,9 +70,7 @@ def heatmap(
             ax.text(j, i, text, ha="center", va="center", color=colour, fontsize=7)
     fig.colorbar(image, ax=ax, label=label, fraction=0.046, pad=0.04)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)
 
 
 def paired_points(rows, path: str | Path, title: str) -> Path:
@@ -97,6 +105,4 @@ def paired_points(rows, path: str | Path, title: str) -> Path:
             ax.legend(loc="upper right", fontsize=6, markerscale=3, frameon=False)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)

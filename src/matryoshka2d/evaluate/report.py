@@ -13,6 +13,7 @@ from pathlib import Path
 from matryoshka2d.evaluate.grid import Cell
 from matryoshka2d.evaluate.plots import heatmap
 from matryoshka2d.evaluate.results import TITLES, GridResult, grid_of, load_result, markdown_grid
+from matryoshka2d.outputs import make_folder, write_text
 
 
 def default_names(results: list[GridResult], paths: Sequence[str | Path]) -> list[str]:
@@ -109,9 +110,8 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path, names: Sequen
     names = list(names) if names else default_names(results, paths)
     markdown, diffs = build_report(results, names, paths)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "report.md"]
-    written[0].write_text(markdown, encoding="utf-8")
+    make_folder(out, check=False)  # a folder of named files, each checked as written
+    written = [write_text(out / "report.md", markdown)]  # through the one writer (outputs.py), as the heatmaps
     metric = results[0].metric
     for diff in diffs:
         file = out / f"diff_{_slug(diff['name'])}_minus_{_slug(names[0])}.png"

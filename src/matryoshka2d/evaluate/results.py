@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.outputs import make_folder, open_for_writing, write_text
 from matryoshka2d.result_files import check_grid_record, read_result_record
 
 TITLES = {"sts": "STS", "classification": "Classification", "retrieval": "Retrieval"}
@@ -257,15 +258,17 @@ def _span(layers: list[int]) -> str:
 
 
 def write_outputs(result: GridResult, out_dir: str | Path) -> list[Path]:
-    """Write results.json, results.md, results.csv and heatmap.png into out_dir (created if needed)."""
+    """Write results.json, results.md, results.csv and heatmap.png into out_dir (created if needed), each through
+    the one writer (outputs.py): a temporary file beside it renamed into place, so a link in a result's place is
+    replaced and never written through, and a result that is (or links to) a file the command reads is refused."""
     from matryoshka2d.evaluate.plots import heatmap
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, check=False)  # `eval --output RUN/sts` lies inside the model it reads; each file is checked
     paths = [out / "results.json", out / "results.md", out / "results.csv", out / "heatmap.png"]
-    paths[0].write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    paths[1].write_text(to_markdown(result), encoding="utf-8")
-    with paths[2].open("w", newline="", encoding="utf-8") as f:
+    write_text(paths[0], json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n")
+    write_text(paths[1], to_markdown(result))
+    with open_for_writing(paths[2], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["dataset", "layer", "dim", *result.metrics])
         for row in result.scores:
