@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+from urllib.parse import quote
 
 import numpy as np
 import orjson
@@ -45,6 +46,18 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# Printable ASCII but '%' and the space: what a header value may carry as it is. Everything else of a name (non-ASCII
+# letters, control characters) is percent-encoded from its UTF-8 bytes, as a URL would carry it.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+def header_value(text: str) -> str:
+    """`text` as a response header value that any client reads: HTTP headers are bytes the server encodes as
+    latin-1, so a served name such as 'modèle-日本' made every answer a 500; percent-encoded it is plain ASCII that
+    urllib.parse.unquote turns back into the name (an ASCII name is unchanged)."""
+    return quote(text, safe=_HEADER_SAFE)
 
 
 class OutOfRange:

@@ -113,17 +113,20 @@ class MicroBatcher:
         self._running: tuple[int, float] | None = None  # the call in flight: its texts, and when it started
         self._trimmed_at, self._untrimmed = time.monotonic(), False
         self._task: asyncio.Task | None = None
+        self.in_call = False  # the model thread is inside a model call (set and cleared on that thread)
 
     def start(self) -> None:
         self._arrival = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop taking batches. A model call in flight is not waited for (it cannot be interrupted, and a drain
+        that waited for a call longer than --drain-seconds ended late): `in_call` says whether one still runs."""
         if self._task is not None:
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
-        self.executor.shutdown(wait=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
         """Full-width vectors at `layer`, one row per text (`encoded`: the texts already tokenized)."""
@@ -260,7 +263,11 @@ class MicroBatcher:
 
     def _encode(self, texts: list[str], layer: int, encoded: dict | None = None, tokens: int = 0) -> np.ndarray:
         start = time.perf_counter()
-        vectors = self.backend.pooled(texts, layer, encoded)
+        self.in_call = True
+        try:
+            vectors = self.backend.pooled(texts, layer, encoded)
+        finally:
+            self.in_call = False
         seconds = time.perf_counter() - start
         if self.controller is not None:
             self.controller.cost.observe(layer, tokens, 1000 * seconds)

@@ -7,7 +7,8 @@ its texts are, as Cohere, Voyage and NVIDIA NIM clients do: `input_type: "query"
 
 - The pair's query side is `--query-cell LAYERxDIM` (a shallow cell of the model itself) when given, else the one
   query encoder when exactly one is served. Queries go to it; documents to the full depth, at the pair's width
-  (the query cell's DIM, or the model's full width). A request's `dimensions` may cut both to fewer numbers.
+  (the query cell's DIM, or the model's full width), or at `--default-dimensions` when the server has one (a default
+  wider than the pair's is refused at start). A request's `dimensions` may cut both to fewer numbers.
 - Without a pair, "query" is answered as a request without input_type is (adaptive when the server adapts its
   depth), and "document" at the full depth: documents build an index, so their depth is never shed.
 - A request without input_type gets exactly what it got before input_type existed, byte for byte, unless the
@@ -115,6 +116,15 @@ class Catalog:
                 )
         self.query_model = next(iter(queries.values())) if query_cell is None and len(queries) == 1 else None
         self.pair_width = query_cell[1] if query_cell is not None else self.hidden_size
+        if default_dimensions is not None and default_dimensions > self.pair_width:
+            raise ValueError(
+                f"--default-dimensions {default_dimensions}: queries and documents of this pair have "
+                f"{self.pair_width} numbers (--query-cell {query_cell[0]}x{query_cell[1]}), so requests with "
+                f"input_type could not get {default_dimensions}; give at most {self.pair_width}"
+            )
+        # The width of a routed request that names none: --default-dimensions applies to it as to any request
+        # (it was the pair's full width whatever the server was started with).
+        self.routed_dimensions = default_dimensions if default_dimensions is not None else self.pair_width
         if self.query_model is not None and self.query_model.backend.hidden_size != self.hidden_size:
             raise ValueError(
                 f"--query-model {self.query_model.name}: its vectors have {self.query_model.backend.hidden_size} "
@@ -302,7 +312,7 @@ class Catalog:
                     "layer",
                     "invalid_value",
                 )
-            return self.main, last, dim or self.pair_width
+            return self.main, last, dim or self.routed_dimensions
         # a query
         pair = self.query_cell or (self.query_model is not None)
         if pair and layer is not None:
@@ -315,9 +325,9 @@ class Catalog:
                 "invalid_value",
             )
         if self.query_cell is not None:
-            return self.main, self.query_cell[0], dim or self.query_cell[1]
+            return self.main, self.query_cell[0], dim or self.routed_dimensions
         if self.query_model is not None:
-            return self.query_model, self.query_model.layer, dim or self.hidden_size
+            return self.query_model, self.query_model.layer, dim or self.routed_dimensions
         return None
 
     def describe_query_side(self) -> str:
@@ -346,6 +356,5 @@ class Catalog:
             body, "dimensions", 1, q.hidden_size, f"{served.name} has {q.hidden_size} dimensions; dimensions"
         )
         encoding, embedding_type = check_formats(body)
-        return Plan(
-            served, texts, layer or q.num_layers, dim or q.hidden_size, encoding, embedding_type, input_type is not None
-        )
+        width = dim or min(self.default_dimensions, q.hidden_size)  # --default-dimensions, as for the model
+        return Plan(served, texts, layer or q.num_layers, width, encoding, embedding_type, input_type is not None)

@@ -8,6 +8,8 @@
     GET  /health          liveness and queue length (503 while draining); the one route open without the API key
     GET  /metrics         Prometheus text format (deploy/metrics.py)
 
+    (every GET route answers HEAD too: its headers, no body)
+
 A model name `MODEL@3x128` is the same request as `model: MODEL, layer: 3, dimensions: 128` (any layer and
 width in range, not only the listed ones), for clients that cannot send extra fields; so are the server's
 `default_layer` / `default_dimensions`, used when a request names neither.
@@ -32,6 +34,13 @@ is busy (and, when `max_wait` is set, within it of the first) go into the next b
 larger request is one batch on its own), grouped by layer so that an exit at layer n still runs n layers; the model
 call sorts its texts by length and runs them `batch_size` at a time, as offline `encode` does. Errors have OpenAI's
 shape: {"error": {"message", "type", "param", "code"}}.
+
+A request is bounded before any work is spent on it: its body while it streams (chunked bodies too: reading stops
+at the bound, 413), its number of texts and each text's characters before the tokenizer sees them (a text longer
+than `max_input_chars` is refused, or cut there with --truncate), and its texts are tokenized off the event loop
+when they are many characters, so that no request holds `/health` or the others' answers. Response headers carry
+names percent-encoded (any served name is a valid header). SIGTERM and SIGINT drain alike, within --drain-seconds:
+what the drain cannot finish by then is answered 503 in OpenAI's shape, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -39,7 +48,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import gc
+import logging
+import os
 import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -47,7 +60,7 @@ import uvicorn
 from fastapi import Request, Response
 
 from matryoshka2d.deploy.admission import Admission, Guard
-from matryoshka2d.deploy.api import ApiError, encode_rows, parse_body, reply_bytes
+from matryoshka2d.deploy.api import ApiError, encode_rows, header_value, parse_body, reply_bytes
 from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.deploy.metrics import ServerMetrics
 from matryoshka2d.deploy.micro_batching import DEFAULT_MAX_WAIT, MicroBatcher
@@ -55,6 +68,16 @@ from matryoshka2d.deploy.routing import Catalog
 from matryoshka2d.models.encoder import ElasticEncoder
 
 __all__ = ["ServerLimits", "create_app", "serve"]
+
+# The characters per token of a text's maximum length past which a text is refused (or cut, with --truncate) before
+# it is tokenized: English prose is 4-5 characters a WordPiece token, code and URLs up to about 8; 32 leaves room
+# for any text a model reads, and keeps one text's tokenizing to milliseconds (an 8 MB text took 8 s of the event
+# loop before it was refused, with /health waiting behind it).
+CHARS_PER_TOKEN = 32
+# A request of more characters than this is tokenized on a thread of its own, not on the event loop: about 2 ms of
+# tokenizing (minilm-l6's tokenizer reads 1-2 MB a second on this machine), the most one request may hold the loop
+# for; a query of a few words stays on the loop, where it costs no hand-over between threads.
+OFF_LOOP_CHARS = 4096
 
 
 @dataclass
@@ -78,6 +101,9 @@ class ServerLimits:
     # when nothing waits).
     max_queued_texts: int = 1024
     max_queue_ms: float | None = None  # and past this much of the model's time for what waits (deploy/admission.py)
+    # Characters of one text: longer ones are refused before the tokenizer sees them (cut there with --truncate).
+    # None: CHARS_PER_TOKEN times the encoder's maximum length in tokens.
+    max_input_chars: int | None = None
 
 
 def _error_response(error: ApiError):
@@ -95,13 +121,20 @@ class _Served:
     batcher: MicroBatcher
     counter: object  # a copy of the backend's tokenizer, used in the event loop apart from the model thread
     layer: int  # a query encoder's own layer: its last, or 0 for a static cell (the model itself: its last)
+    max_chars: int  # characters of one text past which it is refused (or cut, with --truncate) untokenized
+    header_name: str  # the name as a response header carries it (percent-encoded, deploy/api.py header_value)
+    # Another copy, for the tokenizer thread: a fast tokenizer's backend may not be used by two threads at once
+    # (a call that cuts sets its state; "Already borrowed")
+    thread_counter: object = None
 
     @classmethod
     def of(cls, name: str, model, limits: ServerLimits, metrics: ServerMetrics, controller=None, layer=None):
         backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
         batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait, name, controller, metrics)
         own = backend.num_layers if layer is None else layer
-        return cls(name, backend, batcher, copy.deepcopy(backend.tokenizer), own)
+        max_chars = limits.max_input_chars or CHARS_PER_TOKEN * backend.max_length
+        counter = copy.deepcopy(backend.tokenizer)
+        return cls(name, backend, batcher, counter, own, max_chars, header_value(name), copy.deepcopy(counter))
 
 
 def create_app(
@@ -137,21 +170,36 @@ def create_app(
     }
     catalog = Catalog(main, model_id, queries, default_layer, default_dimensions, query_cell, depth, limits)
     everyone = (main, *queries.values())
-    metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone))
+    tokenizing = [0]  # texts being tokenized off the loop: admitted, not queued yet
+    tokenizer_working = [0]  # calls running on the tokenizer's thread (one may outlive a request the drain cut)
+    metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone) + tokenizing[0])
+    tokenizer_thread: list[ThreadPoolExecutor] = []
 
     @asynccontextmanager
     async def lifespan(_app):
+        tokenizer_thread.append(ThreadPoolExecutor(1, thread_name_prefix="matryoshka2d-tokenizer"))
         for served in everyone:
             served.batcher.start()
         yield
         for served in everyone:
             await served.batcher.stop()
+        tokenizer_thread.pop().shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan)
     app.state.batcher, app.state.admission, app.state.metrics = main.batcher, admission, metrics
+    # Whether a thread of this app is still working (a model call or a tokenizing outlived the drain): serve() then
+    # ends the process without waiting for it.
+    app.state.busy = lambda: tokenizer_working[0] > 0 or any(s.batcher.in_call for s in everyone)
+
+    def tokenized_on_thread(*args):
+        tokenizer_working[0] += 1
+        try:
+            return _tokenized(*args)
+        finally:
+            tokenizer_working[0] -= 1
 
     def waiting() -> tuple[int, float]:
-        return sum(s.batcher.queued_texts for s in everyone), main.batcher.drain_seconds()
+        return sum(s.batcher.queued_texts for s in everyone) + tokenizing[0], main.batcher.drain_seconds()
 
     app.add_middleware(Guard, admission=admission, metrics=metrics, respond=_error_response, waiting=waiting)
 
@@ -173,6 +221,7 @@ def create_app(
         message = f"The server failed on this request ({type(exc).__name__}: {str(exc)[:200]})"
         return _error_response(ApiError(500, message, None, "internal_error", kind="server_error"))
 
+    # Every GET route answers HEAD too (admission.Guard routes HEAD as GET and leaves the body out).
     @app.get("/health")  # open without the key; 503 while draining (admission.Guard), so a balancer moves on
     async def health():
         return {"status": "ok", "model": model_id, "queued_requests": len(main.batcher.queue)}
@@ -193,9 +242,19 @@ def create_app(
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         plan = catalog.plan(parse_body(await _body(request, limits.max_body_bytes)))
-        served, texts = plan.served, plan.texts
-        encoded, used, truncated = _tokenized(served, texts, limits.truncate)
-        admission.admit(len(texts), *waiting())
+        served = plan.served
+        texts, cut = _within_characters(plan.texts, served, limits.truncate)  # before any tokenizing
+        admission.admit(len(texts), *waiting())  # before tokenizing too: a refused request costs no tokenizer time
+        if sum(map(len, texts)) <= OFF_LOOP_CHARS:
+            encoded, used, truncated = _tokenized(served, texts, limits.truncate, cut)
+        else:  # many characters: tokenized on the tokenizer's thread, while the loop answers the others
+            tokenizing[0] += len(texts)
+            try:
+                encoded, used, truncated = await asyncio.get_running_loop().run_in_executor(
+                    tokenizer_thread[0], tokenized_on_thread, served, texts, limits.truncate, cut, served.thread_counter
+                )
+            finally:
+                tokenizing[0] -= len(texts)
         vectors, layer = await _unless_gone(request, served.batcher.answer(texts, plan.layer, encoded))
         data = encode_rows(vectors[:, : plan.dim], plan.encoding, plan.embedding_type)
         metrics.answered(served.name, layer, len(texts), sum(used))
@@ -215,7 +274,7 @@ def create_app(
                 item["layer"], item["encoder"] = layer, served.name
         # Serialised here: a returned dict goes through FastAPI's jsonable_encoder, which visits every number of
         # every vector in Python (most of a small cell's request time).
-        headers = {"x-matryoshka2d-layer": str(layer), "x-matryoshka2d-encoder": served.name}
+        headers = {"x-matryoshka2d-layer": str(layer), "x-matryoshka2d-encoder": served.header_name}
         return Response(reply_bytes(reply), media_type="application/json", headers=headers)
 
     return app
@@ -235,21 +294,59 @@ async def _unless_gone(request: Request, work):
         done, _ = await asyncio.wait({answer, closed}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         closed.cancel()
+        if not answer.done():  # the client left, or the drain's deadline cut the request: nobody takes the answer
+            answer.cancel()
     if answer in done:
         return answer.result()
-    answer.cancel()
     raise ApiError(499, "The client closed the connection before the answer", None, "client_closed_request")
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 when it is over `limit` bytes (by its Content-Length, or as read)."""
+    """The request body, or a 413 as soon as it is over `limit` bytes: by its Content-Length before any of it is
+    read, else (a chunked body has none) while it streams in, reading stops at the first chunk past the bound."""
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
+    if size is not None and size.isdigit() and int(size) > limit:  # uvicorn discards the declared rest, unbuffered
         raise ApiError(413, f"Request body is {int(size)} bytes; the limit is {limit}", None, "request_too_large")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise ApiError(413, f"Request body is {len(raw)} bytes; the limit is {limit}", None, "request_too_large")
-    return raw
+    chunks, read = [], 0
+    async for chunk in request.stream():
+        read += len(chunk)
+        if read > limit:  # a chunked body may not end: the connection is closed, so nothing more of it is read
+            raise ApiError(
+                413,
+                f"Request body is over {limit} bytes ({read} read, and more were coming); the limit is {limit}",
+                None,
+                "request_too_large",
+                headers={"Connection": "close"},
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _within_characters(texts: list[str], served: _Served, truncate: bool) -> tuple[list[str], set[int]]:
+    """The texts the tokenizer may see, and which of them were cut. A text longer than `served.max_chars` characters
+    is a 400 without being tokenized (its length in tokens need not be known to refuse it), or, with --truncate, is
+    cut there first, at the last whitespace before the bound when there is one, so the tokens it keeps are the
+    whole text's first ones (`_tokenized` checks it still holds more than the model reads)."""
+    limit = served.max_chars
+    if max(map(len, texts)) <= limit:
+        return texts, set()
+    over = [i for i, text in enumerate(texts) if len(text) > limit]
+    if not truncate:
+        i, max_length = over[0], served.backend.max_length
+        raise ApiError(
+            400,
+            f"input[{i}] has {len(texts[i])} characters, more than the {limit} this server reads per input "
+            f"({len(over)} input(s) too long): far more than this model's maximum input length of {max_length} "
+            "tokens. Shorten it (the server runs without --truncate; --max-input-chars sets this bound)",
+            "input",
+            "context_length_exceeded",
+        )
+    texts = list(texts)
+    for i in over:
+        head = texts[i][:limit]
+        space = max(head.rfind(" "), head.rfind("\n"), head.rfind("\t"))
+        texts[i] = head[:space] if space > limit // 2 else head
+    return texts, set(over)
 
 
 def token_ids(counter, texts: list[str]) -> dict:
@@ -271,13 +368,29 @@ def token_ids(counter, texts: list[str]) -> dict:
     return encoded
 
 
-def _tokenized(served: _Served, texts: list[str], truncate: bool) -> tuple[dict, list[int], int]:
+def _tokenized(
+    served: _Served, texts: list[str], truncate: bool, cut: set[int] = frozenset(), counter=None
+) -> tuple[dict, list[int], int]:
     """One tokenizer call counts the tokens and gives the model its input (the backend does not tokenize again):
     the token ids, the tokens each text uses, and how many were cut. A text over the model's length is a 400,
-    or is cut as the tokenizer cuts it with --truncate."""
-    counter, max_length = served.counter, served.backend.max_length
+    or is cut as the tokenizer cuts it with --truncate. `cut`: texts `_within_characters` cut to their first
+    characters, each of which must still be over the model's length (else its cut would not be the whole text's).
+    `counter`: the tokenizer to use (the loop's own by default; the tokenizer thread has its copy)."""
+    counter, max_length = counter or served.counter, served.backend.max_length
     encoded = token_ids(counter, texts)
     lengths = [len(ids) for ids in encoded["input_ids"]]
+    short = [i for i in cut if lengths[i] <= max_length]
+    if short:
+        i = min(short)
+        raise ApiError(
+            400,
+            f"input[{i}] is over {served.max_chars} characters, the most this server reads of an input, and those "
+            f"make only {lengths[i]} tokens, within this model's maximum input length of {max_length}: cutting it "
+            "to its first tokens needs more of it than the server reads. Shorten it (--max-input-chars sets the "
+            "bound)",
+            "input",
+            "context_length_exceeded",
+        )
     too_long = [i for i, n in enumerate(lengths) if n > max_length]
     if too_long and not truncate:
         i = too_long[0]
@@ -306,14 +419,23 @@ def serve(
     drain_seconds: float = 30.0,
     **app_options,
 ) -> None:
-    """Run the app in one uvicorn worker (the model, and any query encoders beside it, in memory). SIGTERM drains:
-    new requests get 503, the accepted ones are answered (for up to `drain_seconds`), and the process exits 0."""
+    """Run the app in one uvicorn worker (the model, and any query encoders beside it, in memory). SIGTERM or
+    SIGINT drains: new requests get 503, the accepted ones are answered for up to `drain_seconds`, those still in
+    flight then get a 503 in OpenAI's shape, and the process exits 0 (a model call still running is not waited
+    for: it cannot be interrupted, and the drain would end as late as it does)."""
     app = create_app(model, model_id, limits, **app_options)
     freeze_what_is_loaded()
+    # uvicorn's own graceful timeout is a backstop only: the drain's deadline (admission.Admission.drain) answers
+    # what is in flight first, in OpenAI's shape (uvicorn's cancel answers a plain-text 500).
     config = uvicorn.Config(
-        app, host=host, port=port, workers=1, log_level=log_level, timeout_graceful_shutdown=drain_seconds
+        app, host=host, port=port, workers=1, log_level=log_level, timeout_graceful_shutdown=drain_seconds + 5
     )
-    _DrainingServer(config, app.state.admission).run()
+    _DrainingServer(config, app.state.admission, drain_seconds).run()
+    if app.state.busy():  # Python's exit would join the model's thread, and wait out its call
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def freeze_what_is_loaded() -> None:
@@ -328,17 +450,30 @@ def freeze_what_is_loaded() -> None:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's Server, except that SIGTERM first turns new requests away (503) and then shuts down as uvicorn does
-    (listeners closed, in-flight requests answered), and is not raised again afterwards: the exit is 0, a drain
-    that worked, not a death by signal."""
+    """uvicorn's Server, except that SIGTERM or SIGINT (Ctrl-C) first turns new requests away (503), then shuts
+    down as uvicorn does (listeners closed, in-flight requests answered) within `drain_seconds`, after which what is
+    still in flight is answered 503 (admission.Guard); the signal is not raised again afterwards: the exit is 0, a
+    drain that worked, not a death by signal (uvicorn raised SIGINT again: exit 130, with tracebacks). A second
+    signal ends the drain at once; a third leaves without waiting, as uvicorn's second Ctrl-C does."""
 
-    def __init__(self, config, admission: Admission):
+    def __init__(self, config, admission: Admission, drain_seconds: float = 30.0):
         super().__init__(config)
-        self.admission = admission
+        self.admission, self.drain_seconds = admission, drain_seconds
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.signals = 0
+
+    async def serve(self, sockets=None):
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig, frame):
-        if sig == signal.SIGTERM:
-            self.admission.draining = True
-            self.should_exit = True
-            return
-        super().handle_exit(sig, frame)
+        if sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)
+        self.signals += 1
+        self.admission.draining = True
+        self.should_exit = True
+        if self.signals > 2:
+            self.force_exit = True
+        elif self.loop is not None:  # a signal handler runs between two steps of the loop: the drain runs on it
+            end = self.admission.drain if self.signals == 1 else lambda _seconds: self.admission.cut_in_flight()
+            self.loop.call_soon_threadsafe(end, self.drain_seconds)
