@@ -133,11 +133,12 @@ def test_a_config_file_cannot_name_an_output_over_an_input(model, text_file, tmp
 
 def test_results_may_be_written_inside_the_model_folder_they_describe(model, tmp_path):
     """`eval --output RUN/sts` is the documented layout (the model card reads it there); it neither is nor holds
-    an input, so it is allowed; the model folder itself, or a folder holding it, is not."""
+    an input, so it is allowed; the model folder itself, or a folder holding it, is not (issue 52)."""
     parser = build_parser()
     check_outputs(parser.parse_args(["eval", "sts", "--model", str(model), "--output", str(model / "sts")]))
     check_outputs(parser.parse_args(["pick", "--results", str(model / "sts"), "--output", str(model / "sts")]))
-    check_outputs(parser.parse_args(["eval", "sts", "--model", str(model), "--output", str(model)]))
+    with pytest.raises(ValueError, match="is --model"):  # into the model folder itself: its files are inputs
+        check_outputs(parser.parse_args(["eval", "sts", "--model", str(model), "--output", str(model)]))
     (model / "no-heads").mkdir()
     with pytest.raises(ValueError, match="no-heads is --model"):  # --compare-heads writes OUTPUT/no-heads
         check_outputs(parser.parse_args(["eval", "sts", "--model", str(model / "no-heads"), "--output", str(model)]))

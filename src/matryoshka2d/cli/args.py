@@ -126,9 +126,86 @@ def cell_list(text: str) -> list[tuple[int, int]]:
     return cells
 
 
+# A model adds its start and end tokens ([CLS] and [SEP]) to every text: a length of 2 holds only those (every text
+# gets the same vector) and a length of 1 is below them (the tokenizer then cuts nothing: texts go in whole).
+SHORTEST_TOKENS = 3
+
+
+def token_length(text: str) -> int:
+    """A length in tokens (--max-length): at least 3, so that one token of text fits between [CLS] and [SEP]."""
+    value = positive_int(text)
+    if value < SHORTEST_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {SHORTEST_TOKENS}, got {value}: the model's start and end tokens ([CLS] and [SEP]) "
+            f"take two, so {value} leaves no token of text (at 1 the tokenizer cuts nothing at all)"
+        )
+    return value
+
+
+def _numbers_or_ranges(text: str, least: int, what: str) -> str:
+    """Check one item of a --layers/--dims style option (evaluate.grid.parse_ints reads it): comma-separated whole
+    numbers of at least `least` or ranges LOW-HIGH with LOW <= HIGH. A reversed range (3-1) was read as no number
+    at all, so the option fell back to its default silently. The text is returned as given (parse_ints reads it)."""
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:  # an empty item: evaluate.grid.parse_ints names it, with the option, when the command starts
+            continue
+        low_text, dash, high_text = part[1:].partition("-")  # part[1:]: a leading '-' is a sign, refused below
+        low_text = part[0] + low_text
+        try:
+            low = _whole(low_text)
+            high = _whole(high_text) if dash else low
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a whole number or a range like 1-6") from None
+        if low < least:
+            raise argparse.ArgumentTypeError(f"{part!r}: {what} start at {least}, got {low}")
+        if high < low:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is a reversed range, which holds no number: write {high}-{low} (from the smaller up)"
+            )
+    return text
+
+
+def layer_ranges(text: str) -> str:
+    """Layers as 1,2,3 or 1-6 (0 is a model's static cell); a reversed range is refused."""
+    return _numbers_or_ranges(text, 0, "layers")
+
+
+def width_ranges(text: str) -> str:
+    """Widths as 64,128 or ranges (each at least 1); a reversed range is refused."""
+    return _numbers_or_ranges(text, 1, "widths")
+
+
+def exit_ranges(text: str) -> str:
+    """Exits as 1,2,3 or 1-5 (each at least 1: layer 0 has no exit head); a reversed range is refused."""
+    return _numbers_or_ranges(text, 1, "exits")
+
+
+def only_static_layers(layers) -> bool:
+    """Whether every layer given (items of layer_ranges, or numbers) is 0, the static cell."""
+    from matryoshka2d.evaluate.grid import parse_ints
+
+    numbers = parse_ints([str(item) for item in layers], "layers") if layers else None
+    return bool(numbers) and set(numbers) == {0}
+
+
+def refuse_pooling_at_static_cell(args, layer_option: str) -> None:
+    """--pooling where every cell asked for is layer 0 would do nothing: the static cell averages rows of its token
+    table, it has no pooling to choose (rule 4)."""
+    if getattr(args, "pooling", None):
+        raise ValueError(
+            f"--pooling {args.pooling} with {layer_option} 0 would do nothing: layer 0 is the model's static cell, "
+            "which averages its token table's rows and has no pooling to choose; leave --pooling out"
+        )
+
+
 def named_folder(text: str) -> tuple[str, str]:
     """[NAME=]FOLDER: the text before the first '=' is a name only when it is a plain name (no '/', not empty),
-    so that a folder whose path holds '=' (q=/runs/a=b/q, /runs/a=b) keeps it whole. ('', FOLDER) without one."""
+    so that a folder whose path holds '=' (q=/runs/a=b/q, /runs/a=b) keeps it whole. ('', FOLDER) without one.
+
+    A text that is no name=folder and no existing path is refused here, naming what is wrong with it, where it
+    was read as a folder and refused as "not a query encoder": '=q' (no name before the '='), and 'DIR/tiny=q'
+    where DIR/tiny exists (the name written after the folder, not before it)."""
     name, sep, folder = (text or "").partition("=")
     if sep and name and "/" not in name and "\\" not in name:
         if not folder:
@@ -136,6 +213,16 @@ def named_folder(text: str) -> tuple[str, str]:
         return name, folder
     if not text:
         raise argparse.ArgumentTypeError("is empty: give a folder, or NAME=FOLDER")
+    if sep and not Path(text).expanduser().exists():
+        if not name:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no name before '=' (and no folder of that name): write NAME=FOLDER, or the folder alone"
+            )
+        before, _, after = text.rpartition("=")
+        if after and "/" not in after and "\\" not in after and Path(before).expanduser().exists():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no folder of that name; the name goes before the folder: write {after}={before}"
+            )
     return "", text
 
 
@@ -201,22 +288,24 @@ def load_encoder(args, model: str | None = None, log=None, **options):
 
 # ---- Rule 2: no output overlaps an input ----------------------------------------------------------------------
 # Each command that writes says, with `reads_and_writes`, which of its options name what it reads and which names
-# what it writes; `main` runs `check_outputs` on them before the command starts (files.check_apart), so nothing is
-# deleted or written over an input, with --overwrite or without. Training runs check the paths of their final
-# options again (a --config file may name them): training.rundir.RunDir.check.
+# what it writes; `main` opens the one writer's scope over the inputs (outputs.command_scope: every later write is
+# checked against them, by path and by device and inode) and runs `check_outputs` before the command starts, so
+# nothing is deleted or written over an input, with --overwrite or without. Training runs check the paths of their
+# final options again (a --config file may name them): training.rundir.RunDir.check.
 
 MODEL_OPTIONS = ("--model", "--models", "--teacher", "--query-model", "--distill-from")  # names or folders
 RESULT_OPTIONS = ("--results", "results")  # result folders: the results.json / cascade.json read in them
 
 
 def reads_and_writes(
-    p, reads: tuple[str, ...], output: str = "--output", files=None, default=None, caches: tuple[str, ...] = ()
+    p, reads: tuple[str, ...], output: str | None = "--output", files=None, default=None, caches: tuple[str, ...] = ()
 ) -> None:
     """Declare a command's inputs (options, or positional names) and its output. `files` None: the output is a
     folder the command fills as a whole (a model, a run, an index); a tuple: the names of the result files it
     writes into the output folder (('',): the output is itself the file written). `default(args)`: where the
     command writes when the output option is not given. `caches`: options naming a folder the command also
-    writes files into (a Qdrant local folder, a document cache): it may not be, or hold, an input either."""
+    writes files into (a Qdrant local folder, a document cache, serve's graph cache): it may not be, or hold, an
+    input either. `output` None: the command writes only into its caches (serve)."""
     p.set_defaults(reads=reads, output_option=output, output_files=files, output_default=default, caches=caches)
 
 
@@ -234,6 +323,8 @@ def input_paths(args):
         for item in value if isinstance(value, list) else [value]:
             if item is None or item == "":  # no path (the command says what is missing)
                 continue
+            if isinstance(item, tuple):  # NAME=FOLDER (serve --query-model)
+                item = item[1]
             if option in MODEL_OPTIONS:
                 yield option, local_folder(item)
             elif option in RESULT_OPTIONS and Path(item).is_dir():
@@ -243,29 +334,62 @@ def input_paths(args):
                 yield option, Path(item)
 
 
-def check_outputs(args) -> None:
-    """Rule 2 for the command `args` runs: its output lies apart from every input (see reads_and_writes)."""
-    from matryoshka2d.files import check_apart
-
+def output_of(args):
+    """(output option, the path it names or its default, own folders) of the command `args` runs: own folders are
+    the folder of named result files and the caches it writes into, which may lie inside a folder it reads."""
     option = getattr(args, "output_option", None)
-    if option is None:
+    caches = getattr(args, "caches", ())
+    if option is None and not caches:
+        return None, None, []
+    output = getattr(args, _dest(option), None) if option else None
+    if output is None and option and args.output_default is not None:
+        output = args.output_default(args)
+    own = [getattr(args, _dest(cache), None) for cache in caches]
+    if output is not None and args.output_files is not None:
+        own.append(output if args.output_files != ("",) else None)
+    return option, output, [Path(folder) for folder in own if folder]
+
+
+def command_scope_of(args):
+    """The one writer's scope for the command `args` runs (outputs.command_scope): every file it writes is checked
+    against every input its options name, by path and by device and inode."""
+    from matryoshka2d.outputs import command_scope
+
+    option, output, own = output_of(args)
+    caches = getattr(args, "caches", ())
+    inputs = list(input_paths(args)) if option is not None or caches else []
+    return command_scope(option or (caches[0] if caches else "--output"), inputs, output=output, own_folders=own)
+
+
+def check_outputs(args) -> None:
+    """Rule 2 for the command `args` runs, before it starts (inside `command_scope_of`): its output lies apart from
+    every input (see reads_and_writes), and the folder it writes into can be written."""
+    from matryoshka2d.outputs import check_destination, check_writable, current_scope
+
+    option, output, _ = output_of(args)
+    if option is None and not getattr(args, "caches", ()):
         return
-    inputs = list(input_paths(args))
+    if current_scope() is None:  # called on its own (a library caller, a test): the command's scope for the check
+        with command_scope_of(args):
+            check_outputs(args)
+        return
     for cache in args.caches:
         if (folder := getattr(args, _dest(cache), None)) is not None:
-            check_apart(folder, cache, inputs, whole_folder=False)
-    output = getattr(args, _dest(option), None)
-    if output is None and args.output_default is not None:
-        output = args.output_default(args)
+            check_destination(folder, cache, whole_folder=False)
+            check_writable(folder, cache)
     if output is None:
         return
     if not str(output).strip():  # '' would be the current folder
         raise ValueError(f"{option} is empty: give the folder (or file) to write")
     if args.output_files is None:
-        check_apart(output, option, inputs)
+        check_destination(output, option, whole_folder=True)
+        check_writable(output, option)
         return
+    if args.output_files != ("",):
+        check_destination(output, option, results_folder=True)  # not an input folder itself
     for name in args.output_files:
-        check_apart(Path(output) / name if name else output, option, inputs, whole_folder=False)
+        check_destination(Path(output) / name if name else output, option)
+    check_writable(Path(output).parent if args.output_files == ("",) else output, option)
 
 
 def check_new_output(out: Path, overwrite: bool) -> None:
@@ -275,11 +399,19 @@ def check_new_output(out: Path, overwrite: bool) -> None:
 
 
 def folder_metadata(encoder) -> dict:
-    """The model folder's matryoshka2d.json (method, training record, ...), or {} for a folder without one."""
-    import json
+    """The model folder's matryoshka2d.json (method, training record, ...), or {} for a folder without one (or a
+    model that has no folder here), read by the one confined reader (files.ConfinedFolder)."""
+    from matryoshka2d.files import ConfinedFolder
 
-    source = Path(encoder.location or "") / "matryoshka2d.json"
-    return json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {}
+    if not encoder.location or not Path(encoder.location).is_dir():  # not the current folder's matryoshka2d.json
+        return {}
+    folder = ConfinedFolder(encoder.location, "model")
+    if not folder.path("matryoshka2d.json").is_file():
+        return {}
+    record = folder.read_json("matryoshka2d.json")
+    if not isinstance(record, dict):
+        raise ValueError(f"{folder.folder / 'matryoshka2d.json'}: not a JSON object (a model's record is one)")
+    return record
 
 
 # The options of a training run that train, two-step and pretrain share: flag -> (argparse keywords, help).
@@ -293,7 +425,7 @@ RUN_OPTIONS = {
     "--lr-schedule": ({"choices": ["cosine", "linear"]}, None),
     "--warmup-ratio": ({"type": fraction}, None),
     "--seed": ({"type": count}, None),
-    "--max-length": ({"type": positive_int}, None),
+    "--max-length": ({"type": token_length}, None),
     "--save-steps": ({"type": count}, "checkpoint every N steps (default 200; 0: none)"),
     "--eval-steps": ({"type": count}, None),
     "--eval-file": ({}, None),

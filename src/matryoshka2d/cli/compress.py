@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 from matryoshka2d.cli.args import (
     add_safety_flags,
     cell_list,
@@ -81,7 +79,9 @@ def cmd_pretrain(args) -> int:
         options["sizes"] = [list(c) for c in args.sizes]
     values["method_options"] = options
     out = run_training(pretrain, values, args)
-    meta = json.loads((out / "matryoshka2d.json").read_text())
+    from matryoshka2d.files import ConfinedFolder
+
+    meta = ConfinedFolder(out, "run").read_json("matryoshka2d.json")
     print(f"pre-trained encoder saved to {out} ({meta['steps']} steps; decoder and MLM head discarded)")
     return 0
 

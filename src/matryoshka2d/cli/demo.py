@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.cli.args import command, positive_float, positive_int, reads_and_writes
+from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.outputs import make_folder, open_for_writing
 
 DEMO_SENTENCES = [
     "A man is playing a guitar on stage.",
@@ -97,7 +99,7 @@ def fine_tune(args, root: Path) -> Path:
     # "-nosts": trained without the rows that hold an STS test sentence (the scores below are of unseen sentences)
     out = cache_dir() / "demo" / f"{name}-2dmse-{args.steps}steps-bs{args.batch_size}-nosts"
     if (out / "matryoshka2d.json").is_file():
-        meta = json.loads((out / "matryoshka2d.json").read_text())
+        meta = ConfinedFolder(out, "model").read_json("matryoshka2d.json")
         print(f"    reusing the cached fine-tune {out} ({meta.get('steps')} steps; delete it to train again)")
         return out
     triplets = root / "nli" / "train_triplets.tsv"
@@ -137,7 +139,7 @@ def save_beside(encoder, model_dir: Path, out: Path) -> None:
     """`encoder` saved to `out` (atomically) with the record of the model it was fitted on."""
     from matryoshka2d.training.checkpoints import save_model_atomically
 
-    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
+    meta = ConfinedFolder(model_dir, "model").read_json("matryoshka2d.json")
     save_model_atomically(lambda folder: encoder.save(folder, metadata=meta), out)
 
 
@@ -237,8 +239,7 @@ def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
     relevant = {d for rel in full.qrels[:n_queries] for d in rel}
     fill = [i for i in range(len(full.doc_ids)) if i not in relevant][: max(0, n_docs - len(relevant))]
     keep = sorted(relevant | set(fill))
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "corpus.jsonl").open("w", encoding="utf-8") as f:
+    with open_for_writing(out / "corpus.jsonl", "w") as f:  # the one writer (a temporary file renamed into place)
         for i in keep:
             f.write(json.dumps({"_id": full.doc_ids[i], "text": full.doc_texts[i]}) + "\n")
     return full, keep, split
@@ -286,13 +287,12 @@ def run_loop(args) -> int:
 
     begin = time.perf_counter()
     root = data_dir(args.data_dir)
-    work = Path(args.output)
-    work.mkdir(parents=True, exist_ok=True)
+    work = make_folder(Path(args.output), "--output")
     quiet = (lambda m: None) if args.quiet else (lambda m: print(f"    {m}", file=sys.stderr))
 
     t = step(1, f"fine-tune {args.model} to be elastic (2dmse)")
     model_dir = fine_tune(args, root)
-    meta = json.loads((model_dir / "matryoshka2d.json").read_text())
+    meta = ConfinedFolder(model_dir, "model").read_json("matryoshka2d.json")
     dev = meta.get("final_eval", {})
     model_dir = static_cell_for(args, root, fit_heads_for(args, root, model_dir))
     done(t, f"{model_dir}; STS-B dev Spearman at the full model: {dev.get('spearman', '?')}")

@@ -14,6 +14,8 @@ from matryoshka2d.cli.args import (
     positive_float,
     positive_int,
     reads_and_writes,
+    refuse_pooling_at_static_cell,
+    token_length,
 )
 
 
@@ -25,6 +27,8 @@ def cmd_export(args) -> int:
         return export_pair_command(args)
     if args.layer is None or args.dim is None:
         raise ValueError("export needs --layer and --dim (a cell), or --query-model / --query-cell (a pair)")
+    if args.layer == 0:
+        refuse_pooling_at_static_cell(args, "--layer")
     encoder = load_encoder(args, device="cpu")
     report = export_cell(
         encoder,
@@ -109,6 +113,13 @@ def cmd_serve(args) -> int:
 
     admission = Admission.from_options(args.api_key, args.max_queued_texts, args.max_queue_ms)  # refuses an empty key
     query_cell = parse_cell(args.query_cell) if args.query_cell is not None else None
+    if query_cell is not None and args.default_dimensions is not None and args.default_dimensions > query_cell[1]:
+        # before the model loads (deploy/routing.py Catalog refuses it too, for library callers)
+        raise ValueError(
+            f"--default-dimensions {args.default_dimensions}: queries and documents of this pair have {query_cell[1]} "
+            f"numbers (--query-cell {args.query_cell}), so requests with input_type could not get "
+            f"{args.default_dimensions}; give at most {query_cell[1]}"
+        )
     if args.onnx_cache:  # before the model loads: makedirs would fail only after, with "[Errno 17] File exists"
         from matryoshka2d.deploy.backends import cache_folder_problem
 
@@ -201,6 +212,7 @@ def cmd_serve(args) -> int:
         max_wait=args.max_wait_ms / 1000,
         max_queued_texts=args.max_queued_texts,
         max_queue_ms=args.max_queue_ms,
+        max_input_chars=args.max_input_chars,
     )
     name = args.served_name or args.model
     kind = f"onnx {args.quantize or 'fp32'}" if args.backend == "onnx" else "torch"
@@ -363,8 +375,14 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--truncate", action="store_true", help="cut texts over the model's length instead of a 400")
     p.add_argument(
-        "--max-length",
+        "--max-input-chars",
         type=positive_int,
+        help="characters of one text the server reads: a longer text gets a 400 before it is tokenized, or is cut "
+        "there with --truncate (default: 32 per token of the model's maximum length)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=token_length,
         help="tokens per text (default: the model's own); longer texts get a 400, or are cut with --truncate",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -431,3 +449,5 @@ def register(sub, model_args) -> None:
     p.add_argument("--target-ms", type=positive_float, help="adaptive depth: the latency target per batch (default 50)")
     p.add_argument("--min-layer", type=count, help="adaptive depth: the shallowest layer (default: the first aligned)")
     p.set_defaults(func=cmd_serve)
+    # serve writes only its graph cache (--onnx-cache), kept by design in the model folder when not given
+    reads_and_writes(p, ("--model", "--query-model"), output=None, caches=("--onnx-cache",))

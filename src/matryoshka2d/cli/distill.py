@@ -36,6 +36,18 @@ def check_combination(args) -> None:
             f"--eval-cell {','.join(deeper)}: the query encoder of --layer {args.layer} has {args.layer} layers; "
             f"evaluate it at {args.layer}:DIM"
         )
+    if args.mode == "static":
+        heads = [
+            f"--{name.replace('_', '-')}"
+            for name in ("exit_heads", "exit_heads_lr", "exit_heads_inputs", "exit_heads_sentences")
+            if getattr(args, name) is not None
+        ]
+        if heads:
+            raise ValueError(
+                f"{' and '.join(heads)} would do nothing with --mode static: only the static cell (layer 0) trains, "
+                "the teacher's exit heads are kept as they are; leave "
+                f"{'them' if len(heads) > 1 else 'it'} out (or use --mode shared or query)"
+            )
     if args.temperature is not None and args.loss != "relational":
         raise ValueError(f"--temperature is the softmax temperature of --loss relational; --loss {args.loss} has none")
     if args.engine != "ray" and (args.address or args.workers is not None):

@@ -20,8 +20,10 @@ from matryoshka2d.cli.args import (
     heads_flag,
     positive_int,
     reads_and_writes,
+    refuse_pooling_at_static_cell,
 )
 from matryoshka2d.files import iter_lines, open_input
+from matryoshka2d.outputs import check_destination, open_for_writing
 
 
 def _encoder(args):
@@ -68,6 +70,9 @@ def encode_chunk(encoder, texts: list[str], layer: int, dim: int, batch_size: in
 def cmd_encode(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.layer == 0:
+        refuse_pooling_at_static_cell(args, "--layer")
+    out = check_destination(npy_path(args.output), "--output")  # '.npy' added: the file written is checked too
     fix_mmap_threshold()  # activations must not fragment the heap (matryoshka2d.allocator)
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
     binary, name = open_input(args.input)
@@ -75,12 +80,11 @@ def cmd_encode(args) -> int:
         count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work
         encoder = _encoder(args)
         layer, dim = encoder.check_layer(args.layer), encoder.check_dim(args.dim)
-        out = npy_path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(f".{out.name}.partial")
         start = time.perf_counter()
-        # The .npy is written as it is computed: the header (shape known from the count), then each chunk's rows.
-        with partial.open("wb") as f:
+        # The .npy is written as it is computed: the header (shape known from the count), then each chunk's rows,
+        # into the one writer's temporary file beside it, renamed into place when whole (an error or Ctrl-C leaves
+        # no half array; a link in its place is replaced, never written through).
+        with open_for_writing(out, "wb", "--output") as f:
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")), "fortran_order": False}
             np.lib.format.write_array_header_1_0(f, {**header, "shape": (count, dim)})
             lines = iter_lines(binary, name)
@@ -92,7 +96,6 @@ def cmd_encode(args) -> int:
                     trim_heap()
             f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, out)
     seconds = time.perf_counter() - start
     print(
         f"{count} texts -> {out} ({count}, {dim}) float32 at layer {layer}/{encoder.num_layers}, "

@@ -17,11 +17,17 @@ from matryoshka2d.cli.args import (
     command,
     command_group,
     count,
+    layer_ranges,
+    only_static_layers,
     positive_float,
     positive_int,
     reads_and_writes,
+    refuse_pooling_at_static_cell,
+    token_length,
+    width_ranges,
 )
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
+from matryoshka2d.outputs import TEMPORARY_MARK, write_text
 
 REDUCER_SAMPLES = 2000  # corpus sentences a reducer is fitted on, unless --reducer-samples says
 
@@ -47,13 +53,17 @@ def _served(args) -> str:
     return backend_name(args.backend, args.quantize)
 
 
+def _check_layers(args) -> None:
+    """Before anything loads: --pooling where every layer asked for is 0, the static cell, would do nothing."""
+    if only_static_layers(args.layers):
+        refuse_pooling_at_static_cell(args, "--layers")
+
+
 def _embedder(args, default_cells=None):
     """The encoder named by --model, wrapped to give the cells of --layers x --dims (or the defaults), computed
     by torch or by the serving backend's graphs (--backend onnx [--quantize int8])."""
     from matryoshka2d.cli.args import load_encoder
 
-    if args.max_length is not None and args.max_length < 1:
-        raise ValueError(f"--max-length must be at least 1 token, got {args.max_length}")
     backend = _served(args)
     encoder = load_encoder(
         args, max_length=args.max_length, log=_log, **({"device": "cpu"} if backend != "torch" else {})
@@ -121,6 +131,7 @@ def cmd_sts(args) -> int:
     from matryoshka2d.evaluate.sts import evaluate_sts
     from matryoshka2d.paths import data_dir
 
+    _check_layers(args)
     if not args.reducer and (args.reducer_corpus or args.reducer_samples is not None):
         raise ValueError("--reducer-corpus and --reducer-samples set how --reducer is fitted; they need --reducer")
     if args.reducer and args.backend != "torch":  # before the model loads or a graph is built
@@ -147,6 +158,7 @@ def cmd_classification(args) -> int:
     from matryoshka2d.evaluate.classification import default_cells, evaluate_classification
     from matryoshka2d.paths import data_dir
 
+    _check_layers(args)
     directory = Path(args.classification_dir) if args.classification_dir else data_dir(args.data_dir) / "classification"
     embedder = _embedder(args, default_cells)
     return _evaluate(
@@ -180,6 +192,7 @@ def cmd_retrieval(args) -> int:
     from matryoshka2d.evaluate.retrieval import evaluate_retrieval
     from matryoshka2d.paths import data_dir
 
+    _check_layers(args)
     if args.doc_cache and not (args.cascade or args.query_layer or args.query_model or args.storage):
         raise ValueError(
             "--doc-cache keeps the documents' pooled states for --cascade, --query-layer, --query-model or "
@@ -219,7 +232,8 @@ def _from_files(args) -> int:
         raise ValueError(f"--queries {args.queries}: give the queries as an uncompressed .jsonl file")
     corpus, qrels = Path(args.corpus).resolve(), Path(args.qrels).resolve()
     split = args.split or qrels.stem
-    with tempfile.TemporaryDirectory(prefix="matryoshka2d-beir-") as tmp:
+    # A folder of links outside every output, named as the one writer names its temporary folders.
+    with tempfile.TemporaryDirectory(prefix=f"matryoshka2d-beir{TEMPORARY_MARK}") as tmp:
         folder = Path(tmp) / (corpus.parent.name or "dataset")
         (folder / "qrels").mkdir(parents=True)
         (folder / ("corpus.jsonl.gz" if corpus.name.endswith(".gz") else "corpus.jsonl")).symlink_to(corpus)
@@ -259,9 +273,8 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
         args.storage or (),
     )
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cascade.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    (out / "cascade.md").write_text(cascade_markdown(result), encoding="utf-8")
+    write_text(out / "cascade.json", json.dumps(result, indent=1) + "\n", "--output")
+    write_text(out / "cascade.md", cascade_markdown(result), "--output")
     print(cascade_markdown(result).split("\n\n", 1)[1])
     print(f"-> {out / 'cascade.json'}, {out / 'cascade.md'}")
     return 0
@@ -286,13 +299,13 @@ EVAL_READS += ("--queries", "--qrels", "--query-model")
 EVAL_WRITES = ("results.json", "results.md", "results.csv", "heatmap.png", "cascade.json", "cascade.md", "no-heads")
 
 
-def _common(p, model_args) -> None:
-    reads_and_writes(p, EVAL_READS, files=EVAL_WRITES, caches=("--doc-cache",))
+def _common(p, model_args, caches: tuple[str, ...] = ()) -> None:
+    reads_and_writes(p, EVAL_READS, files=EVAL_WRITES, caches=caches)
     model_args(p)
-    p.add_argument("--layers", nargs="+", help="layers to evaluate: 1 2 3, 1,2,3 or 1-6")
-    p.add_argument("--dims", nargs="+", help="leading dims to evaluate: 64 128 384, or 64,128,384")
+    p.add_argument("--layers", nargs="+", type=layer_ranges, help="layers to evaluate: 1 2 3, 1,2,3 or 1-6")
+    p.add_argument("--dims", nargs="+", type=width_ranges, help="leading dims to evaluate: 64 128 384, or 64,128,384")
     p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--max-length", type=positive_int, help="truncate texts to this many tokens (default: the model's)")
+    p.add_argument("--max-length", type=token_length, help="truncate texts to this many tokens (default: the model's)")
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
     p.add_argument("--output", required=True, help="directory for results.json/.md/.csv and heatmap.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -367,7 +380,7 @@ def register(sub, model_args) -> None:
         help="nDCG@10, MRR@10, Recall@100 on BEIR-layout folders",
         description="Default cells: every layer x dims 8, 16, 32, ... doubling, and the hidden size.",
     )
-    _common(p, model_args)
+    _common(p, model_args, caches=("--doc-cache",))  # the documents' pooled states
     p.add_argument("--dataset-dir", nargs="+", help="BEIR folders (default: DATA/retrieval/scifact)")
     p.add_argument("--split", help="qrels/<split>.tsv (default: test, or the folder's only split)")
     p.add_argument("--corpus", help="a BEIR corpus file (JSON lines: _id, text, title), with --queries and --qrels")
@@ -382,6 +395,7 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--query-layer",
         nargs="+",
+        type=layer_ranges,
         help="also encode queries with only this many layers against full-depth documents; several (1,3,5) give "
         "a row each from one document pass",
     )
@@ -427,7 +441,12 @@ def register(sub, model_args) -> None:
     g.add_argument("--pooling", choices=POOLING_CHOICES, help=POOLING_HELP)
     g.add_argument("--device", help=DEVICE_HELP)
     g.add_argument("--layer", type=positive_int, help="L, the layer of the whole vector (default: the model's last)")
-    g.add_argument("--dims", nargs="+", help="K FULL: the width view, (L, FULL) against its first K numbers (L, K)")
+    g.add_argument(
+        "--dims",
+        nargs="+",
+        type=width_ranges,
+        help="K FULL: the width view, (L, FULL) against its first K numbers (L, K)",
+    )
     g.add_argument("--exit", type=positive_int, help="N: the depth view, (L, FULL) against the exit's (N, FULL)")
     g.add_argument("--sentences", type=positive_int, help="the first N distinct STS-B test sentences (default: all)")
     g.add_argument("--seed", type=count, help="t-SNE's random_state (default 0)")
@@ -442,5 +461,7 @@ def register(sub, model_args) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.add_argument("--overwrite", action="store_true", help="replace a compression report already in --output")
     reads_and_writes(
-        p, ("results", "--model"), files=("report.md", "compression.json", "compression.md", "compression.png")
+        p,
+        ("results", "--model", "--data-dir"),
+        files=("report.md", "compression.json", "compression.md", "compression.png"),
     )

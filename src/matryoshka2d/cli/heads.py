@@ -180,7 +180,7 @@ def cmd_heads_fit(args) -> int:
 
 
 def register(sub, model_args) -> None:
-    from matryoshka2d.cli.args import positive_float, positive_int, reads_and_writes
+    from matryoshka2d.cli.args import exit_ranges, positive_float, positive_int, reads_and_writes
 
     p = sub.add_parser("heads", help="exit heads: a small map at every exit into the last layer's space")
     hsub = p.add_subparsers(dest="action", required=True)
@@ -210,7 +210,12 @@ def register(sub, model_args) -> None:
         "vectors of the embedding output and every layer up to its exit, side by side (stack; better cells, served "
         "by matryoshka2d and ONNX)",
     )
-    f.add_argument("--layers", nargs="*", help="exits to fit (default: every layer below the last)")
+    f.add_argument(
+        "--layers",
+        nargs="+",
+        type=exit_ranges,
+        help="exits to fit: 1 2 3, 1,2,3 or 1-5 (default: every layer below the last)",
+    )
     f.add_argument(
         "--select",
         choices=["auto", "sts-dev", "mse", "similarity"],

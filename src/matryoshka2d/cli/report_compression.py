@@ -8,6 +8,8 @@ from pathlib import Path
 
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
 
+REPORT_FILES = ("compression.json", "compression.md", "compression.png")
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr)
@@ -44,6 +46,7 @@ def report_compression(args) -> int:
     dims = parse_ints(args.dims, "dims")
     if args.exit is None and dims is None:
         raise ValueError("give --dims K FULL (the width view), --exit N (the depth view), or both")
+    paths = report_paths(args.output, args.overwrite)  # before the work: an earlier report is named at once
     texts = compression.stsb_sentences(data_dir(args.data_dir), args.sentences)
     seed = 0 if args.seed is None else args.seed
     perplexity = 30.0 if args.perplexity is None else args.perplexity
@@ -69,7 +72,17 @@ def report_compression(args) -> int:
         "to FULL; separate: one per set, the cut's layout turned onto the whole's (orthogonal Procrustes)",
         "models": records,
     }
-    paths = compression.write_report(panels, args.output, settings, overwrite=args.overwrite)
+    compression.write_report(panels, args.output, settings, overwrite=args.overwrite)  # through the one writer
     print(compression.markdown(panels), end="")
     print(f"report compression -> {', '.join(map(str, paths))}")
     return 0
+
+
+def report_paths(output, overwrite: bool) -> list[Path]:
+    """compression.json, .md and .png in `output`; an earlier report there is replaced only with --overwrite
+    (checked before any model loads; evaluate.compression.write_report checks it again for library callers)."""
+    out = Path(output)
+    paths = [out / name for name in REPORT_FILES]
+    if not overwrite and (old := [p for p in paths if p.exists() or p.is_symlink()]):
+        raise ValueError(f"--output {out} already holds {old[0].name}; pass --overwrite or choose another folder")
+    return paths

@@ -15,7 +15,9 @@ from matryoshka2d.cli.args import (
     positive_float,
     positive_int,
     reads_and_writes,
+    token_length,
 )
+from matryoshka2d.outputs import open_for_writing
 
 
 def _log(message: str) -> None:
@@ -186,19 +188,17 @@ def cmd_search(args) -> int:
     finally:
         if hasattr(index, "close"):
             index.close()  # a local-mode Qdrant folder stays locked while its client is open
-    out = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115 - closed below
-    try:
-        for query_id, text, ids, scores in zip(query_ids, texts, hits.ids, hits.scores, strict=True):
-            if out:
+    rows = zip(query_ids, texts, hits.ids, hits.scores, strict=True)
+    if args.output:  # through the one writer: a temporary file beside it, renamed into place when whole
+        with open_for_writing(args.output, "w", "--output") as out:
+            for query_id, text, ids, scores in rows:
                 row = {"query_id": query_id, "query": text, "ids": ids, "scores": scores}
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            elif len(texts) <= 20:
-                print(f"query: {text}")
-                for rank, (doc, score) in enumerate(zip(ids, scores, strict=True), start=1):
-                    print(f"  {rank:>3}. {doc}  {score:.4f}")
-    finally:
-        if out:
-            out.close()
+    elif len(texts) <= 20:
+        for _, text, ids, scores in rows:
+            print(f"query: {text}")
+            for rank, (doc, score) in enumerate(zip(ids, scores, strict=True), start=1):
+                print(f"  {rank:>3}. {doc}  {score:.4f}")
     n = len(texts)
     _log(
         f"{hits.description}: {n} queries, encoding {1000 * hits.encode_seconds / n:.2f} ms/query, "
@@ -264,7 +264,7 @@ def register(sub, model_args) -> None:
     b.add_argument("--batch-size", type=positive_int, default=64)
     b.add_argument("--shard-size", type=positive_int, default=2048, help="documents per resumable shard (2048)")
     b.add_argument(
-        "--max-length", type=positive_int, help="truncate documents to this many tokens (default: the model's)"
+        "--max-length", type=token_length, help="truncate documents to this many tokens (default: the model's)"
     )
     b.add_argument("--limit", type=positive_int, help="index only the first N documents")
     b.add_argument("--overwrite", action="store_true", help="replace a different build in --output")
