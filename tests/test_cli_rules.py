@@ -27,9 +27,10 @@ import pytest
 
 from conftest import WORDS
 from matryoshka2d import cli
-from matryoshka2d.cli import build_parser, main
+from matryoshka2d.cli import build_parser
 from matryoshka2d.outputs import is_writer_temporary
 from test_eval_retrieval import beir
+from test_rules_outputs_options_results import error_line, exit_code
 
 # ---- what a command opens for writing ------------------------------------------------------------------------------
 
@@ -64,21 +65,6 @@ def plain_writes_under(root: Path):
         _WATCHING.remove(opened)
         root = root.resolve()
         found += [p for p in opened if Path(p).resolve().is_relative_to(root) and not is_writer_temporary(p)]
-
-
-def exit_code(argv) -> int:
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
-
-
-def error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def every_command(parser, path=()):

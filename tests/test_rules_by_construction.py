@@ -30,11 +30,12 @@ import pytest
 
 from conftest import write_triplets
 from matryoshka2d import cli
-from matryoshka2d.cli import build_parser, main
+from matryoshka2d.cli import build_parser
 from matryoshka2d.cli.args import input_paths, reads_and_writes
 from matryoshka2d.outputs import is_writer_temporary
 from test_eval_retrieval import beir
 from test_eval_sts import sts_tree
+from test_rules_outputs_options_results import exit_code
 
 # ---- an audit hook that records opens and the writer's commits while a test asks it to -------------------------
 
@@ -67,13 +68,6 @@ def recording():
         yield events
     finally:
         _RECORDING.remove(events)
-
-
-def exit_code(argv) -> int:
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def state(root: Path) -> dict[str, tuple]:

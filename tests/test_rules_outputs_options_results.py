@@ -21,9 +21,9 @@ from test_sts_overlap import write_sts
 
 
 def exit_code(args) -> int:
-    """main's exit code, whether the command returned it or argparse exited with it."""
+    """main's exit code, whether the command returned it or argparse exited with it (paths may be given)."""
     try:
-        return main(args)
+        return main([str(a) for a in args])
     except SystemExit as exc:
         return exc.code
 
