@@ -19,62 +19,32 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from audit import opened_for_writing, recording
 from conftest import WORDS
 from matryoshka2d import cli
 from matryoshka2d.cli import build_parser
 from matryoshka2d.outputs import is_writer_temporary
 from test_eval_retrieval import beir
-from test_rules_outputs_options_results import error_line, exit_code
+from test_rules_outputs_options_results import error_line, every_command, exit_code
 
 # ---- what a command opens for writing ------------------------------------------------------------------------------
-
-_WATCHING: list[list[str]] = []
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-
-def _audit(event: str, args) -> None:
-    if not _WATCHING or event != "open":
-        return
-    path, mode, flags = args
-    if isinstance(path, int) or path is None:
-        return
-    writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
-    if writes:
-        _WATCHING[-1].append(os.fsdecode(path))
-
-
-sys.addaudithook(_audit)  # records only inside `plain_writes_under`
 
 
 @contextlib.contextmanager
 def plain_writes_under(root: Path):
     """Yields a list that, once the block ends, holds every file under `root` opened for writing that was not a
-    temporary file of the one writer (which renames its files into place)."""
-    opened: list[str] = []
+    temporary file of the one writer (which renames its files into place); tests/audit.py's hook."""
     found: list[str] = []
-    _WATCHING.append(opened)
-    try:
+    with recording() as events:
         yield found
-    finally:
-        _WATCHING.remove(opened)
-        root = root.resolve()
-        found += [p for p in opened if Path(p).resolve().is_relative_to(root) and not is_writer_temporary(p)]
-
-
-def every_command(parser, path=()):
-    """(words, parser) of every command and subcommand under `parser`."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from every_command(sub, (*path, name))
-    if path:
-        yield path, parser
+    root = root.resolve()
+    written = opened_for_writing(events)
+    found += [str(p) for p in written if p.resolve().is_relative_to(root) and not is_writer_temporary(p)]
 
 
 @pytest.fixture

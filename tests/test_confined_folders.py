@@ -14,59 +14,36 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from audit import opens, recording, writes
 from matryoshka2d.cli import main
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.outputs import is_writer_temporary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXTS = ["a red cat", "the old dog sleeps in the sun"]
 
-# ---- an audit hook that records every open() while a test watches ---------------------------------------------
-
-_opened: list | None = None  # the list being filled, or None: the hook cannot be removed once added, so it idles
-_hooked = False
-
-
-def _record_open(event, args):
-    if event == "open" and _opened is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _opened.append((os.path.abspath(os.fsdecode(args[0])), args[1], args[2]))
+# ---- what was opened while a test watches (tests/audit.py's hook) ---------------------------------------------
 
 
 @contextlib.contextmanager
 def watching_opens():
-    """Every file opened through Python while the block runs: (absolute path, mode, flags)."""
-    global _opened, _hooked
-    if not _hooked:
-        sys.addaudithook(_record_open)
-        _hooked = True
-    _opened = []
-    try:
-        yield _opened
-    finally:
-        _opened = None
+    """Every file opened through Python while the block runs: (absolute path, mode, flags) (tests/audit.py)."""
+    with recording() as events:
+        opened: list = []
+        yield opened
+    opened += opens(events)
 
 
 def opened_inside(opened, place: Path) -> list[str]:
     """The opened paths that, links followed, lie in `place`."""
     place = place.resolve()
     return [path for path, _, _ in opened if Path(path).resolve().is_relative_to(place)]
-
-
-def is_writer_temporary(path) -> bool:
-    """A temporary name of the one writer (outputs.TEMPORARY_MARK), or a path inside one."""
-    return any(".m2d-tmp-" in part for part in Path(path).parts)
-
-
-def is_write(mode, flags) -> bool:
-    if isinstance(mode, str):
-        return any(c in mode for c in "wax+")
-    return isinstance(flags, int) and bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
 
 
 # ---- fixtures: a tiny model folder, a pair, an outside model -------------------------------------------------
@@ -407,7 +384,7 @@ def test_a_model_save_and_a_pair_export_write_only_through_the_writers_temporary
             )
             == 0
         )
-    written = [p for p, mode, flags in opened if is_write(mode, flags) and Path(p).is_relative_to(tmp_path)]
+    written = [p for p, mode, flags in opened if writes(mode, flags) and Path(p).is_relative_to(tmp_path)]
     assert written and not [p for p in written if not is_writer_temporary(p)], written
     assert {"README.md", "matryoshka2d.json", "config.json"} <= {p.name for p in (tmp_path / "saved").iterdir()}
     assert not [p for p in tmp_path.rglob("*") if is_writer_temporary(p)]  # nothing temporary left behind

@@ -17,7 +17,6 @@ A throw-away command that writes with plain `open()` makes (a) fail: the tests b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from audit import announced, opened_for_writing, opened_under, recording
 from conftest import write_triplets
 from matryoshka2d import cli
 from matryoshka2d.cli import build_parser
@@ -35,39 +35,9 @@ from matryoshka2d.cli.args import input_paths, reads_and_writes
 from matryoshka2d.outputs import is_writer_temporary
 from test_eval_retrieval import beir
 from test_eval_sts import sts_tree
-from test_rules_outputs_options_results import exit_code
+from test_rules_outputs_options_results import every_command, exit_code
 
-# ---- an audit hook that records opens and the writer's commits while a test asks it to -------------------------
-
-_RECORDING: list[list[tuple[str, str]]] = []
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-
-def _audit(event: str, args) -> None:
-    if not _RECORDING:
-        return
-    if event == "open":
-        path, mode, flags = args
-        if isinstance(path, int) or path is None:
-            return
-        path = os.fsdecode(path)
-        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
-        _RECORDING[-1].append(("open-w" if writes else "open-r", path))
-    elif event in ("matryoshka2d.write", "matryoshka2d.append"):
-        _RECORDING[-1].append((event.split(".")[1], args[0]))
-
-
-sys.addaudithook(_audit)  # cannot be removed: it records only inside `recording`
-
-
-@contextlib.contextmanager
-def recording():
-    events: list[tuple[str, str]] = []
-    _RECORDING.append(events)
-    try:
-        yield events
-    finally:
-        _RECORDING.remove(events)
+# ---- what a command did: tests/audit.py's hook records opens and the writer's commits -----------------------
 
 
 def state(root: Path) -> dict[str, tuple]:
@@ -89,14 +59,13 @@ def contents(paths) -> dict[str, bytes]:
 def writes_outside_the_writer(events, before: dict, after: dict, root: Path) -> list[str]:
     """What a command did that the one writer did not: write-mode opens under `root` outside its temporary names
     (or an append it announced), and files new or changed under `root` that no commit of the writer covers."""
-    appended = {p for kind, p in events if kind == "append"}
-    committed = [Path(p) for kind, p in events if kind == "write"] + [Path(p) for p in appended]
-    problems = []
-    for kind, path in events:
-        absolute = Path(path).absolute()
-        announced = path in appended or str(absolute) in appended
-        if kind == "open-w" and absolute.is_relative_to(root) and not is_writer_temporary(absolute) and not announced:
-            problems.append(f"opened for writing outside the writer: {path}")
+    appended = {Path(p) for p in announced(events, "append")}
+    committed = [Path(p) for p in announced(events, "write")] + list(appended)
+    problems = [
+        f"opened for writing outside the writer: {path}"
+        for path in opened_for_writing(events)
+        if path.is_relative_to(root) and not is_writer_temporary(path) and path not in appended
+    ]
     for path, value in after.items():
         if before.get(path) == value or is_writer_temporary(path):
             continue
@@ -215,17 +184,14 @@ REFUSAL_ONLY = {
 }
 
 
-def every_command(parser, path=()):
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from every_command(sub, (*path, name))
-    if path and "func" in parser._defaults:
-        yield path, parser
+def commands_of(parser):
+    """(words, parser) of every command under `parser` that runs something (a group that only holds others
+    does not)."""
+    return [(words, sub) for words, sub in every_command(parser) if "func" in sub._defaults]
 
 
 def commands():
-    return [words for words, _ in every_command(build_parser())]
+    return [words for words, _ in commands_of(build_parser())]
 
 
 def test_every_command_has_an_invocation(work):
@@ -300,7 +266,7 @@ def never_run(monkeypatch):
 
     def stubbed():
         parser = real()
-        for words, sub in every_command(parser):
+        for words, sub in commands_of(parser):
             sub.set_defaults(func=lambda args, words=words: pytest.fail(f"{' '.join(words)} ran: not refused first"))
         return parser
 
@@ -482,11 +448,6 @@ def tampered_copies(folder: Path, decoy: Path, scratch: Path):
             yield f"{rel}:{'.'.join(map(str, where))} by {how}", copy
 
 
-def opened_inside(decoy: Path, events) -> list[str]:
-    decoy = decoy.resolve()
-    return [p for kind, p in events if kind.startswith("open") and Path(p).resolve().is_relative_to(decoy)]
-
-
 def read_model(folder):
     from matryoshka2d.models.encoder import ElasticEncoder
 
@@ -519,7 +480,7 @@ def folder_kinds(w: Work):
 
 
 def whole_folder_commands():
-    for words, parser in every_command(build_parser()):
+    for words, parser in commands_of(build_parser()):
         d = parser._defaults
         if d.get("output_option") and d.get("output_files") is None:
             yield words
@@ -554,7 +515,7 @@ def reads_outside(folder: Path, readers, tmp_path: Path, capsys) -> list[str]:
         for reader in readers:
             with recording() as events, contextlib.suppress(ValueError, OSError):
                 reader(copy)
-            if opened := opened_inside(decoy, events):
+            if opened := opened_under(events, decoy):
                 leaks.append(f"{label}: {reader.__name__} opened {opened}")
             if "Traceback" in capsys.readouterr().err:
                 leaks.append(f"{label}: {reader.__name__} printed a traceback")

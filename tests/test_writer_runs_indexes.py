@@ -6,16 +6,15 @@ refused, that folder byte for byte intact; a link in a file's place is replaced,
 run, checkpoint or index folder holding a link that leaves it is refused before anything in it is opened.
 """
 
-import contextlib
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from audit import opened_for_writing, opened_under, recording
 from matryoshka2d.cli import main
 from matryoshka2d.files import OutsideFolderError
 from matryoshka2d.outputs import TEMPORARY_MARK, OutputError, is_writer_temporary
@@ -26,51 +25,7 @@ from matryoshka2d.training.rundir import RunDir
 
 DOCS = [{"_id": f"d{i}", "text": f"document {i} about {w}"} for i, w in enumerate(["cats", "dogs", "rain"] * 4)]
 
-# ---- helpers: what was opened (an audit hook), and a folder's exact contents ------------------------------------
-
-_opens: list | None = None
-
-
-def _audit(event, args):
-    if event == "open" and _opens is not None:
-        _opens.append(args)
-
-
-sys.addaudithook(_audit)  # for the whole process; it records only inside `recorded_opens`
-
-
-@contextlib.contextmanager
-def recorded_opens():
-    """(path, mode, flags) of every file opened in the block (Python's `open` audit event)."""
-    global _opens
-    _opens = seen = []
-    try:
-        yield seen
-    finally:
-        _opens = None
-
-
-def opened_for_writing(opens) -> list[Path]:
-    written = []
-    for path, mode, flags in opens:
-        if isinstance(path, int):
-            continue  # an open file descriptor (os.fdopen): its open was recorded by name
-        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
-        if writes:
-            written.append(Path(os.fsdecode(path)))
-    return written
-
-
-def opened_under(opens, *folders: Path) -> list[str]:
-    """The paths opened (for reading or writing) that are, or lie in, one of `folders` (links resolved)."""
-    found = []
-    for path, _, _ in opens:
-        if isinstance(path, int):
-            continue
-        real = Path(os.fsdecode(path)).resolve()
-        if any(real == f.resolve() or real.is_relative_to(f.resolve()) for f in folders):
-            found.append(str(path))
-    return found
+# ---- helpers: what was opened (tests/audit.py's hook), and a folder's exact contents ---------------------------
 
 
 def snapshot(folder: Path) -> dict:
@@ -173,7 +128,7 @@ def test_checkpoints_are_written_under_temporary_names_and_old_ones_pruned_witho
     (run.checkpoints).mkdir(parents=True)
     (run.checkpoints / "step-0000000").symlink_to(other / "checkpoints" / "step-0000003", target_is_directory=True)
     (run.checkpoints / ".step-0000001.m2d-tmp-left").mkdir()  # what a killed save left
-    with recorded_opens() as opens:
+    with recording() as opens:
         save(run, 1)
         save(run, 2)
     written = opened_for_writing(opens)
@@ -191,7 +146,7 @@ def test_a_checkpoint_holding_a_link_out_is_skipped_without_opening_the_link(tmp
     secret = tmp_path / "secret.txt"
     secret.write_text("outside")
     (run.checkpoints / "step-0000002" / "notes.txt").symlink_to(secret)
-    with recorded_opens() as opens:
+    with recording() as opens:
         folder, state = checkpoints.load_latest(run.checkpoints, "cpu")
     assert folder.name == "step-0000001" and state["step"] == 1  # the newest is refused as a whole
     assert not opened_under(opens, secret, run.checkpoints / "step-0000002")
@@ -207,7 +162,7 @@ def test_a_resume_of_a_run_whose_log_links_out_is_refused_before_it_is_read(tiny
         RunDir(run).trim_log(0)
     args = ["train", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(files / "triplets.tsv")]
     args += ["--eval-file", str(files / "dev.tsv"), "--steps", "1", "--output", str(run), "--resume"]
-    with recorded_opens() as opens:
+    with recording() as opens:
         assert main(args) == 2
     assert "leaves the run folder" in one_line_error(capsys)
     assert not opened_under(opens, secret) and secret.read_text() == '{"step": 1, "loss": 1.0}\n'
@@ -227,7 +182,7 @@ def test_the_final_save_replaces_links_in_the_output_and_never_writes_through_th
     (out / "2_Dense").symlink_to(other / "2_Dense", target_is_directory=True)
     (out / ".saving-model").mkdir()
     (out / ".saving-model" / "config.json").write_text("{}")
-    with recorded_opens() as opens:
+    with recording() as opens:
         checkpoints.save_model_atomically(lambda folder: tiny_bert.save(folder, metadata={"new": True}), out)
     assert snapshot(other) == before
     assert not (out / "config.json").is_symlink() and json.loads((out / "config.json").read_text()) != {
@@ -292,7 +247,7 @@ def test_search_hits_replace_a_link_in_their_place_and_never_write_through_it(bu
     kept.write_text("a file the link points at")
     dest = tmp_path / "hits.jsonl"
     dest.symlink_to(kept)
-    with recorded_opens() as opens:
+    with recording() as opens:
         assert main(search_args(built, tiny_dir, "--output", str(dest))) == 0
     assert kept.read_text() == "a file the link points at" and not dest.is_symlink()
     assert json.loads(dest.read_text())["query"] == "cats"
@@ -311,7 +266,7 @@ def test_an_index_holding_a_link_out_is_refused_before_anything_in_it_is_opened(
     else:
         outside.write_text("not the index's")
     (index / name).symlink_to(outside)
-    with recorded_opens() as opens, pytest.raises(IndexBuildError, match="leaves the index folder"):
+    with recording() as opens, pytest.raises(IndexBuildError, match="leaves the index folder"):
         CellIndex(index)
     assert not opened_under(opens, index, outside)
 
@@ -338,7 +293,7 @@ def test_index_build_never_writes_through_links_and_refuses_a_linked_shards_fold
         kept[name] = tmp_path / f"kept-{name}"
         kept[name].write_text(f"kept {name}")
         (out / name).symlink_to(kept[name])
-    with recorded_opens() as opens:
+    with recording() as opens:
         manifest = build_index(tiny_bert, corpus, [(4, 32)], out, shard_size=5, log=lambda m: None)
     assert manifest["complete"] and manifest["documents"] == len(DOCS)
     for name, path in kept.items():
