@@ -381,15 +381,24 @@ def check_writable(folder: str | os.PathLike, option: str) -> None:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise OutputError(f"{option} {folder}: {probe} is a file, not a folder; choose another {option}")
-    try:
-        fd, name = tempfile.mkstemp(prefix=f".probe{TEMPORARY_MARK}", dir=probe)
-    except OSError as exc:
+    if (problem := writing_problem(probe)) is not None:
         raise OutputError(
-            f"{option} {folder}: {probe} cannot be written ({exc.strerror or exc}); nothing was done: choose a "
+            f"{option} {folder}: {probe} cannot be written ({problem}); nothing was done: choose a "
             f"folder that can be written for {option}"
-        ) from None
+        )
+
+
+def writing_problem(folder: str | os.PathLike) -> str | None:
+    """Why nothing can be written into the existing `folder`, or None: found by trying (a permission check does
+    not see a read-only mount or an immutable folder, and root passes it everywhere). The probe is a new empty file
+    under this module's temporary name, removed at once."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".probe{TEMPORARY_MARK}", dir=folder)
+    except OSError as exc:
+        return exc.strerror or str(exc)
     os.close(fd)
     os.unlink(name)
+    return None
 
 
 def is_writer_temporary(path: str | os.PathLike) -> bool:
@@ -419,4 +428,5 @@ __all__ = [
     "write_json",
     "write_text",
     "writing",
+    "writing_problem",
 ]

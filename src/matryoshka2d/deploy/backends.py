@@ -30,7 +30,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -116,25 +115,12 @@ def default_cache_folder(encoder: ElasticEncoder, digest: str) -> Path:
     location = Path(encoder.location) if encoder.location else None
     installed = location is not None and {"site-packages", "dist-packages"} & set(location.resolve().parts)
     beside = location is not None and location.is_dir() and not installed
-    if beside and ((location / CACHE_FOLDER).is_dir() or writing_problem(location) is None):
+    if beside and ((location / CACHE_FOLDER).is_dir() or outputs.writing_problem(location) is None):
         return location / CACHE_FOLDER
     from matryoshka2d.models.backbones import cache_dir
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(encoder.name)).strip("-") or "model"
     return cache_dir() / CACHE_FOLDER / f"{name}-{digest[:12]}"
-
-
-def writing_problem(folder: Path) -> str | None:
-    """Why nothing can be written into the existing `folder` (by trying: a permission check does not see a
-    read-only mount or an immutable folder, and root passes it everywhere), or None. The probe is a new empty file
-    under the one writer's temporary name, removed at once."""
-    try:
-        fd, name = tempfile.mkstemp(dir=folder, prefix=f".write-test{outputs.TEMPORARY_MARK}")
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    os.close(fd)
-    os.unlink(name)  # the probe this call just made (as outputs.check_writable does)
-    return None
 
 
 def cache_folder_problem(folder: str | Path) -> str | None:
@@ -245,7 +231,7 @@ class GraphCache:
             outputs.make_folder(self.folder, check=False)  # its files are checked one by one as they are written
         except OSError as exc:
             return exc.strerror or str(exc)
-        return writing_problem(self.folder)
+        return outputs.writing_problem(self.folder)
 
     def add(self, layer: int, quantize: str | None, details: dict) -> Path:
         """Record the graph written at `path_of(layer, quantize)` with its checksum and cache key (the manifest is
