@@ -1,7 +1,7 @@
 """The server as a product (issue 40): the API key, /metrics, the bound on waiting work, the drain on SIGTERM,
-input_type routing to a query encoder or a query cell, and adaptive depth (its controller on a synthetic cost
-model: no timing here). In-process apps through FastAPI's TestClient; real `serve` processes where a signal or the
-log is what is tested."""
+input_type routing to a query encoder or a query cell, and adaptive depth (its ladder on a synthetic cost model: no
+timing here; the ladder's own tests are tests/test_ladder.py). In-process apps through FastAPI's TestClient; real
+`serve` processes where a signal or the log is what is tested."""
 
 import asyncio
 import json
@@ -23,7 +23,8 @@ from fastapi.testclient import TestClient
 from conftest import TINY, WORDS, tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.deploy.admission import Admission
-from matryoshka2d.deploy.depth import DepthController, LayerCost, Work, aligned_layers, along_depth
+from matryoshka2d.deploy.depth import LayerCost, aligned_layers, along_depth
+from matryoshka2d.deploy.ladder import Ladder, Rung
 from matryoshka2d.deploy.server import ServerLimits, create_app
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.heads import fit_heads
@@ -64,7 +65,13 @@ def fixed_cost(per_layer_ms: dict[int, tuple[float, float]]) -> LayerCost:
     return line(per_layer_ms, FixedCost)
 
 
-# -- the depth controller, on a synthetic cost model ----------------------------------------------------------------
+def ladder_of(encoder: str, layers: list[int], cost: LayerCost) -> Ladder:
+    """A ladder of `encoder`'s layers, the deepest of quality 1 and each shallower one a tenth less a layer."""
+    deepest = max(layers)
+    return Ladder([Rung(encoder, n, 1 - 0.1 * (deepest - n), cost=cost) for n in layers], 50.0, cores=1.0)
+
+
+# -- the cost model, on synthetic lines -----------------------------------------------------------------------------
 SYNTHETIC = {1: (1.0, 0.02), 2: (1.0, 0.04), 3: (1.0, 0.06), 4: (1.0, 0.08)}  # ms = 1 + 0.02 x layer x tokens
 
 
@@ -88,64 +95,6 @@ def test_a_layer_timed_off_the_line_of_the_others_is_put_back_on_it_and_the_stat
     assert along_depth({1: 5.0, 2: 4.0, 3: 3.0}) == {1: 5.0, 2: 4.0, 3: 3.0}  # falling with depth: kept as measured
 
 
-def test_with_nothing_waiting_the_controller_keeps_the_full_depth():
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC))
-    assert controller.choose(Work(1, 10, 0.0)) == 4
-    assert controller.choose(Work(8, 80, 1.0)) == 4  # 1 + 1 + 0.08 x 80 = 8.4 ms
-
-
-def test_a_backlog_sheds_depth_to_the_deepest_layer_that_meets_the_target_never_below_the_floor():
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC))
-    batch = Work(texts=16, tokens=160, waited_ms=2.0)
-    # layer 4: 2 + (1 + 12.8) = 15.8 for the batch, then the backlog of 400 tokens waiting 3 ms: 3 + 13.8 + 33 = 49.8
-    assert controller.choose(batch, Work(40, 400, 3.0)) == 4
-    # 500 tokens behind it: layer 4 gives 3 + 13.8 + 41 = 57.8 > 50; layer 3: 3 + 10.6 + 31 = 44.6
-    assert controller.choose(batch, Work(50, 500, 3.0)) == 3
-    # 1,000 tokens: layer 2 gives 3 + 7.4 + 41 = 51.4; layer 1: 3 + 4.2 + 21 = 28.2
-    assert controller.choose(batch, Work(100, 1000, 3.0)) == 1
-    # another group of the same round (a fixed layer) runs ahead of the backlog: 10 ms more push layer 3 out
-    assert controller.choose(batch, Work(50, 500, 3.0), fixed_ms=10.0) == 2
-    floored = DepthController([1, 2, 3, 4], 2, 50.0, fixed_cost(SYNTHETIC))
-    assert floored.layers == [2, 3, 4]
-    assert floored.choose(batch, Work(1000, 10000, 40.0)) == 2  # nothing meets it: the floor, never below
-
-
-def test_below_the_full_depths_capacity_a_burst_may_take_up_to_three_times_the_target_before_depth_is_shed():
-    controller = DepthController([1, 2, 3, 4], 1, 50.0, fixed_cost(SYNTHETIC))
-    batch = Work(texts=16, tokens=160, waited_ms=2.0)
-    # the full depth answers the backlog of 500 tokens in 57.8 ms: past the target, within three times it
-    assert controller.choose(batch, Work(50, 500, 3.0), demand=0.6) == 4
-    assert controller.choose(batch, Work(50, 500, 3.0), demand=1.0) == 3  # at capacity: the target holds
-    assert controller.choose(batch, Work(50, 500, 3.0)) == 3  # no demand measured: the target holds
-    # 1,600 tokens: layer 4 needs 3 + 13.8 + 129 = 145.8 ms, within 150; 1,700 tokens (153.8 ms) are not
-    assert controller.choose(batch, Work(160, 1600, 3.0), demand=0.6) == 4
-    assert controller.choose(batch, Work(170, 1700, 3.0), demand=0.6) == 3  # 3 + 10.6 + 103 = 116.6
-
-
-def test_the_demand_is_the_full_depths_time_for_the_last_seconds_arrivals_at_the_machines_present_speed():
-    from matryoshka2d.deploy.depth import Demand
-
-    cost = line(SYNTHETIC)
-    demand = Demand(cost, full=4, window=1.0)
-    assert demand.share(10.0) == 0.0
-    demand.add(10.0, texts=10, tokens=100)  # adaptive: 10 texts of 10 tokens at layer 4, 1.8 ms each
-    demand.add(10.5, texts=1, tokens=50, layer=2)  # a request that names layer 2 costs what layer 2 costs: 3 ms
-    demand.add(10.6, texts=1, tokens=50, layer=9)  # a layer the cost model does not know: at full depth, 5 ms
-    assert demand.share(10.9) == pytest.approx((18 + 3 + 5) / 1000)
-    for _ in range(200):  # the machine got twice as slow: the demand follows
-        cost.observe(4, 100, 2 * (1 + 0.08 * 100))
-        cost.observe(4, 10, 2 * (1 + 0.08 * 10))
-    assert demand.share(10.9) == pytest.approx(2 * 26 / 1000, rel=0.01)
-    assert demand.share(11.2) == pytest.approx(2 * 8 / 1000, rel=0.01)  # the first arrivals left the window
-
-
-def test_the_controller_refuses_a_floor_it_cannot_use_and_a_target_that_is_no_time():
-    with pytest.raises(ValueError, match="--min-layer 5"):
-        DepthController([1, 2, 3, 4], 5, 50.0, fixed_cost(SYNTHETIC))
-    with pytest.raises(ValueError, match="--target-ms must be positive"):
-        DepthController([1, 2, 3, 4], 1, 0.0, fixed_cost(SYNTHETIC))
-
-
 class Gate:
     """A backend that answers each text with its layer (in every number), once its gate is open."""
 
@@ -162,35 +111,6 @@ class Gate:
 
     def describe(self):
         return {"backend": "gate", "precision": "fp32"}
-
-
-def test_the_batcher_asks_the_controller_per_batch_and_each_request_hears_its_layer(tokenizer):
-    from matryoshka2d.deploy.micro_batching import MicroBatcher
-
-    gate = Gate(tokenizer)
-    gate.open.set()
-    # layer 4 costs 100 ms a call whatever its size, layer 2 1 ms: one request alone fits layer 4 (100 < 150), a
-    # backlog behind a batch does not (100 + 100 > 150), so the batch goes to layer 2; with the one before, the crowd
-    # of 12 asks for 1.3 s of the model's last second at full depth (demand 1.3), so the target holds without slack
-    cost = fixed_cost({2: (1.0, 0.0), 4: (100.0, 0.0)})
-    controller = DepthController([2, 4], 2, 150.0, cost)
-
-    async def run():
-        batcher = MicroBatcher(gate, max_batch=4, max_wait=0.0, controller=controller)
-        batcher.start()
-        try:
-            alone = await batcher.answer(["alone"], None)
-            crowd = await asyncio.gather(*(batcher.answer([f"t{i}"], None) for i in range(12)))
-            fixed = await batcher.answer(["named"], 3)
-            return alone, crowd, fixed
-        finally:
-            await batcher.stop()
-
-    (vectors, layer), crowd, fixed = asyncio.run(run())
-    assert layer == 4 and vectors[0, 0] == 4.0
-    layers = [layer for _, layer in crowd]
-    assert 2 in layers and all(v[0, 0] == layer for v, layer in crowd)  # each answer says the layer that made it
-    assert fixed[1] == 3 and fixed[0][0, 0] == 3.0  # a request that names its layer gets exactly that layer
 
 
 # -- the guards --------------------------------------------------------------------------------------------------
@@ -228,7 +148,7 @@ def test_an_empty_key_is_refused_at_start(plain, monkeypatch):
 def test_metrics_parse_as_prometheus_text_and_count_what_happened(aligned):
     from prometheus_client.parser import text_string_to_metric_families
 
-    app = create_app(aligned, "tiny", depth=DepthController([1, 2, 3, 4], 1, 1e6, fixed_cost(SYNTHETIC)))
+    app = create_app(aligned, "tiny", ladder=ladder_of("tiny", [1, 2, 3, 4], fixed_cost(SYNTHETIC)))
     with TestClient(app) as client:
         client.post("/v1/embeddings", json={"model": "tiny", "input": ["red cat", "blue dog"]})
         client.post("/v1/embeddings", json={"model": "tiny", "input": "red cat", "layer": 2})
@@ -240,13 +160,17 @@ def test_metrics_parse_as_prometheus_text_and_count_what_happened(aligned):
     assert samples[("matryoshka2d_requests_total", (("route", "/v1/embeddings"), ("status", "404")))] == 1
     assert samples[("matryoshka2d_embeddings_total", (("encoder", "tiny"), ("layer", "4")))] == 2
     assert samples[("matryoshka2d_embeddings_total", (("encoder", "tiny"), ("layer", "2")))] == 1
-    assert samples[("matryoshka2d_adaptive_batches_total", (("layer", "4"),))] == 1
+    assert samples[("matryoshka2d_rung_quality", (("encoder", "tiny"), ("layer", "3")))] == pytest.approx(0.9)
+    assert samples[("matryoshka2d_rung_share", (("encoder", "tiny"), ("layer", "4")))] == 1.0  # nothing waits
+    for phase in ("http", "parse", "tokenize", "queue", "handoff", "model", "answer"):
+        assert samples[("matryoshka2d_phase_duration_seconds_count", (("phase", phase),))] == 2
     assert samples[("matryoshka2d_tokens_total", (("encoder", "tiny"),))] > 0
     assert samples[("matryoshka2d_queue_texts", ())] == 0
     for name in (
         "matryoshka2d_request_duration_seconds",
         "matryoshka2d_batch_texts",
         "matryoshka2d_model_duration_seconds",
+        "matryoshka2d_phase_duration_seconds",
     ):
         assert families[name].type == "histogram"
 
@@ -474,12 +398,14 @@ def test_a_query_model_may_not_take_a_name_of_the_served_model(plain):
 
 # -- adaptive depth ------------------------------------------------------------------------------------------------
 def test_adaptive_answers_say_their_layer_and_a_named_layer_is_kept(aligned):
-    controller = DepthController(aligned_layers(aligned), 1, 1e6, fixed_cost(SYNTHETIC))
-    app = create_app(aligned, "tiny", depth=controller)
+    app = create_app(aligned, "tiny", ladder=ladder_of("tiny", aligned_layers(aligned), fixed_cost(SYNTHETIC)))
     with TestClient(app) as client:
         adaptive = embed(client)
         assert adaptive.headers["x-matryoshka2d-layer"] == "4"  # nothing waits: the full depth
-        assert [d["layer"] for d in adaptive.json()["data"]] == [4, 4]
+        assert [(d["layer"], d["encoder"]) for d in adaptive.json()["data"]] == [(4, "tiny"), (4, "tiny")]
+        timing = dict(part.split("=") for part in adaptive.headers["x-matryoshka2d-phases"].split(","))
+        assert set(timing) == {"http", "parse", "tokenize", "queue", "handoff", "model", "answer"}
+        assert float(adaptive.headers["x-total-time"]) >= float(adaptive.headers["x-inference-time"]) > 0
         assert embed(client, layer="auto").json()["layer"] == 4
         named = embed(client, layer=2).json()
         assert named["layer"] == 2 and named["data"][0]["layer"] == 2
@@ -495,7 +421,7 @@ def test_adaptive_depth_is_refused_on_a_model_without_aligned_exits(tiny_dir, ca
     serve = ["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0", "--adaptive-depth"]
     assert main(serve) == 2
     err = capsys.readouterr().err
-    assert "not aligned to its last layer" in err and "distill --mode shared" in err
+    assert "not aligned to its last layer" in err and "distill --mode shared" in err and "--query-model" in err
     assert main(["serve", "--model", str(tiny_dir), "--pooling", "mean", "--port", "0", "--target-ms", "40"]) == 2
     assert "add --adaptive-depth" in capsys.readouterr().err
 

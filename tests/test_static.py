@@ -315,22 +315,20 @@ def test_a_bare_distill_mode_static_runs_the_static_recipe_and_says_so(teacher, 
     assert record["training"]["lr"] == 1e-3 and record["training"]["weight_decay"] == 0.1
 
 
-def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_the_floor_of_adaptive_depth(student, teacher):
+def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_adaptive_depth(student, teacher):
     """Layer 0 is served where a cell is: `layer: 0` (and MODEL@0xD), a static cell folder as the query side of its
-    teacher (`serve --query-model`, input_type "query"), and the shallowest layer adaptive depth may shed to."""
+    teacher (`serve --query-model`, input_type "query"), and a rung of the teacher's ladder (deploy/ladder.py)."""
     from fastapi.testclient import TestClient
 
-    from matryoshka2d.deploy.depth import DepthController, LayerCost, Work, aligned_layers
+    from matryoshka2d.deploy.depth import LayerCost, aligned_layers
+    from matryoshka2d.deploy.ladder import Ladder, Rung
     from matryoshka2d.deploy.server import create_app
 
     model = ElasticEncoder(str(student), device="cpu")
     texts = ["red cat sleeps", "blue dog"]
     expected = model.encode(texts, layer=0, normalize=True)
     assert aligned_layers(model)[0] == 0  # the static cell's head maps into the last layer's space
-    cost = LayerCost({n: [(0.0, 1.0), (100.0, 1.0 + 10 * n)] for n in aligned_layers(model)})
-    controller = DepthController(aligned_layers(model), 0, 50.0, cost)
-    assert controller.choose(Work(64, 1000, 10.0)) == 0  # nothing else meets the target: the static cell
-    with TestClient(create_app(model, "m", depth=controller)) as client:
+    with TestClient(create_app(model, "m")) as client:
         by_layer = client.post("/v1/embeddings", json={"model": "m", "input": texts, "layer": 0}).json()
         by_name = client.post("/v1/embeddings", json={"model": "m@0x16", "input": texts}).json()
         assert by_layer["layer"] == 0 and by_name["layer"] == 0
@@ -341,8 +339,65 @@ def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_the_floor_
             atol=1e-5,
         )
     documents = ElasticEncoder(str(teacher), device="cpu")
+    full = documents.encode(texts, normalize=True)
     app = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0})
     with TestClient(app) as client:
         queries = client.post("/v1/embeddings", json={"model": "t", "input": texts, "input_type": "query"}).json()
         assert {(d["layer"], d["encoder"]) for d in queries["data"]} == {(0, "t-static")}
         np.testing.assert_allclose([d["embedding"] for d in queries["data"]], expected, atol=1e-5)
+    # A ladder of the teacher's full depth and the static cell, the full depth far past any budget: open requests go
+    # to the static cell and say so; documents and a named layer never move.
+    slow = LayerCost({4: [(0.0, 1e6), (100.0, 1e6)]})
+    cheap = LayerCost({0: [(0.0, 0.01), (100.0, 0.01)]})
+    ladder = Ladder([Rung("t", 4, 1.0, cost=slow), Rung("t-static", 0, 0.8, cost=cheap)], 50.0, cores=1.0)
+    app = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0}, ladder=ladder)
+    with TestClient(app) as client:
+        for body in ({}, {"layer": "auto"}):
+            answer = client.post("/v1/embeddings", json={"model": "t", "input": texts, **body})
+            reply = answer.json()
+            assert reply["encoder"] == "t-static" and reply["layer"] == 0
+            assert {(d["layer"], d["encoder"]) for d in reply["data"]} == {(0, "t-static")}
+            assert (
+                answer.headers["x-matryoshka2d-encoder"] == "t-static" and answer.headers["x-matryoshka2d-layer"] == "0"
+            )
+            np.testing.assert_allclose([d["embedding"] for d in reply["data"]], expected, atol=1e-5)
+        document = client.post("/v1/embeddings", json={"model": "t", "input": texts, "input_type": "document"}).json()
+        assert {(d["layer"], d["encoder"]) for d in document["data"]} == {(4, "t")}
+        np.testing.assert_allclose([d["embedding"] for d in document["data"]], full, atol=1e-5)
+        named = client.post("/v1/embeddings", json={"model": "t", "input": texts, "layer": 2}).json()
+        assert named["layer"] == 2 and named["data"][0]["encoder"] == "t"
+        described = client.get("/v1/models/t").json()["adaptive_depth"]
+        assert [(r["encoder"], r["layer"], r["quality"]) for r in described["rungs"]] == [
+            ("t", 4, 1.0),
+            ("t-static", 0, 0.8),
+        ]
+
+
+def test_a_rung_of_another_models_space_is_refused_at_start(student, teacher, other_teacher, sentences, capsys):
+    """--adaptive-depth with a query encoder of another model: refused before the server listens; with one of this
+    model, and no exit heads, the ladder is the full depth and the static cell, its quality measured at start."""
+    serve = ["serve", "--port", "0", "--adaptive-depth", "--query-model", str(student), "--max-length", "16"]
+    assert main([*serve, "--model", str(other_teacher)]) == 2
+    assert "was distilled from" in capsys.readouterr().err
+    plain = ["serve", "--port", "0", "--adaptive-depth", "--model", str(teacher)]
+    assert main(plain) == 2
+    assert "no --query-model is served beside it" in capsys.readouterr().err
+
+
+def test_the_ladder_measures_each_rungs_quality_on_the_texts_its_distill_record_names(student, teacher, sentences):
+    from matryoshka2d.deploy.backends import TorchBackend
+    from matryoshka2d.deploy.ladder import build_ladder, calibration_texts
+    from matryoshka2d.models.identity import query_encoder_record
+
+    model = ElasticEncoder(str(student), device="cpu")
+    documents = ElasticEncoder(str(teacher), device="cpu")
+    texts, source = calibration_texts(None, [query_encoder_record(model)], documents.tokenizer)
+    assert "sentence files" in source and texts[0] == sentences.read_text().split("\n")[0]
+    ladder = build_ladder("t", TorchBackend(documents), [4], {"s": (TorchBackend(model), 0)}, 50.0, texts)
+    full, static = ladder.rungs
+    assert (full.encoder, full.layer, full.quality) == ("t", 4, 1.0)
+    expected = float(
+        np.mean(np.sum(model.encode(texts, layer=0, normalize=True) * documents.encode(texts, normalize=True), 1))
+    )
+    assert (static.encoder, static.layer) == ("s", 0) and static.quality == pytest.approx(expected, abs=1e-4)
+    assert full.cost.layers == [4] and static.cost.layers == [0]

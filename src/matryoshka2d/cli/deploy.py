@@ -90,6 +90,12 @@ def check_listen(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
+    if args.workers > 1:  # N processes on one port, each this same command as one worker (deploy/workers.py)
+        from matryoshka2d.deploy.workers import check_workers, serve_in_workers
+
+        check_workers(args.workers)
+        check_listen(args.host, args.port)  # once here, before any worker loads a model
+        return serve_in_workers(args.argv, args.workers, args.host, args.port, args.drain_seconds)
     from matryoshka2d.cli.args import load_encoder
     from matryoshka2d.deploy.server import ServerLimits, serve
 
@@ -105,7 +111,15 @@ def cmd_serve(args) -> int:
         ]
         raise ValueError(f"{', '.join(used)} apply to --backend onnx; the torch backend serves every layer in fp32")
     layers = parse_layers(args.layers) if args.layers is not None else None
-    depth_flags = [f for f, v in (("--target-ms", args.target_ms), ("--min-layer", args.min_layer)) if v is not None]
+    depth_flags = [
+        f
+        for f, v in (
+            ("--target-ms", args.target_ms),
+            ("--min-layer", args.min_layer),
+            ("--calibration-texts", args.calibration_texts),
+        )
+        if v is not None
+    ]
     if depth_flags and not args.adaptive_depth:
         raise ValueError(f"{', '.join(depth_flags)} set how --adaptive-depth sheds depth; add --adaptive-depth")
     from matryoshka2d.deploy.admission import Admission
@@ -157,15 +171,19 @@ def cmd_serve(args) -> int:
         students = {f"{args.served_name or args.model}-query": pair}  # checked against the teacher at export
     from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
 
-    own_layers = {}
+    own_layers, query_records = {}, []
     for student_name, student in students.items():  # 0 for a static cell (distill --mode static), else its last
         record = query_encoder_record(student)
+        query_records += [record] if record else []
         own_layers[student_name] = query_encoder_layer(record, student) if record else student.num_layers
     adaptive_layers = None
     if args.adaptive_depth:  # checked on the encoder (its heads), before any graph is built
         from matryoshka2d.deploy.depth import check_aligned
 
-        adaptive_layers = check_aligned(encoder, args.min_layer, layers or list(range(1, encoder.num_layers + 1)))
+        served_layers = [*([0] if 0 in encoder.layers else []), *(layers or range(1, encoder.num_layers + 1))]
+        adaptive_layers = check_aligned(encoder, args.min_layer, served_layers, len(students))
+        if args.backend == "onnx" and 0 in adaptive_layers and layers is not None:
+            layers = sorted({0, *layers})  # the static cell is a rung: served beside the graphs
     model = encoder
     if args.backend == "onnx":
         from matryoshka2d.deploy.backends import OnnxBackend
@@ -196,13 +214,10 @@ def cmd_serve(args) -> int:
         from matryoshka2d.deploy.backends import TorchBackend
 
         model = TorchBackend(encoder, args.batch_size)  # the controller measures the backend that serves
-    depth = None
+    name = args.served_name or args.model
+    ladder = None
     if args.adaptive_depth:
-        from matryoshka2d.deploy.depth import DepthController, LayerCost
-
-        print(f"adaptive depth: measuring the cost of layers {adaptive_layers}...", file=sys.stderr)
-        cost = LayerCost.measure(model, adaptive_layers)
-        depth = DepthController(adaptive_layers, adaptive_layers[0], args.target_ms or 50.0, cost)
+        ladder = adaptive_ladder(args, name, model, adaptive_layers, students, own_layers, query_records)
     limits = ServerLimits(
         max_inputs=args.max_inputs,
         max_body_bytes=args.max_body_bytes,
@@ -214,7 +229,6 @@ def cmd_serve(args) -> int:
         max_queue_ms=args.max_queue_ms,
         max_input_chars=args.max_input_chars,
     )
-    name = args.served_name or args.model
     kind = f"onnx {args.quantize or 'fp32'}" if args.backend == "onnx" else "torch"
     print(
         f"serving {name} ({kind}): {model.num_layers} layers x {model.hidden_size} dims on http://{args.host}:"
@@ -225,8 +239,9 @@ def cmd_serve(args) -> int:
     if args.max_queue_ms is not None:
         guards.append(f"nor more than {args.max_queue_ms:g} ms of the model's time")
     guards.append("API key required (Authorization: Bearer)" if admission.needs_key else "no API key (open to all)")
-    if depth is not None:
-        guards.append(f"adaptive depth: layers {depth.layers}, target {depth.target_ms:g} ms")
+    if ladder is not None:
+        rungs = ", ".join(f"{r.name} ({r.quality:.3f})" for r in ladder.rungs)
+        guards.append(f"adaptive depth: rungs {rungs}; target {ladder.target_ms:g} ms")
     if query_cell is not None:
         guards.append(f"input_type query -> {name}@{query_cell[0]}x{query_cell[1]}")
     print("; ".join(guards), file=sys.stderr)  # the key itself is never printed
@@ -243,10 +258,32 @@ def cmd_serve(args) -> int:
         query_models=students,
         query_layers=own_layers,
         query_cell=query_cell,
-        depth=depth,
+        ladder=ladder,
         admission=admission,
     )
     return 0
+
+
+def adaptive_ladder(args, name: str, model, layers: list[int], students: dict, own_layers: dict, records: list):
+    """The ladder of --adaptive-depth (deploy/ladder.py): the model's aligned `layers` and every query encoder
+    (`records`: their distill records, which name the texts they learned from), each rung's cost and quality
+    measured on the backend that serves it."""
+    from matryoshka2d.deploy.backends import TorchBackend
+    from matryoshka2d.deploy.ladder import build_ladder, calibration_texts
+    from matryoshka2d.models.encoder import ElasticEncoder
+
+    queries = {
+        student: (TorchBackend(q, args.batch_size) if isinstance(q, ElasticEncoder) else q, own_layers[student])
+        for student, q in students.items()
+    }
+    texts, source = calibration_texts(args.calibration_texts, records, model.tokenizer)
+    rungs = [f"{name}@{n}" for n in layers] + [f"{q}@{layer}" for q, (_, layer) in queries.items()]
+    print(
+        f"adaptive depth: measuring the cost of {', '.join(rungs)}, and their quality on {len(texts)} texts of "
+        f"{source}...",
+        file=sys.stderr,
+    )
+    return build_ladder(name, model, layers, queries, args.target_ms or 50.0, texts)
 
 
 def query_models(args, encoder) -> dict:
@@ -440,14 +477,36 @@ def register(sub, model_args) -> None:
         help="on SIGTERM: 503 to new requests, and this long at most to answer the accepted ones before exiting",
     )
     p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="server processes on the one port, each with its own model and bounds, started and drained together "
+        "(at most the CPUs this process may use; Linux)",
+    )
+    p.add_argument(
         "--adaptive-depth",
         action="store_true",
-        help='requests that name no layer (or layer "auto") are answered at the deepest exit that meets '
-        "--target-ms under the present load, never below --min-layer; needs exits aligned to the last layer "
-        "(exit heads, or a `distill --mode shared` model)",
+        help='requests that name no layer (or layer "auto") are answered by a ladder of rungs that all answer in the '
+        "model's space: its full depth, its exits with heads (down to --min-layer), its static cell, and every "
+        "--query-model; the mix of rungs with the most quality that the present arrival rate leaves time for",
     )
-    p.add_argument("--target-ms", type=positive_float, help="adaptive depth: the latency target per batch (default 50)")
-    p.add_argument("--min-layer", type=count, help="adaptive depth: the shallowest layer (default: the first aligned)")
+    p.add_argument(
+        "--target-ms",
+        type=positive_float,
+        help="adaptive depth: the latency target; a backlog past it sends open requests to the cheapest rung until "
+        "it drains (default 50)",
+    )
+    p.add_argument(
+        "--min-layer", type=count, help="adaptive depth: the model's shallowest exit on the ladder (default: the first "
+        "aligned)",
+    )  # fmt: skip
+    p.add_argument(
+        "--calibration-texts",
+        nargs="+",
+        metavar="FILE",
+        help="adaptive depth: texts like the queries served (one a line, or any training file), on which each rung's "
+        "quality is measured at start (default: the query-like files the rungs' distill records name)",
+    )
     p.set_defaults(func=cmd_serve)
     # serve writes only its graph cache (--onnx-cache), kept by design in the model folder when not given
-    reads_and_writes(p, ("--model", "--query-model"), output=None, caches=("--onnx-cache",))
+    reads_and_writes(p, ("--model", "--query-model", "--calibration-texts"), output=None, caches=("--onnx-cache",))

@@ -186,6 +186,10 @@ class Admission:
         )
 
 
+# The scope key under which Guard leaves the time (perf_counter) it first saw the request.
+REQUEST_START = "matryoshka2d.request_start"
+
+
 class Guard:
     """ASGI middleware: the API key and the drain before any route, HEAD answered as GET without its body, a
     request the drain's deadline cuts answered 503, and every answer counted with its status and time. A pure ASGI
@@ -203,6 +207,7 @@ class Guard:
         head = scope["method"] == "HEAD"
         if head:  # routed as the GET it asks about; the answer's body is left out below (its headers describe it)
             scope = {**scope, "method": "GET"}
+        scope[REQUEST_START] = start  # the route times its phases from here (server.py)
 
         async def counted(message):
             if message["type"] == "http.response.start":

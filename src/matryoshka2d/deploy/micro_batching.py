@@ -4,10 +4,11 @@ that arrive while it is busy (and, when `max_wait` is set, within it of the firs
 n layers. A lone request never waits for company. Between batches and at rest the heap's free pages are given back
 to the system.
 
-A request may leave its layer open (adaptive depth, deploy/depth.py): the batcher asks the depth controller for the
-layer of each batch of such requests, from what waits now, and tells each request the layer that answered it. The
-queue's texts and tokens are counted as they come and go, for the controller, the bound on waiting work
-(deploy/admission.py) and the metrics; every model call's time refreshes the controller's cost model.
+Every model the server runs has a batcher of its own, and all of them hand their calls to one model thread
+(`model_thread`), so the model calls of a ladder's rungs (deploy/ladder.py) take the core in turns, as the ladder's
+cost model adds them up. The queue's texts and tokens are counted as they come and go, for the bound on waiting work
+(deploy/admission.py), the ladder and the metrics; every model call is reported to the `observe` callback (its
+texts, tokens and the model thread's CPU time), which refreshes the ladder's costs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from matryoshka2d.allocator import trim_heap
-from matryoshka2d.deploy.depth import Demand, Work
 
 # malloc_trim after every model call kept RSS flat under load but cost 6% of a (3,128) server's model time (CPU
 # time per text, minilm-l6, batches of 256: 1.79 ms without, 1.91 ms with; docs/benchmarks.md, issue 19): the
@@ -68,14 +68,20 @@ def _below_the_event_loop() -> None:
         os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + MODEL_THREAD_NICENESS)
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread that runs every model call of a server, below the event loop's priority."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="matryoshka2d-model", initializer=_below_the_event_loop)
+
+
 @dataclass
 class _Job:
     texts: list[str]
-    layer: int | None  # None: adaptive, the depth controller chooses
+    layer: int
     future: asyncio.Future = field(repr=False)
     encoded: dict | None = field(default=None, repr=False)  # the texts' token ids, when the endpoint made them
     tokens: int = 0
     arrived: float = 0.0  # time.monotonic() when queued
+    timing: dict | None = field(default=None, repr=False)  # filled with its phases' ms when given (server.py)
 
 
 def _tokens(texts: list[str], encoded: dict | None) -> int:
@@ -86,22 +92,21 @@ def _tokens(texts: list[str], encoded: dict | None) -> int:
 
 
 class MicroBatcher:
-    """Collects concurrent requests into batches for one model worker thread.
+    """Collects concurrent requests into batches for the model thread.
 
-    `name` labels this batcher's model in the metrics; `controller` (a DepthController) answers requests whose layer
-    is None; `metrics` (deploy/metrics.ServerMetrics) is told of every model call."""
+    `name` labels this batcher's model in the metrics; `metrics` (deploy/metrics.ServerMetrics) is told of every model
+    call, and so is `observe(name, layer, texts, tokens, cpu_seconds)` (deploy/ladder.Ladder.observe); `executor`:
+    the model thread, shared by every batcher of a server (one of its own when not given)."""
 
-    def __init__(self, backend, max_batch: int, max_wait: float, name: str = "model", controller=None, metrics=None):
+    def __init__(self, backend, max_batch: int, max_wait: float, name: str = "model", metrics=None, observe=None,
+                 executor: ThreadPoolExecutor | None = None):  # fmt: skip
         self.backend, self.max_batch, self.max_wait = backend, max_batch, max_wait
-        self.name, self.controller, self.metrics = name, controller, metrics
-        # what the arrivals ask of the model at full depth, for the controller (None without one)
-        self.demand = Demand(controller.cost, controller.layers[-1]) if controller is not None else None
+        self.name, self.metrics, self.observe = name, metrics, observe
         self.queue: deque[_Job] = deque()
         self._arrival: asyncio.Event | None = None
         self.queued_texts = self.queued_tokens = 0
-        self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="matryoshka2d-model", initializer=_below_the_event_loop
-        )
+        self._owns_executor = executor is None
+        self.executor = executor if executor is not None else model_thread()
         self.batches = 0
         self.trims = 0
         # Wall time per text at which the queue drains, from recent calls: the time from the end of the call before
@@ -109,8 +114,11 @@ class MicroBatcher:
         # the same core between calls counts too (under overload, reading and refusing requests takes a share of
         # the core the model call alone does not see). For --max-queue-ms and Retry-After.
         self.ms_per_text = 0.0
+        self.model_ms_per_text = 0.0  # the model call's own time per text, recent calls (the ladder's backlog)
         self._draining_since: float | None = None
         self._running: tuple[int, float] | None = None  # the call in flight: its texts, and when it started
+        self._running_since = 0.0  # when the last call was handed to the model thread
+        self._call_ms = 0.0  # the last call's own time on the model thread
         self._trimmed_at, self._untrimmed = time.monotonic(), False
         self._task: asyncio.Task | None = None
         self.in_call = False  # the model thread is inside a model call (set and cleared on that thread)
@@ -126,23 +134,23 @@ class MicroBatcher:
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._owns_executor:  # a shared model thread is shut down by the server that made it
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def encode(self, texts: list[str], layer: int, encoded: dict | None = None) -> np.ndarray:
         """Full-width vectors at `layer`, one row per text (`encoded`: the texts already tokenized)."""
         return (await self.answer(texts, layer, encoded))[0]
 
-    async def answer(self, texts: list[str], layer: int | None, encoded: dict | None = None) -> tuple[np.ndarray, int]:
-        """Full-width vectors, and the layer that made them: `layer`, or the depth controller's choice when None."""
-        if layer is None and self.controller is None:
-            raise ValueError("a request without a layer needs a depth controller (serve --adaptive-depth)")
+    async def answer(
+        self, texts: list[str], layer: int, encoded: dict | None = None, timing: dict | None = None
+    ) -> tuple[np.ndarray, int]:
+        """Full-width vectors at `layer`, and the layer that made them. `timing`, when given, gets the request's
+        phases in ms: `queue` (waiting for its call), `handoff` (to the model thread and back), `model`."""
         future = asyncio.get_running_loop().create_future()
-        job = _Job(texts, layer, future, encoded, _tokens(texts, encoded), time.monotonic())
+        job = _Job(texts, layer, future, encoded, _tokens(texts, encoded), time.monotonic(), timing)
         self.queue.append(job)
         self.queued_texts += len(texts)
         self.queued_tokens += job.tokens
-        if self.demand is not None:
-            self.demand.add(job.arrived, len(texts), job.tokens, layer)
         self._arrival.set()
         return await future
 
@@ -194,34 +202,13 @@ class MicroBatcher:
             count += len(job.texts)
         return jobs
 
-    def _backlog(self, now: float) -> Work:
-        if not self.queue:
-            return Work()
-        return Work(self.queued_texts, self.queued_tokens, 1000 * (now - self.queue[0].arrived))
-
-    def _plan(self, jobs: list[_Job]) -> dict[int, list[_Job]]:
-        """The batch's jobs grouped by the layer that runs them, adaptive ones at the controller's choice (joined to
-        a fixed group of the same layer), groups in the order of their oldest job."""
-        fixed: dict[int, list[_Job]] = {}
-        adaptive = []
+    @staticmethod
+    def _plan(jobs: list[_Job]) -> dict[int, list[_Job]]:
+        """The batch's jobs grouped by layer, groups in the order of their oldest job."""
+        groups: dict[int, list[_Job]] = {}
         for job in jobs:
-            (adaptive if job.layer is None else fixed.setdefault(job.layer, [])).append(job)
-        if adaptive:
-            now = time.monotonic()
-            cost = self.controller.cost
-            fixed_ms = sum(cost.predict(n, sum(j.tokens for j in g)) for n, g in fixed.items() if n in cost.layers)
-            batch = Work(
-                sum(len(j.texts) for j in adaptive), sum(j.tokens for j in adaptive), 1000 * (now - adaptive[0].arrived)
-            )
-            demand = self.demand.share(now)
-            layer = self.controller.choose(batch, self._backlog(now), fixed_ms, demand)
-            if self.metrics is not None:
-                self.metrics.depth_choices.labels(str(layer)).inc()
-                self.metrics.demand.labels(self.name).set(demand)
-            for job in adaptive:
-                job.layer = layer
-            fixed.setdefault(layer, []).extend(adaptive)
-        return dict(sorted(fixed.items(), key=lambda item: min(j.arrived for j in item[1])))
+            groups.setdefault(job.layer, []).append(job)
+        return dict(sorted(groups.items(), key=lambda item: min(j.arrived for j in item[1])))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -240,7 +227,8 @@ class MicroBatcher:
                     encoded = {k: [row for job in group for row in job.encoded[k]] for k in group[0].encoded}
                 tokens = sum(job.tokens for job in group)
                 since = self._draining_since if self._draining_since is not None else time.monotonic()
-                self._running = (len(texts), time.monotonic())
+                self._running_since = time.monotonic()
+                self._running = (len(texts), self._running_since)
                 try:
                     vectors = await loop.run_in_executor(self.executor, self._encode, texts, layer, encoded, tokens)
                 except Exception as exc:  # the model failed: every waiting request hears why
@@ -250,27 +238,35 @@ class MicroBatcher:
                     continue
                 finally:
                     self._running = None
+                now = time.monotonic()
+                started, model_ms = self._running_since, self._call_ms
                 start = 0
                 for job in group:
                     if not job.future.done():
+                        if job.timing is not None:
+                            job.timing["queue"] = 1000 * (started - job.arrived)
+                            job.timing["handoff"] = max(0.0, 1000 * (now - started) - model_ms)
+                            job.timing["model"] = model_ms
                         job.future.set_result((vectors[start : start + len(job.texts)], layer))
                     start += len(job.texts)
-                now = time.monotonic()
                 per_text = 1000 * (now - since) / len(texts)
                 self.ms_per_text = 0.8 * self.ms_per_text + 0.2 * per_text if self.batches else per_text
                 self._draining_since = now if self.queue else None
                 self.batches += 1
 
     def _encode(self, texts: list[str], layer: int, encoded: dict | None = None, tokens: int = 0) -> np.ndarray:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self.in_call = True
         try:
             vectors = self.backend.pooled(texts, layer, encoded)
         finally:
             self.in_call = False
         seconds = time.perf_counter() - start
-        if self.controller is not None:
-            self.controller.cost.observe(layer, tokens, 1000 * seconds)
+        self._call_ms = 1000 * seconds
+        per_text = 1000 * seconds / max(1, len(texts))
+        self.model_ms_per_text += (1.0 if self.model_ms_per_text == 0 else 0.2) * (per_text - self.model_ms_per_text)
+        if self.observe is not None:
+            self.observe(self.name, layer, len(texts), tokens, time.thread_time() - cpu, 1000 * seconds)
         if self.metrics is not None:
             self.metrics.model_call(self.name, layer, len(texts), seconds)
         self._untrimmed = True

@@ -37,7 +37,7 @@ from matryoshka2d.deploy.api import (
 )
 from matryoshka2d.views import nested_dims
 
-ADAPTIVE = None  # the layer of a request whose depth the controller chooses
+ADAPTIVE = None  # the layer of a request whose rung the ladder chooses (deploy/ladder.py)
 
 
 @dataclass
@@ -78,13 +78,13 @@ class Catalog:
         default_layer: int | None = None,
         default_dimensions: int | None = None,
         query_cell: tuple[int, int] | None = None,
-        depth=None,
+        ladder=None,
         limits=None,
     ):
-        """`depth`: the server's DepthController, or None; `limits`: its ServerLimits."""
+        """`ladder`: the server's adaptive depth (deploy/ladder.Ladder), or None; `limits`: its ServerLimits."""
         backend = main.backend
-        self.main, self.model_id, self.queries, self.depth = main, model_id, queries, depth
-        self.adaptive, self.limits, self.created = depth is not None, limits, int(time.time())
+        self.main, self.model_id, self.queries, self.ladder = main, model_id, queries, ladder
+        self.adaptive, self.limits, self.created = ladder is not None, limits, int(time.time())
         self.max_inputs = limits.max_inputs
         self.num_layers, self.hidden_size = backend.num_layers, backend.hidden_size
         self.served = list(backend.layers)  # 0 first when the model holds a static cell (models.static)
@@ -168,7 +168,7 @@ class Catalog:
             "default_dimensions": self.default_dimensions,
             "embedding_types": list(EMBEDDING_TYPES),
             "input_types": self.pairing(),
-            "adaptive_depth": self.depth.describe() if self.depth is not None else None,
+            "adaptive_depth": self.ladder.describe() if self.ladder is not None else None,
         }
 
     def describe_cell(self, name: str, layer: int, dim: int) -> dict:

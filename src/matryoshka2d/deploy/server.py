@@ -52,6 +52,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,12 +60,12 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import Request, Response
 
-from matryoshka2d.deploy.admission import Admission, Guard
+from matryoshka2d.deploy.admission import REQUEST_START, Admission, Guard
 from matryoshka2d.deploy.api import ApiError, encode_rows, header_value, parse_body, reply_bytes
 from matryoshka2d.deploy.backends import TorchBackend
 from matryoshka2d.deploy.metrics import ServerMetrics
-from matryoshka2d.deploy.micro_batching import DEFAULT_MAX_WAIT, MicroBatcher
-from matryoshka2d.deploy.routing import Catalog
+from matryoshka2d.deploy.micro_batching import DEFAULT_MAX_WAIT, MicroBatcher, model_thread
+from matryoshka2d.deploy.routing import ADAPTIVE, Catalog
 from matryoshka2d.models.encoder import ElasticEncoder
 
 __all__ = ["ServerLimits", "create_app", "serve"]
@@ -128,9 +129,9 @@ class _Served:
     thread_counter: object = None
 
     @classmethod
-    def of(cls, name: str, model, limits: ServerLimits, metrics: ServerMetrics, controller=None, layer=None):
+    def of(cls, name: str, model, limits: ServerLimits, metrics: ServerMetrics, thread, observe=None, layer=None):
         backend = TorchBackend(model, limits.batch_size) if isinstance(model, ElasticEncoder) else model
-        batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait, name, controller, metrics)
+        batcher = MicroBatcher(backend, limits.max_batch, limits.max_wait, name, metrics, observe, thread)
         own = backend.num_layers if layer is None else layer
         max_chars = limits.max_input_chars or CHARS_PER_TOKEN * backend.max_length
         counter = copy.deepcopy(backend.tokenizer)
@@ -145,7 +146,7 @@ def create_app(
     default_dimensions: int | None = None,
     query_models: dict | None = None,
     query_cell: tuple[int, int] | None = None,
-    depth=None,
+    ladder=None,
     admission: Admission | None = None,
     query_layers: dict | None = None,
 ):
@@ -154,8 +155,9 @@ def create_app(
     `query_models`: name -> query encoder distilled from the model (`distill --mode query` or `--mode static`), each
     served under its own name at its own layer (`query_layers`: name -> layer, 0 for a static cell; default its
     last); the one of them, or `query_cell` (a (layer, dim) of the model), answers requests with input_type
-    "query" (deploy/routing.py). `depth`: a DepthController (deploy/depth.py) for requests that leave their layer
-    open. `admission`: the API key and the bound on waiting work (deploy/admission.py)."""
+    "query" (deploy/routing.py). `ladder`: the rungs (deploy/ladder.Ladder) that answer requests leaving their layer
+    open (each rung's `encoder` names the model or a query model). `admission`: the API key and the bound on
+    waiting work (deploy/admission.py)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -163,13 +165,23 @@ def create_app(
     limits = limits or ServerLimits()
     admission = admission or Admission(max_queued_texts=limits.max_queued_texts, max_queue_ms=limits.max_queue_ms)
     metrics = ServerMetrics()
-    main = _Served.of(model_id, model, limits, metrics, depth)
+    thread = model_thread()  # every model's calls, in turns on one thread (deploy/micro_batching.py)
+    observe = ladder.observe if ladder is not None else None
+    main = _Served.of(model_id, model, limits, metrics, thread, observe)
     own = query_layers or {}
     queries = {
-        name: _Served.of(name, q, limits, metrics, layer=own.get(name)) for name, q in (query_models or {}).items()
+        name: _Served.of(name, q, limits, metrics, thread, observe, layer=own.get(name))
+        for name, q in (query_models or {}).items()
     }
-    catalog = Catalog(main, model_id, queries, default_layer, default_dimensions, query_cell, depth, limits)
+    catalog = Catalog(main, model_id, queries, default_layer, default_dimensions, query_cell, ladder, limits)
     everyone = (main, *queries.values())
+    if ladder is not None:
+        by_name = {s.name: s for s in everyone}
+        for rung in ladder.rungs:
+            if rung.encoder not in by_name:
+                raise ValueError(f"adaptive depth: the rung {rung.name} names no model this server runs")
+            rung.served = by_name[rung.encoder]
+        ladder.backlog = lambda: sum(s.batcher.queued_texts * s.batcher.model_ms_per_text for s in everyone)
     tokenizing = [0]  # texts being tokenized off the loop: admitted, not queued yet
     tokenizer_working = [0]  # calls running on the tokenizer's thread (one may outlive a request the drain cut)
     metrics.queued_texts.set_function(lambda: sum(s.batcher.queued_texts for s in everyone) + tokenizing[0])
@@ -183,9 +195,13 @@ def create_app(
         yield
         for served in everyone:
             await served.batcher.stop()
+        thread.shutdown(wait=False, cancel_futures=True)
         tokenizer_thread.pop().shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan)
+    # FastAPI's OpenTelemetry hooks off: they asked the tracer, meter and logger providers on every request (a
+    # tenth of a one-query request's own time in a profile), and the server's own /metrics already times each phase.
+    no_telemetry = {"tracing": False, "metrics": False, "logs": False}
+    app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan, telemetry=no_telemetry)
     app.state.batcher, app.state.admission, app.state.metrics = main.batcher, admission, metrics
     # Whether a thread of this app is still working (a model call or a tokenizing outlived the drain): serve() then
     # ends the process without waiting for it.
@@ -201,6 +217,7 @@ def create_app(
     def waiting() -> tuple[int, float]:
         return sum(s.batcher.queued_texts for s in everyone) + tokenizing[0], main.batcher.drain_seconds()
 
+    app.add_middleware(_EmbeddingsFirst, handler=lambda request: embeddings(request))  # inside the Guard
     app.add_middleware(Guard, admission=admission, metrics=metrics, respond=_error_response, waiting=waiting)
 
     @app.exception_handler(ApiError)
@@ -218,16 +235,18 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def server_fault(_request, exc: Exception):  # a fault of the server's own, still in OpenAI's shape
-        message = f"The server failed on this request ({type(exc).__name__}: {str(exc)[:200]})"
-        return _error_response(ApiError(500, message, None, "internal_error", kind="server_error"))
+        return _fault_response(exc)
 
     # Every GET route answers HEAD too (admission.Guard routes HEAD as GET and leaves the body out).
     @app.get("/health")  # open without the key; 503 while draining (admission.Guard), so a balancer moves on
-    async def health():
+    async def health(response: Response):
+        response.headers["x-matryoshka2d-worker"] = str(os.getpid())  # which process of `serve --workers` answered
         return {"status": "ok", "model": model_id, "queued_requests": len(main.batcher.queue)}
 
     @app.get("/metrics")
     async def prometheus():
+        if ladder is not None:
+            metrics.ladder_state(ladder.describe())
         content, kind = metrics.render()
         return Response(content, media_type=kind)
 
@@ -241,10 +260,19 @@ def create_app(
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        plan = catalog.plan(parse_body(await _body(request, limits.max_body_bytes)))
-        served = plan.served
+        arrived = request.scope.get(REQUEST_START) or time.perf_counter()
+        body = await _body(request, limits.max_body_bytes)
+        read = time.perf_counter()
+        plan = catalog.plan(parse_body(body))
+        served, layer = plan.served, plan.layer
+        if ladder is not None:
+            ladder.request()
+            if layer is ADAPTIVE:  # the ladder's rung for this request (deploy/ladder.py)
+                rung = ladder.choose(time.monotonic(), len(plan.texts))
+                served, layer = rung.served, rung.layer
         texts, cut = _within_characters(plan.texts, served, limits.truncate)  # before any tokenizing
         admission.admit(len(texts), *waiting())  # before tokenizing too: a refused request costs no tokenizer time
+        parsed = time.perf_counter()
         if sum(map(len, texts)) <= OFF_LOOP_CHARS:
             encoded, used, truncated = _tokenized(served, texts, limits.truncate, cut)
         else:  # many characters: tokenized on the tokenizer's thread, while the loop answers the others
@@ -255,7 +283,12 @@ def create_app(
                 )
             finally:
                 tokenizing[0] -= len(texts)
-        vectors, layer = await _unless_gone(request, served.batcher.answer(texts, plan.layer, encoded))
+        tokenized = time.perf_counter()
+        if ladder is not None and plan.layer is not ADAPTIVE:  # documents, named layers: off the ladder's budget
+            ladder.fixed(time.monotonic(), ladder.costs.get(served.name), layer, len(texts), sum(used))
+        timing: dict = {}
+        vectors, layer = await _unless_gone(request, served.batcher.answer(texts, layer, encoded, timing))
+        handed = time.perf_counter()
         data = encode_rows(vectors[:, : plan.dim], plan.encoding, plan.embedding_type)
         metrics.answered(served.name, layer, len(texts), sum(used))
         reply = {
@@ -274,10 +307,56 @@ def create_app(
                 item["layer"], item["encoder"] = layer, served.name
         # Serialised here: a returned dict goes through FastAPI's jsonable_encoder, which visits every number of
         # every vector in Python (most of a small cell's request time).
-        headers = {"x-matryoshka2d-layer": str(layer), "x-matryoshka2d-encoder": served.header_name}
-        return Response(reply_bytes(reply), media_type="application/json", headers=headers)
+        content = reply_bytes(reply)
+        done = time.perf_counter()
+        phases = {
+            "http": 1000 * (read - arrived),
+            "parse": 1000 * (parsed - read),
+            "tokenize": 1000 * (tokenized - parsed),
+            **timing,  # queue, handoff, model (deploy/micro_batching.py)
+            "answer": 1000 * (done - handed),
+        }
+        metrics.phases(phases)
+        headers = {
+            "x-matryoshka2d-layer": str(layer),
+            "x-matryoshka2d-encoder": served.header_name,
+            # text-embeddings-inference's names where they mean the same (ms)
+            "x-total-time": f"{1000 * (done - arrived):.3f}",
+            "x-tokenization-time": f"{phases['tokenize']:.3f}",
+            "x-queue-time": f"{timing.get('queue', 0.0):.3f}",
+            "x-inference-time": f"{timing.get('model', 0.0):.3f}",
+            "x-matryoshka2d-phases": ",".join(f"{k}={v:.3f}" for k, v in phases.items()),
+        }
+        return Response(content, media_type="application/json", headers=headers)
 
     return app
+
+
+def _fault_response(exc: Exception):
+    message = f"The server failed on this request ({type(exc).__name__}: {str(exc)[:200]})"
+    return _error_response(ApiError(500, message, None, "internal_error", kind="server_error"))
+
+
+class _EmbeddingsFirst:
+    """POST /v1/embeddings straight to its handler, past FastAPI's router: matching the routes, solving the
+    endpoint's dependencies and its exception middleware took about a quarter of the stack's own time for a
+    one-query request (cProfile of the server with a model that answers at once, 2026-11-28), time every request
+    takes from the core the model needs. The route stays declared (the API's schema, 405 for other methods); its
+    errors are answered here in the same OpenAI shape as the app's handlers answer them."""
+
+    def __init__(self, app, handler):
+        self.app, self.handler = app, handler
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/embeddings" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            response = await self.handler(Request(scope, receive))
+        except ApiError as exc:
+            response = _error_response(exc)
+        except Exception as exc:  # a fault of the server's own, as the app's handler answers it
+            response = _fault_response(exc)
+        await response(scope, receive, send)
 
 
 async def _unless_gone(request: Request, work):
@@ -359,7 +438,10 @@ def token_ids(counter, texts: list[str]) -> dict:
     fast = getattr(backend, "encode_batch_fast", None)
     if fast is None or backend.truncation is not None or backend.padding is not None:
         return dict(counter(texts, add_special_tokens=True, verbose=False))
-    encodings = fast(texts, add_special_tokens=True)
+    # one text (a query): the single call, a fifth less than a batch of one (84 against 65 us here, 2026-11-28)
+    encodings = (
+        [backend.encode(texts[0], add_special_tokens=True)] if len(texts) == 1 else fast(texts, add_special_tokens=True)
+    )
     encoded = {"input_ids": [e.ids for e in encodings]}
     if "token_type_ids" in counter.model_input_names:
         encoded["token_type_ids"] = [e.type_ids for e in encodings]
@@ -422,15 +504,26 @@ def serve(
     """Run the app in one uvicorn worker (the model, and any query encoders beside it, in memory). SIGTERM or
     SIGINT drains: new requests get 503, the accepted ones are answered for up to `drain_seconds`, those still in
     flight then get a 503 in OpenAI's shape, and the process exits 0 (a model call still running is not waited
-    for: it cannot be interrupted, and the drain would end as late as it does)."""
+    for: it cannot be interrupted, and the drain would end as late as it does). As one worker of `serve --workers
+    N`, it listens on the port the workers share once all have loaded, and tells the parent (deploy/workers.py)."""
+    from matryoshka2d.deploy.workers import WorkerChannel
+
     app = create_app(model, model_id, limits, **app_options)
     freeze_what_is_loaded()
+    worker = WorkerChannel.from_environment()  # one of `serve --workers N` (deploy/workers.py), else None
+    sockets = [worker.listener_when_told(host)] if worker is not None else None  # once every worker has loaded
     # uvicorn's own graceful timeout is a backstop only: the drain's deadline (admission.Admission.drain) answers
     # what is in flight first, in OpenAI's shape (uvicorn's cancel answers a plain-text 500).
     config = uvicorn.Config(
-        app, host=host, port=port, workers=1, log_level=log_level, timeout_graceful_shutdown=drain_seconds + 5
+        app,
+        host=host,
+        port=worker.port if worker is not None else port,
+        workers=1,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_seconds + 5,
     )
-    _DrainingServer(config, app.state.admission, drain_seconds).run()
+    started = worker.serving if worker is not None else None
+    _DrainingServer(config, app.state.admission, drain_seconds, sockets, started).run()
     if app.state.busy():  # Python's exit would join the model's thread, and wait out its call
         logging.shutdown()
         sys.stdout.flush()
@@ -456,15 +549,22 @@ class _DrainingServer(uvicorn.Server):
     drain that worked, not a death by signal (uvicorn raised SIGINT again: exit 130, with tracebacks). A second
     signal ends the drain at once; a third leaves without waiting, as uvicorn's second Ctrl-C does."""
 
-    def __init__(self, config, admission: Admission, drain_seconds: float = 30.0):
+    def __init__(self, config, admission: Admission, drain_seconds: float = 30.0, sockets=None, started=None):
         super().__init__(config)
         self.admission, self.drain_seconds = admission, drain_seconds
         self.loop: asyncio.AbstractEventLoop | None = None
         self.signals = 0
+        # A worker of `serve --workers N` (deploy/workers.py): the socket it listens on, and whom to tell it does.
+        self.listeners, self.started_callback = sockets, started
 
     async def serve(self, sockets=None):
         self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        await super().serve(sockets if sockets is not None else self.listeners)
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started and self.started_callback is not None:
+            self.started_callback(self)
 
     def handle_exit(self, sig, frame):
         if sig not in (signal.SIGTERM, signal.SIGINT):
