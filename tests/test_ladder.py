@@ -193,3 +193,21 @@ def test_the_cores_are_the_affinitys_shared_among_the_workers(monkeypatch):
     assert ladder_module.process_cores() == 4.0
     monkeypatch.setenv("MATRYOSHKA2D_SERVE_WORKER", "7 8000 1 4")  # worker 1 of 4 (deploy/workers.py)
     assert ladder_module.process_cores() == 1.0
+
+
+def test_the_correction_fills_the_core_the_costs_leave_idle_and_backs_off_a_full_one():
+    ladder = ladder_of(RUNGS)
+    for i in range(800):  # twice the full depth's capacity: the mix sheds
+        ladder.choose(100 + i / 800)
+    assert ladder.shares[0] < 1
+    before = ladder.budget(101.0, ladder.rate(101.0))
+    ladder.correct(0.6)  # the mix was meant to fill 90% of the core and used 60%: the costs were too high
+    assert ladder.correction == pytest.approx(np.exp(2.0 * 0.3))
+    assert ladder.budget(101.0, ladder.rate(101.0)) == pytest.approx(before * ladder.correction)
+    for _ in range(20):
+        ladder.correct(1.0)  # a full core: back down, never below half
+    assert ladder.correction == 0.5
+    ladder.shares = [1.0, 0.0, 0.0, 0.0]  # at rest every request gets the full depth: the correction returns to 1
+    for _ in range(30):
+        ladder.correct(0.3)
+    assert ladder.correction == pytest.approx(1.0, abs=0.01)

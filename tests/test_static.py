@@ -345,6 +345,9 @@ def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_
         queries = client.post("/v1/embeddings", json={"model": "t", "input": texts, "input_type": "query"}).json()
         assert {(d["layer"], d["encoder"]) for d in queries["data"]} == {(0, "t-static")}
         np.testing.assert_allclose([d["embedding"] for d in queries["data"]], expected, atol=1e-5)
+        by_its_name = client.post("/v1/embeddings", json={"model": "t-static", "input": texts})  # no layer: its own
+        assert by_its_name.status_code == 200 and by_its_name.json()["layer"] == 0, by_its_name.text
+        np.testing.assert_allclose([d["embedding"] for d in by_its_name.json()["data"]], expected, atol=1e-5)
     # A ladder of the teacher's full depth and the static cell, the full depth far past any budget: open requests go
     # to the static cell and say so; documents and a named layer never move.
     slow = LayerCost({4: [(0.0, 1e6), (100.0, 1e6)]})

@@ -22,7 +22,9 @@ with the most mean quality whose model time fits the time there is: the benchmar
 sum f_r q_r subject to sum f_r = 1 and rate x sum f_r c_r <= budget), solved online. Its optimum lies on the upper
 convex hull of the rungs' (cost, quality) points and mixes at most two neighbours of it (`best_mix`), so it is a
 few microseconds per request. The budget is `UTILISATION` of a core (of the model thread, and of the core the event
-loop shares with it when the process has one core: the stack's own time per request is measured too), less what
+loop shares with it when the process has one core: the stack's own time per request is measured too), times a
+correction that the share of the core the process really used moves towards that utilisation (`Ladder.correct`:
+the costs predict, the core's use corrects), less what
 the requests of fixed layers take, less a share that drains a backlog once it is more than a quarter of
 `--target-ms`; when the backlog alone is the whole target, every open request goes to the cheapest rung until it
 drains. Requests are dealt to the rungs in the mix's proportions by credit (each rung earns its share per text, the
@@ -54,6 +56,10 @@ REFRESH = 0.05  # how far each observation moves a running average (texts per ca
 STACK_PERIOD = 0.25  # seconds between two readings of the process's CPU time, for the stack's time per request
 DRAIN_SECONDS = 0.5  # a backlog past a quarter of the target is planned to drain within this long
 CALIBRATION_TEXTS = 256  # texts each rung's quality is measured on at start
+# How fast the correction follows the core's measured use (a factor of e^(2 x the gap) a period: from 3 back to 1 in
+# about a second at a full core), and how far it may go.
+CORRECTION_GAIN = 2.0
+CORRECTION_RANGE = (0.5, 3.0)
 
 
 @dataclass
@@ -153,6 +159,7 @@ class Ladder:
         self._model_cpu = 0.0
         self._last_read: tuple[float, float, float, int] | None = None  # (when, process cpu, model cpu, requests)
         self.backlog = lambda: 0.0  # ms of model time queued now (the server sets it: its batchers' drain)
+        self.correction = 1.0  # how much more (or less) the core holds than the costs predict (`correct`)
         self._lock = threading.Lock()  # the model thread observes, the event loop chooses
 
     # -- what the model thread and the endpoint report ----------------------------------------------------------------
@@ -191,18 +198,39 @@ class Ladder:
         return rung.cost.predict(rung.layer, per_call * self.tokens_per_text) / per_call
 
     def _read_stack(self, now: float) -> None:
+        """Every STACK_PERIOD: the stack's CPU time per request, and how busy the core was (the correction)."""
         if self._last_read is not None and now - self._last_read[0] < STACK_PERIOD:
             return
         cpu = time.process_time()
         with self._lock:
             model = self._model_cpu
         if self._last_read is not None:
-            _, cpu0, model0, requests0 = self._last_read
+            when0, cpu0, model0, requests0 = self._last_read
             requests = self._requests - requests0
             if requests > 0:
                 per_request = 1000 * max(0.0, (cpu - cpu0) - (model - model0)) / requests
                 self.stack_ms += (1.0 if self.stack_ms == 0 else 0.3) * (per_request - self.stack_ms)
+            wall = now - when0
+            if wall > 0:
+                busy = (cpu - cpu0) / (wall * self.cores)
+                if self.cores >= 2:  # the model thread is the one that fills up
+                    busy = max(busy, (model - model0) / wall)
+                self.correct(busy)
         self._last_read = (now, cpu, model, self._requests)
+
+    def correct(self, busy: float) -> None:
+        """Move the correction towards the utilisation the mix is meant to fill, from the share of the core the
+        process used in the last period (`busy`). The costs predict the time a mix takes; what the process then
+        uses shows how far off they are (a call of one query costs less inside a loaded server than at start, the
+        static cell less than its measured line): in an open loop at twice the full depth's capacity the model
+        alone kept a quarter of the requests at full depth where the linear program over measured capacities kept
+        two fifths. Only while the mix sheds (or the core is fuller than meant): at rest every request gets the full
+        depth, and the correction returns to 1."""
+        if self.shares[0] < 1.0 or busy > UTILISATION:
+            step = math.exp(CORRECTION_GAIN * (UTILISATION - busy))
+            self.correction = min(CORRECTION_RANGE[1], max(CORRECTION_RANGE[0], self.correction * step))
+        else:
+            self.correction += 0.3 * (1.0 - self.correction)
 
     def rate(self, now: float) -> float:
         """Texts of open requests a second, over the last RATE_WINDOW (or since the oldest in it, when sooner)."""
@@ -228,7 +256,7 @@ class Ladder:
             model_room = min(model_room, second * self.cores - stack)
         backlog = self.backlog()
         drain = max(0.0, backlog - self.target_ms / 4) / DRAIN_SECONDS
-        room = model_room - self._fixed_ms / span - drain
+        room = self.correction * model_room - self._fixed_ms / span - drain
         return room / max(rate, 1e-9)
 
     def choose(self, now: float, texts: int = 1) -> Rung:
@@ -259,6 +287,7 @@ class Ladder:
             "cores": self.cores,
             "arrival_rate_per_s": round(rate, 1),
             "stack_ms_per_request": round(self.stack_ms, 3),
+            "correction": round(self.correction, 3),
             "rungs": [
                 {
                     "encoder": r.encoder,

@@ -357,4 +357,7 @@ class Catalog:
         )
         encoding, embedding_type = check_formats(body)
         width = dim or min(self.default_dimensions, q.hidden_size)  # --default-dimensions, as for the model
-        return Plan(served, texts, layer or q.num_layers, width, encoding, embedding_type, input_type is not None)
+        # its own layer when none is named: 0 for a static cell (`layer or ...` took that 0 for "none", and ran
+        # the static cell's folder at its transformer's last layer, which the server does not run: a 500)
+        own_layer = own if layer is None else layer
+        return Plan(served, texts, own_layer, width, encoding, embedding_type, input_type is not None)
