@@ -211,3 +211,11 @@ def test_the_correction_fills_the_core_the_costs_leave_idle_and_backs_off_a_full
     for _ in range(30):
         ladder.correct(0.3)
     assert ladder.correction == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_request_that_finds_the_model_idle_gets_the_full_depth_whatever_the_rate():
+    ladder = ladder_of(RUNGS)
+    # clients sending their next query as soon as they have an answer: 800 a second, each alone in the server
+    assert {ladder.choose(100 + i / 800, idle=True).name for i in range(1600)} == {"m@6"}
+    # the same rate with work waiting: the mix (the static cell and q3, twice the full depth's capacity) sheds
+    assert {ladder.choose(102 + i / 800).name for i in range(10)} <= {"static@0", "q3@3"}

@@ -348,11 +348,23 @@ def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_
         by_its_name = client.post("/v1/embeddings", json={"model": "t-static", "input": texts})  # no layer: its own
         assert by_its_name.status_code == 200 and by_its_name.json()["layer"] == 0, by_its_name.text
         np.testing.assert_allclose([d["embedding"] for d in by_its_name.json()["data"]], expected, atol=1e-5)
-    # A ladder of the teacher's full depth and the static cell, the full depth far past any budget: open requests go
+    # A ladder of the teacher's full depth and the static cell, the full depth far past any budget. A request that
+    # finds the model idle delays nobody: the full depth. With work waiting (the ladder told so), open requests go
     # to the static cell and say so; documents and a named layer never move.
     slow = LayerCost({4: [(0.0, 1e6), (100.0, 1e6)]})
     cheap = LayerCost({0: [(0.0, 0.01), (100.0, 0.01)]})
-    ladder = Ladder([Rung("t", 4, 1.0, cost=slow), Rung("t-static", 0, 0.8, cost=cheap)], 50.0, cores=1.0)
+    rungs = [Rung("t", 4, 1.0, cost=slow), Rung("t-static", 0, 0.8, cost=cheap)]
+    idle = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0},
+                      ladder=Ladder(rungs, 50.0, cores=1.0))  # fmt: skip
+    with TestClient(idle) as client:
+        alone = client.post("/v1/embeddings", json={"model": "t", "input": texts}).json()
+        assert {(d["layer"], d["encoder"]) for d in alone["data"]} == {(4, "t")}
+
+    class Busy(Ladder):
+        def choose(self, now, texts=1, idle=False):
+            return super().choose(now, texts, idle=False)
+
+    ladder = Busy([Rung("t", 4, 1.0, cost=slow), Rung("t-static", 0, 0.8, cost=cheap)], 50.0, cores=1.0)
     app = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0}, ladder=ladder)
     with TestClient(app) as client:
         for body in ({}, {"layer": "auto"}):

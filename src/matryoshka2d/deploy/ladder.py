@@ -259,13 +259,18 @@ class Ladder:
         room = self.correction * model_room - self._fixed_ms / span - drain
         return room / max(rate, 1e-9)
 
-    def choose(self, now: float, texts: int = 1) -> Rung:
-        """The rung for an open request of `texts` texts arriving `now`."""
+    def choose(self, now: float, texts: int = 1, idle: bool = False) -> Rung:
+        """The rung for an open request of `texts` texts arriving `now`. `idle`: nothing waits for the model and it
+        runs nothing, so this request delays nobody: the full depth. (One client that sends its next request as
+        soon as it has an answer keeps the core busy at full depth, and its rate alone would read as overload; an
+        open loop past capacity finds the model busy at most arrivals, and the correction pays for the rest.)"""
         if self._first is None:
             self._first = now
         self._arrivals.append((now, texts))
         self._arrived += texts
         self._read_stack(now)
+        if idle:
+            return self.rungs[0]
         if self.backlog() >= self.target_ms:  # the backlog alone is the target: the cheapest until it drains
             cheapest = min(range(len(self.rungs)), key=lambda i: self.rung_ms(self.rungs[i]))
             return self.rungs[cheapest]

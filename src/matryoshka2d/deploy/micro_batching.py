@@ -154,6 +154,11 @@ class MicroBatcher:
         self._arrival.set()
         return await future
 
+    @property
+    def in_flight(self) -> bool:
+        """A model call of this batcher is handed to the model thread and not answered yet."""
+        return self._running is not None
+
     def drain_seconds(self) -> float:
         """About how long the model needs for what waits now and for the rest of the call it is running: what a
         request that joins now waits before its own call starts (--max-queue-ms, and Retry-After of a refused

@@ -268,7 +268,8 @@ def create_app(
         if ladder is not None:
             ladder.request()
             if layer is ADAPTIVE:  # the ladder's rung for this request (deploy/ladder.py)
-                rung = ladder.choose(time.monotonic(), len(plan.texts))
+                idle = not any(s.batcher.queued_texts or s.batcher.in_flight for s in everyone)
+                rung = ladder.choose(time.monotonic(), len(plan.texts), idle)
                 served, layer = rung.served, rung.layer
         texts, cut = _within_characters(plan.texts, served, limits.truncate)  # before any tokenizing
         admission.admit(len(texts), *waiting())  # before tokenizing too: a refused request costs no tokenizer time
