@@ -108,17 +108,25 @@ def offline_limit() -> dict:
 
 
 # ---- one server ------------------------------------------------------------------------------------------------
+PHASES: dict[str, list[float]] = {}  # our server's x-matryoshka2d-phases of the last round_trip, ms by phase
+
+
 def round_trip(server: Server, queries: list[str], count: int) -> list[float]:
-    """`count` requests one after another on one keep-alive connection: each round trip in ms."""
+    """`count` requests one after another on one keep-alive connection: each round trip in ms (and, from our
+    server, each request's phases as it timed them, in PHASES)."""
+    PHASES.clear()
 
     async def run():
         pool, loop, out = Pool(server.port), asyncio.get_running_loop(), []
         for i in range(count):
             start = loop.time()
-            status, _, _ = await pool.send(server.body(queries[i % len(queries)], None))
+            status, headers, _ = await pool.send(server.body(queries[i % len(queries)], None))
             if status != 200:
                 raise RuntimeError(f"{server.kind}: {status} to a single request")
             out.append((loop.time() - start) * 1000)
+            for part in filter(None, headers.get("x-matryoshka2d-phases", "").split(",")):
+                phase, _, ms = part.partition("=")
+                PHASES.setdefault(phase, []).append(float(ms))
         for _, writer in pool.idle:
             writer.close()
         return out
@@ -207,6 +215,11 @@ def measure(server: Server, queries: list[str], name: str) -> dict:
     with timed_span():
         trips = round_trip(server, queries, ARGS.round_trips)
     print(f"{name}: one client's round trip p50 {np.median(trips):.2f} ms ({ARGS.round_trips} requests)", flush=True)
+    phases = {phase: float(np.median(ms)) for phase, ms in PHASES.items()}
+    if phases:  # where the server's own time went (medians); the rest is HTTP outside the app, loopback, client
+        shown = ", ".join(f"{phase} {ms:.2f}" for phase, ms in phases.items())
+        total = sum(phases.values())
+        print(f"{name}: the server's phases, ms (p50 of each): {shown}; their sum {total:.2f}", flush=True)
     wait_quiet(server, queries)
     with timed_span():
         closed = asyncio.run(_closed_loop(server, ARGS.closed_clients, ARGS.closed_seconds, None, queries))
@@ -215,6 +228,7 @@ def measure(server: Server, queries: list[str], name: str) -> dict:
     result = {
         "server": name,
         "round_trip_p50_ms": float(np.median(trips)),
+        "phases_p50_ms": phases,
         "closed_loop_per_s": closed,
         "capacity_at_slo_per_s": capacity,
         "spans": spans,
@@ -330,7 +344,9 @@ def main() -> None:
         metavar="PARALLEL:BATCH",
         help="closed-loop capacity of llama-server at each setting first; the best is measured (else --llama-*)",
     )
-    parser.add_argument("--server-core", type=int, default=0)
+    parser.add_argument(
+        "--server-core", default="0", help="the server's CPUs for taskset: 0, or 0,1 for serve --workers 2"
+    )
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--start-timeout", type=float, default=900.0)

@@ -1,7 +1,9 @@
-"""Open-loop overload, side by side: fixed full depth, a fixed shallow cell, adaptive depth and infinity-emb.
+"""Open-loop overload, side by side: fixed full depth, a fixed shallow cell, the ladder of adaptive depth, and the
+peers a user would run instead (llama.cpp's llama-server, infinity-emb's optimum engine).
 
-    python benchmarks/serve_overload.py --model DIR [--rates 0.5 1 1.5 2 3] [--seconds 60] [--target-ms 50]
-        [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive infinity] [--timeout 2]
+    python benchmarks/serve_overload.py --model DIR [--query-model NAME=FOLDER ...] [--rates 0.5 1 1.5 2 3]
+        [--seconds 60] [--target-ms 50] [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive llama
+        infinity] [--llama-server BIN --llama-model GGUF] [--infinity-venv DIR --infinity-folder DIR] [--timeout 2]
         [--server-core 0] [--client-core 1] [--pause python|PATTERN] [--results FILE.json] [--plot FILE.png]
 
 Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact query (how a query
@@ -10,16 +12,20 @@ clients slows down with the server and never shows overload; here the offered ra
 request's latency counts from its scheduled arrival, so a client that falls behind counts against the server, not
 for it (the client's own lag is printed). Each rate is a multiple of the full-depth capacity measured in the same
 run (a closed loop of --capacity-clients at full depth for --capacity-seconds: requests per second). Before the
-rates, a table of what depth can give: each layer's closed-loop capacity (--layer-seconds each) and the share of
-flat nDCG@10 kept when every query is encoded at that layer.
+rates, a table of what the ladder can give: each rung's closed-loop capacity (--layer-seconds each), the share of
+flat nDCG@10 kept when every query is encoded at that rung, and the server's own quality measure of it.
 
 Our server is one `matryoshka2d serve --backend onnx --quantize int8 --adaptive-depth` process on --server-core
-with one thread; the modes differ only in the request: `layer: N` (full), `layer: --shallow-layer` (shallow),
-no layer (adaptive: the server's depth controller chooses per batch). The peer is infinity-emb (engine torch, one
-thread, same core) serving the model's full depth from a folder of it, started afresh for each rate (it has no
-bound, so a rate would otherwise inherit the backlog of the one before; ours reports its queue and is let empty
-it). The client is this process on --client-core. Every request has a deadline (--timeout s from its scheduled
-arrival); past it the request counts as a timeout. Goodput: answers (200) within the deadline per second.
+with one thread, the documents' model (--model) beside the query encoders distilled from it (--query-model); the
+modes differ only in the request: `layer: N` (full), `layer: --shallow-layer` (shallow), no layer (adaptive: the
+server's ladder chooses the rung per request). The peers serve the model's full depth on the same core with one
+thread, each started afresh for each rate (they have no bound, so a rate would otherwise inherit the backlog of the
+one before; ours reports its queue and is let empty it); how to make them: benchmarks/serve_capacity.py. The
+client is this process on --client-core. Every request has a deadline (--timeout s from its scheduled arrival);
+past it the request counts as a timeout. Goodput: answers (200) within the deadline per second.
+
+After the rates, at each load: the nDCG share the ladder's answers kept beside the most any mix of the rungs could
+keep at that load (the linear program over the rung table, `depth_bound`).
 
 Quality of what was answered: the documents are the model's full-depth vectors of the SciFact corpus (made by the
 same server, input_type "document"); every answered query vector is searched flat against them and its nDCG@10
@@ -45,6 +51,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -169,11 +176,17 @@ class Server:
         self.stop()
         raise RuntimeError(f"{kind} did not answer /health within {ARGS.start_timeout} s; see {self.log.name}")
 
-    def body(self, text: str, layer: int | None, input_type: str | None = None) -> bytes:
+    def body(self, text: str, layer, input_type: str | None = None) -> bytes:
+        """A request of one text: `layer` an int (that layer of the model), None (open: the ladder chooses), or
+        "ENCODER@LAYER" (a rung by name: a query encoder served beside the model, or the model's layer)."""
         if self.kind == "infinity":
             body = {"model": "bench", "input": [text], "encoding_format": "base64"}
             return request_bytes("/embeddings", body)
         body = {"model": "bench", "input": [text], "encoding_format": "base64"}
+        if isinstance(layer, str):
+            encoder, _, number = layer.rpartition("@")
+            layer = int(number) if encoder == "bench" else None
+            body["model"] = encoder
         if layer is not None:
             body["layer"] = layer
         if input_type is not None:
@@ -217,19 +230,26 @@ def start_ours() -> Server:
     command += ["--max-length", str(ARGS.max_length)] if ARGS.max_length else []
     command += ["--max-wait-ms", str(ARGS.max_wait_ms)] if ARGS.max_wait_ms is not None else []
     command += ["--max-batch", str(ARGS.max_batch)] if ARGS.max_batch is not None else []
+    command += ["--layers", ARGS.serve_layers] if ARGS.serve_layers else []
+    for query_model in ARGS.query_model or []:
+        command += ["--query-model", query_model]
+    command += ["--calibration-texts", *ARGS.calibration_texts] if ARGS.calibration_texts else []
     return Server("ours", command, port, env)
 
 
-def start_infinity(layers: int) -> Server:
-    from infinity_peer import cut_folder, server_command
+def start_peer(mode: str) -> Server:
+    """A peer at the model's full depth, one core, one thread: llama.cpp's llama-server on the model as GGUF, or
+    infinity-emb's optimum engine on its int8 ONNX folder (benchmarks/serve_peers.py; how to make each:
+    benchmarks/serve_capacity.py's docstring)."""
+    from serve_peers import start_infinity_optimum, start_llama
 
-    folder = Path(ARGS.logs).resolve() / f"infinity-L{layers}"  # infinity starts in its parent folder
-    if not (folder / "modules.json").is_file():
-        cut_folder(Path(ARGS.model), layers, folder)
-    port = free_port()
-    command, cwd, env = server_command("torch", folder, port, Path(ARGS.infinity_venv))
-    env["OMP_NUM_THREADS"] = "1"
-    return Server("infinity", command, port, env, cwd)
+    if mode == "llama":
+        if not (ARGS.llama_server and ARGS.llama_model):
+            raise SystemExit("--modes llama needs --llama-server and --llama-model")
+        return start_llama(ARGS.llama_server, ARGS.llama_model, ARGS.llama_parallel, ARGS.llama_batch, ARGS.llama_batch)
+    if not (ARGS.infinity_venv and ARGS.infinity_folder):
+        raise SystemExit("--modes infinity needs --infinity-venv and --infinity-folder")
+    return start_infinity_optimum(ARGS.infinity_venv, ARGS.infinity_folder)
 
 
 # ---- the client: HTTP/1.1 on asyncio streams, a pool of keep-alive connections --------------------------------
@@ -307,7 +327,10 @@ async def _open_loop(server: Server, rate: float, seconds: float, layer, queries
             records.append((int(order[i]), f"refused ({type(exc).__name__})", None, None, None))
             return
         latency = loop.time() - scheduled
-        layer_used = int(headers.get("x-matryoshka2d-layer", ARGS.layers)) if status == 200 else None
+        layer_used = None
+        if status == 200:  # the rung that answered: ENCODER@LAYER (a peer: the model's full depth)
+            encoder = urllib.parse.unquote(headers.get("x-matryoshka2d-encoder", "bench"))
+            layer_used = f"{encoder}@{headers.get('x-matryoshka2d-layer', ARGS.layers)}"
         vector = vector_of(body) if status == 200 else None
         records.append((int(order[i]), status, latency, layer_used, vector))
 
@@ -355,6 +378,11 @@ def encode_all(server: Server, texts: list[str], layer: int | None, input_type: 
         async def chunk(start: int):
             part = texts[start : start + 32]
             body = {"model": "bench", "input": part, "encoding_format": "base64", "layer": layer}
+            if isinstance(layer, str):  # a rung by name, ENCODER@LAYER
+                encoder, _, number = layer.rpartition("@")
+                body["model"], body["layer"] = encoder, int(number) if encoder == "bench" else None
+                if encoder != "bench":
+                    del body["layer"]
             if input_type is not None:
                 body = {k: v for k, v in body.items() if k != "layer"} | {"input_type": input_type}
             status, headers, raw = await pool.send(request_bytes("/v1/embeddings", body))
@@ -449,17 +477,40 @@ def summarize(mode: str, multiple: float, rate: float, run: dict, docs, qrels, f
     }
 
 
+def rungs_of(server: Server) -> list[dict]:
+    """The ladder our server runs (/v1/models: encoder, layer, its own quality measure); without --adaptive-depth,
+    every layer of the model."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models/bench", timeout=10) as reply:
+        described = json.loads(reply.read())
+    ladder = described.get("adaptive_depth")
+    if ladder:
+        return [{"encoder": r["encoder"], "layer": r["layer"], "quality": r["quality"]} for r in ladder["rungs"]]
+    return [{"encoder": "bench", "layer": n, "quality": None} for n in described["layers"]]
+
+
 def depth_lever(server: Server, queries: list[str], docs, qrels, flat: np.ndarray, capacity: float) -> list[dict]:
-    """What each layer gives adaptive depth to work with: its closed-loop capacity (as the full depth's is
-    measured) and the share of flat full-depth nDCG@10 that all queries keep when encoded at it."""
+    """What each rung of the ladder gives adaptive depth to work with: its closed-loop capacity (as the full depth's
+    is measured), the share of flat full-depth nDCG@10 that all queries keep when encoded at it, and the server's own
+    quality measure of it (mean cosine to the full depth on its calibration texts), to see how the one tracks the
+    other."""
     rows = []
     qids = list(range(len(queries)))
-    for layer in range(1, ARGS.layers + 1):
-        quality = 100 * float(ndcg_of(encode_all(server, queries, layer), qids, docs, qrels).mean() / flat.mean())
+    for rung in rungs_of(server):
+        name = f"{rung['encoder']}@{rung['layer']}"
+        quality = 100 * float(ndcg_of(encode_all(server, queries, name), qids, docs, qrels).mean() / flat.mean())
         wait_idle(server)
         with timed_span():
-            rate = asyncio.run(_closed_loop(server, ARGS.capacity_clients, ARGS.layer_seconds, layer, queries))
-        rows.append({"layer": layer, "capacity_per_s": rate, "of_full": rate / capacity, "ndcg_share_of_flat": quality})
+            rate = asyncio.run(_closed_loop(server, ARGS.capacity_clients, ARGS.layer_seconds, name, queries))
+        rows.append(
+            {
+                "rung": name,
+                "layer": rung["layer"],
+                "capacity_per_s": rate,
+                "of_full": rate / capacity,
+                "ndcg_share_of_flat": quality,
+                "server_quality": rung["quality"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -507,15 +558,29 @@ def drain_check(capacity: float, queries: list[str]) -> dict:
 # ---- the run ---------------------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a model folder whose exits are aligned (distill --mode shared)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="the documents' model: one whose exits are aligned (distill --mode shared), or any with --query-model",
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA / "retrieval" / "scifact")
     parser.add_argument("--split", default="train", help="qrels split (the shared SciFact has train: 809 queries)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--modes", nargs="+", default=["full", "shallow", "adaptive", "infinity"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["full", "adaptive"], help="full shallow adaptive llama infinity (any of them)"
+    )
     parser.add_argument("--shallow-layer", type=int, default=3)
     parser.add_argument("--target-ms", type=float, default=50.0)
     parser.add_argument("--min-layer", type=int)
+    parser.add_argument(
+        "--query-model",
+        action="append",
+        metavar="NAME=FOLDER",
+        help="a query encoder distilled from --model, served beside it: a rung of the ladder (repeat for more)",
+    )
+    parser.add_argument("--calibration-texts", nargs="+", help="our server's --calibration-texts")
+    parser.add_argument("--serve-layers", help="our server's --layers (e.g. 6: the full depth's graph only)")
     parser.add_argument("--max-length", type=int, help="tokens per text for the server (default: the model's)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds from a request's arrival to its deadline")
     parser.add_argument(
@@ -545,7 +610,9 @@ def main() -> None:
         "--layer-seconds", type=float, default=10.0, help="closed-loop seconds per layer, the depth table (0: none)"
     )
     parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")
-    parser.add_argument("--server-core", type=int, default=0)
+    parser.add_argument(
+        "--server-core", default="0", help="the server's CPUs for taskset: 0, or 0,1 for serve --workers 2"
+    )
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--settle", type=float, default=2.0)
     parser.add_argument("--start-timeout", type=float, default=900.0)
@@ -554,7 +621,9 @@ def main() -> None:
         default="python",
         help="stopped during timed spans: 'python' (every other Python process), a pkill -f pattern, or '' (none)",
     )
-    parser.add_argument("--infinity-venv", default="/work/venvs/infinity")
+    from serve_peers import peer_arguments
+
+    peer_arguments(parser)
     parser.add_argument("--logs", default="/tmp/serve-overload")
     parser.add_argument("--results", help="write every row as JSON here")
     parser.add_argument("--plot", help="latency against offered load, a line per mode, as PNG")
@@ -602,13 +671,13 @@ def main() -> None:
             f"full-depth capacity: {capacity:.1f} requests/s ({ARGS.capacity_clients} closed-loop clients)", flush=True
         )
     depth = depth_lever(ours, queries, docs, data.qrels, flat, capacity) if ARGS.layer_seconds > 0 else []
-    layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None}
+    layer_of = {"full": ARGS.layers, "shallow": ARGS.shallow_layer, "adaptive": None, "infinity": None, "llama": None}
     rows = []
     for mode in ARGS.modes:
         for multiple in ARGS.rates:
-            # infinity has no bound and no way to say what waits: a fresh server per rate, so that no rate
+            # the peers have no bound and no way to say what waits: a fresh server per rate, so that no rate
             # inherits the backlog of the one before (ours reports its queue, and wait_idle empties it)
-            server = start_infinity(ARGS.layers) if mode == "infinity" else ours
+            server = start_peer(mode) if mode in ("infinity", "llama") else ours
             rate = multiple * capacity
             wait_idle(server)
             before = server.statuses()
@@ -661,11 +730,18 @@ def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[di
         f"\nfull-depth capacity {capacity:.1f} requests/s; deadline {ARGS.timeout:g} s; {ARGS.seconds:g} s per rate\n"
     )
     if depth:
-        print("| layer | capacity/s | of full depth's | nDCG share, every query at this layer |")
-        print("|---:|---:|---:|---:|")
+        print(
+            "| rung | capacity/s | of full depth's | nDCG share, every query at this rung | the server's measure "
+            "(mean cosine to the full depth, calibration texts) |"
+        )
+        print("|---|---:|---:|---:|---:|")
         for d in depth:
-            share = d["ndcg_share_of_flat"]
-            print(f"| {d['layer']} | {d['capacity_per_s']:.1f} | {d['of_full']:.2f}x | {share:.1f}% |")
+            share, measure = d["ndcg_share_of_flat"], d.get("server_quality")
+            measure = f"{measure:.3f}" if measure is not None else "-"
+            print(
+                f"| {d.get('rung', d['layer'])} | {d['capacity_per_s']:.1f} | {d['of_full']:.2f}x | {share:.1f}% | "
+                f"{measure} |"
+            )
         print()
     print(
         "| mode | load | offered/s | p50 ms | p99 ms | goodput/s | 429 | timeouts | other | layers | nDCG share "
@@ -685,9 +761,11 @@ def report(capacity: float, rows: list[dict], drain: dict | None, depth: list[di
     by = {(r["mode"], r["load"]): r for r in rows}
     print()
     for load in sorted({r["load"] for r in rows}):
-        a, i = by.get(("adaptive", load)), by.get(("infinity", load))
-        if a and i and i["goodput_per_s"]:
-            print(f"goodput, adaptive / infinity at {load:g}x: {a['goodput_per_s'] / i['goodput_per_s']:.2f}x")
+        a = by.get(("adaptive", load))
+        for peer in ("llama", "infinity"):
+            p = by.get((peer, load))
+            if a and p and p["goodput_per_s"]:
+                print(f"goodput, adaptive / {peer} at {load:g}x: {a['goodput_per_s'] / p['goodput_per_s']:.2f}x")
         f = by.get(("full", load))
         if a and f and f["goodput_per_s"]:
             print(f"goodput, adaptive / fixed full depth at {load:g}x: {a['goodput_per_s'] / f['goodput_per_s']:.2f}x")
@@ -717,7 +795,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes[0].set(xlabel="offered load (x full-depth capacity)", ylabel="p99 latency (ms)", yscale="log")
     axes[1].set(xlabel="offered load (x full-depth capacity)", ylabel="goodput (answers within deadline / s)")
     axes[0].legend()
-    fig.suptitle("Open-loop overload: minilm-l6 distilled (--mode shared), int8, one core")
+    fig.suptitle(f"Open-loop overload: {Path(ARGS.model).name}, int8, one core")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
