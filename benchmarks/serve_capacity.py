@@ -57,7 +57,7 @@ import numpy as np
 
 import serve_overload
 from common import DEFAULT_DATA, checkout_env, header
-from serve_overload import ARGS, Pool, Server, _closed_loop, _open_loop, _resume_others, timed_span
+from serve_overload import ARGS, Pool, Server, _closed_loop, _open_loop, _resume_others, machine_arguments, timed_span
 from serve_peers import peer_arguments, start_infinity_optimum, start_llama, start_ours_fixed
 
 
@@ -344,17 +344,7 @@ def main() -> None:
         metavar="PARALLEL:BATCH",
         help="closed-loop capacity of llama-server at each setting first; the best is measured (else --llama-*)",
     )
-    parser.add_argument(
-        "--server-core", default="0", help="the server's CPUs for taskset: 0, or 0,1 for serve --workers 2"
-    )
-    parser.add_argument("--client-core", type=int, default=1)
-    parser.add_argument("--settle", type=float, default=1.0)
-    parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument(
-        "--pause",
-        default="python",
-        help="stopped during timed spans: 'python' (every other Python process), a pkill -f pattern, or '' (none)",
-    )
+    machine_arguments(parser, settle=1.0)
     parser.add_argument("--logs", default="/tmp/serve-capacity")
     parser.add_argument("--results", help="write the results as JSON here")
     parser.add_argument("--offline-probe", action="store_true", help=argparse.SUPPRESS)

@@ -555,6 +555,21 @@ def drain_check(capacity: float, queries: list[str]) -> dict:
     }
 
 
+def machine_arguments(parser, settle: float) -> None:
+    """Where the server and the client run, and what is paused while they are timed (serve_capacity.py too)."""
+    parser.add_argument(
+        "--server-core", default="0", help="the server's CPUs for taskset: 0, or 0,1 for serve --workers 2"
+    )
+    parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--settle", type=float, default=settle)
+    parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--pause",
+        default="python",
+        help="stopped during timed spans: 'python' (every other Python process), a pkill -f pattern, or '' (none)",
+    )
+
+
 # ---- the run ---------------------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -610,17 +625,7 @@ def main() -> None:
         "--layer-seconds", type=float, default=10.0, help="closed-loop seconds per layer, the depth table (0: none)"
     )
     parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")
-    parser.add_argument(
-        "--server-core", default="0", help="the server's CPUs for taskset: 0, or 0,1 for serve --workers 2"
-    )
-    parser.add_argument("--client-core", type=int, default=1)
-    parser.add_argument("--settle", type=float, default=2.0)
-    parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument(
-        "--pause",
-        default="python",
-        help="stopped during timed spans: 'python' (every other Python process), a pkill -f pattern, or '' (none)",
-    )
+    machine_arguments(parser, settle=2.0)
     from serve_peers import peer_arguments
 
     peer_arguments(parser)
