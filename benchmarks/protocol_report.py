@@ -46,6 +46,10 @@ ORDER = [
     "angle-emb-ese",
     "starbucks",
     "starbucks-paper",
+    "st-ese",
+    "st-starbucks",
+    "st-2dmse",
+    "st-st-matryoshka2d",
     "starbucks-heads",
     "separate-1-64",
     "separate-2-128",
@@ -84,6 +88,10 @@ def describe(run: Path) -> str:
     if peer.is_file():
         info = json.loads(peer.read_text())
         return f"{info['peer']}, {info['steps']} steps"
+    st_run = run / "st_run.json"  # benchmarks/st_trainer_protocol.py: our loss in sentence-transformers' trainer
+    if st_run.is_file():
+        info = json.loads(st_run.read_text())
+        return f"SentenceTransformerTrainer + {info['loss']} loss (matryoshka2d.st_losses), {info['steps']} steps"
     return "untouched backbone"
 
 
@@ -95,9 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     print(header())
     runs = {"raw": ("minilm-l6", args.runs / "raw")}
-    found = [
-        p for p in sorted(args.runs.iterdir()) if (p / "matryoshka2d.json").is_file() or (p / "peer_run.json").is_file()
-    ]
+    records = ("matryoshka2d.json", "peer_run.json", "st_run.json")
+    found = [p for p in sorted(args.runs.iterdir()) if any((p / record).is_file() for record in records)]
     found.sort(key=lambda p: ORDER.index(p.name) if p.name in ORDER else len(ORDER))
     for run in found:
         runs[run.name] = (str(run), run)

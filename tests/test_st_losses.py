@@ -1,0 +1,218 @@
+"""Our methods as sentence-transformers losses (matryoshka2d.st_losses): the same loss as our trainer on the same
+batch, the library's own Matryoshka2dLoss reproduced through the wrapping path, a run of SentenceTransformerTrainer
+whose folder our commands take, and the errors a user can meet."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.losses import (
+    CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
+    Matryoshka2dLoss,
+    MultipleNegativesRankingLoss,
+)
+
+from conftest import tiny_run
+from matryoshka2d.cli import main
+from matryoshka2d.models.backbones import minilm_dir
+from matryoshka2d.st_losses import ESELoss, StarbucksLoss, TaskLoss, TwoDMSELoss
+from matryoshka2d.st_losses.task_loss import batch_kind
+from matryoshka2d.training.trainer import Trainer
+from matryoshka2d.views import nested_dims
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOSSES = {"ese": ESELoss, "starbucks": StarbucksLoss, "2dmse": TwoDMSELoss}
+
+
+@pytest.fixture(scope="module")
+def st_model_dir(no_dropout_dir):
+    """The tiny dropout-free BERT as sentence-transformers loads it: Transformer, mean Pooling."""
+    return no_dropout_dir
+
+
+def st_model(folder) -> SentenceTransformer:
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("ese", {"k": 16}),  # k = 128 by default, wider than the tiny model
+        ("ese", {"k": 16, "beta": 1.0}),  # learn-to-compress on: the PCA target and its MSE + KL
+        ("starbucks", {}),
+        ("2dmse", {}),
+    ],
+    ids=["ese", "ese-compress", "starbucks", "2dmse"],
+)
+def test_the_loss_equals_our_trainers_on_the_same_batch(method, options, st_model_dir, triplets, sts_dev, tmp_path):
+    """No dropout, the same rows: `train --method M`'s loss of step 1 and the loss's value of its second call."""
+    config = tiny_run(st_model_dir, triplets, sts_dev, tmp_path / "run", method=method, method_options=options)
+    trainer = Trainer(config)
+    ours, _ = trainer.compute_loss(1)
+    columns, _ = trainer.data.rows(trainer.batch_indices(1))
+
+    model = st_model(st_model_dir)
+    loss = LOSSES[method](model, TaskLoss(model, "angle"), seed=config.seed, **options)
+    features = [model.tokenize(column) for column in columns]
+    loss(features, None)  # step 0
+    theirs = loss(features, None)  # step 1: the same draws as the trainer's step 1
+    assert loss.steps == 2
+    assert theirs.item() == pytest.approx(ours.item(), rel=1e-5, abs=1e-6)
+    theirs.backward()
+    assert all(p.grad is not None for p in model[0].auto_model.encoder.layer[-1].parameters())
+
+
+def test_twodmse_with_the_library_preset_is_the_librarys_matryoshka2dloss():
+    """The wrapping path (compute_loss_from_embeddings, the unit vectors of a Normalize model, the feature KL):
+    TwoDMSELoss(preset="st-matryoshka2d") over MultipleNegativesRankingLoss gives sentence-transformers'
+    Matryoshka2dLoss step for step, its draws taken from random.Random(seed) in the library's order."""
+    model = SentenceTransformer(str(minilm_dir()), device="cpu")
+    model.eval()  # no dropout: the two losses must see the same vectors
+    columns = [
+        ["a man plays a guitar", "the cat sleeps", "rain falls today"],
+        ["a person plays music", "a cat naps", "it rains"],
+        ["a dog runs", "stocks fell", "a sunny day"],
+    ]
+    features = [model.tokenize(column) for column in columns]
+    library = Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), sorted(nested_dims(384), reverse=True))
+    ours = TwoDMSELoss(model, MultipleNegativesRankingLoss(model), preset="st-matryoshka2d", seed=42)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    random.seed(42)
+    theirs = [library(features, None).item() for _ in range(4)]
+    mine = [ours(features, None).item() for _ in range(4)]
+    assert len(set(np.round(theirs, 4))) > 1  # the draws changed the cells from step to step
+    assert mine == pytest.approx(theirs, rel=1e-5)
+
+
+def test_a_wrapped_loss_without_embeddings_entry_goes_through_the_forward(st_model_dir):
+    """A loss that only knows `forward(features, labels)` sees each view through the model's forward."""
+
+    class Forwarded(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.widths = model, []
+
+        def forward(self, sentence_features, labels):
+            anchors, positives = (self.model(f)["sentence_embedding"] for f in sentence_features)
+            self.widths.append(anchors.shape[-1])
+            return (1 - torch.nn.functional.cosine_similarity(anchors, positives)).mean()
+
+    model = st_model(st_model_dir)
+    inner = Forwarded(model)
+    loss = StarbucksLoss(model, inner, sizes=[(1, 8), (2, 16), (4, 32)])
+    features = [model.tokenize(["red cat", "blue dog"]), model.tokenize(["red cat runs", "blue dog eats"])]
+    value = loss(features, None)
+    assert inner.widths == [8, 16, 32] and torch.isfinite(value)
+    assert model(features[0])["sentence_embedding"].shape[-1] == 32  # the forward is the model's again
+
+
+def test_a_model_trained_in_sentence_transformers_trainer_is_a_folder_our_commands_take(
+    st_model_dir, tmp_path, monkeypatch
+):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    from test_demo import data_root
+
+    model = st_model(st_model_dir)
+    rows = {
+        "anchor": ["red cat runs", "blue dog eats", "big bird sleeps", "old fish swims"] * 2,
+        "positive": ["red cat", "blue dog", "big bird", "old fish"] * 2,
+        "negative": ["sad dog jumps", "happy cat", "small fish", "new bird runs"] * 2,
+    }
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "checkpoints"), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+        save_strategy="no", report_to="none", use_cpu=True, logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    loss = ESELoss(model, TaskLoss(model, "angle"), k=16)
+    SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), loss=loss).train()
+    assert loss.steps == 2
+    folder = tmp_path / "st-ese"
+    model.save(str(folder))
+    data = data_root(tmp_path / "data")
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    sts = ["eval", "sts", "--model", str(folder), "--data-dir", str(data), "--datasets", "stsb", "--quiet"]
+    assert main([*sts, "--output", str(tmp_path / "sts")]) == 0
+    assert main(["pick", "--results", str(tmp_path / "sts"), "--output", str(tmp_path / "pick")]) == 0
+    cell = ["export", "--model", str(folder), "--layer", "2", "--dim", "16", "--output", str(tmp_path / "cell")]
+    assert main(cell) == 0
+    exported = SentenceTransformer(str(tmp_path / "cell"), device="cpu")
+    assert exported.encode(["red cat"]).shape == (1, 16)
+
+
+def test_the_defaults_are_train_methods_and_a_preset_gives_its_options(st_model_dir):
+    from matryoshka2d.methods import make_method
+    from matryoshka2d.training import presets
+
+    model = st_model(st_model_dir)
+    for name, cls in LOSSES.items():
+        narrow = {"k": 16} if name == "ese" else {}  # ESE's k = 128 is wider than the tiny model
+        assert cls(model, **narrow).method.config() == make_method(name, 4, 32, **narrow).config()
+        assert isinstance(cls(model, **narrow).loss, TaskLoss) and cls(model, **narrow).loss.name == "angle"
+    authors = ESELoss(model, preset="ese-angle-emb", k=16)
+    expected = {**presets.load("ese-angle-emb")["method_options"], "k": 16}
+    assert {key: authors.method.config()[key] for key in ("layers", "pca", "pca_sign", "k")} == {
+        "layers": expected["layers"], "pca": expected["pca"], "pca_sign": expected["pca_sign"], "k": 16
+    }  # fmt: skip
+    assert authors.get_config_dict()["preset"] == "ese-angle-emb"
+    assert "ESE: Espresso" in authors.citation
+
+
+def test_twodmse_draws_step_by_step_and_evaluation_leaves_the_count(st_model_dir):
+    model = st_model(st_model_dir)
+    loss = TwoDMSELoss(model, seed=7)
+    features = [model.tokenize(["red cat", "blue dog"]) for _ in range(3)]
+    model.train()
+    loss(features, None)
+    with torch.no_grad():
+        loss(features, None)
+    assert loss.steps == 1
+    expected = loss.method.plan(loss.method.generator(7, 1)).info
+    drawn = []
+    original = loss.method.plan
+    loss.method.plan = lambda rng: drawn.append(original(rng)) or drawn[-1]
+    loss(features, None)
+    assert drawn[0].info == expected and loss.steps == 2
+
+
+def test_our_softmax_loss_has_its_classifiers_before_the_optimizer_is_built(st_model_dir):
+    model = st_model(st_model_dir)
+    loss = TwoDMSELoss(model, TaskLoss(model, "softmax"))
+    widths = {int(w) for w in loss.loss.objective.heads}
+    assert widths == {*loss.method.dims, 32}
+    assert any(name.startswith("loss.objective.heads") for name, _ in loss.named_parameters())
+
+
+def test_batch_kinds_follow_the_columns_and_labels():
+    assert batch_kind(3, None) == "triplets" and batch_kind(2, torch.tensor([])) == "pairs"
+    assert batch_kind(2, torch.tensor([0.5, 1.0])) == "scored" and batch_kind(2, torch.tensor([0, 2])) == "nli"
+    with pytest.raises(ValueError, match="4 columns without labels"):
+        batch_kind(4, None)
+    with pytest.raises(ValueError, match="3 columns with labels"):
+        batch_kind(3, torch.tensor([1.0]))
+
+
+def test_errors_name_what_was_wrong(st_model_dir):
+    model = st_model(st_model_dir)
+    with pytest.raises(ValueError, match="preset 'starbucks-paper' trains method 'starbucks', not 'ese'"):
+        ESELoss(model, preset="starbucks-paper")
+    with pytest.raises(ValueError, match="gradient caching"):
+        ESELoss(model, CachedMultipleNegativesRankingLoss(model))
+    with pytest.raises(ValueError, match="unknown loss 'anglee'"):
+        TaskLoss(model, "anglee")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        TaskLoss(model, kind="quadruplets")
+    with pytest.raises(ValueError, match=r"starbucks size \(3,8\) is narrower"):
+        StarbucksLoss(model, CoSENTLoss(model), sizes=[(2, 16), (3, 8)])
+    from sentence_transformers.base.modules import Normalize
+
+    normalize_first = SentenceTransformer(modules=[Normalize()], device="cpu")
+    with pytest.raises(ValueError, match="first module is Normalize, not a Transformer"):
+        TwoDMSELoss(normalize_first)
