@@ -216,3 +216,38 @@ def test_errors_name_what_was_wrong(st_model_dir):
     normalize_first = SentenceTransformer(modules=[Normalize()], device="cpu")
     with pytest.raises(ValueError, match="first module is Normalize, not a Transformer"):
         TwoDMSELoss(normalize_first)
+
+
+@pytest.mark.parametrize("method", ["starbucks", "2dmse"])
+def test_exit_heads_train_along_as_in_our_trainer_and_save_into_a_model_folder(
+    method, st_model_dir, triplets, sts_dev, tmp_path
+):
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.st_losses import exit_heads_for, save_with_exit_heads
+
+    config = tiny_run(st_model_dir, triplets, sts_dev, tmp_path / "run", method=method, exit_heads="identity")
+    trainer = Trainer(config)
+    with torch.no_grad():  # heads away from the identity, the same in both
+        for n, head in trainer.encoder.exit_heads.heads.items():
+            head.linear.weight.add_(0.01 * int(n))
+    ours, _ = trainer.compute_loss(0)
+    columns, _ = trainer.data.rows(trainer.batch_indices(0))
+
+    model = st_model(st_model_dir)
+    heads = exit_heads_for(model)
+    heads.load_state_dict(trainer.encoder.exit_heads.state_dict())
+    loss = LOSSES[method](model, TaskLoss(model, "angle"), seed=config.seed, exit_heads=heads)
+    theirs = loss([model.tokenize(column) for column in columns], None)
+    assert theirs.item() == pytest.approx(ours.item(), rel=1e-5, abs=1e-6)
+    assert any(name.startswith("exit_heads.") for name, _ in loss.named_parameters())  # the trainer trains them
+    theirs.backward()
+    assert any(h.linear.weight.grad is not None and h.linear.weight.grad.abs().sum() > 0 for h in heads.heads.values())
+
+    folder = save_with_exit_heads(model, heads, tmp_path / "with-heads")
+    loaded = ElasticEncoder(str(folder), device="cpu")
+    assert loaded.exit_heads.layers == [1, 2, 3]
+    assert torch.equal(loaded.exit_heads.heads["2"].linear.weight, heads.heads["2"].linear.weight)
+    with pytest.raises(FileExistsError, match="with-heads exists"):
+        save_with_exit_heads(model, heads, folder)
+    with pytest.raises(ValueError, match=r"exit heads at layers \[4\]"):
+        StarbucksLoss(model, exit_heads=type(heads).identity([4], 32, 32))

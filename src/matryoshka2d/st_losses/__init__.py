@@ -13,9 +13,18 @@ trained model is a plain sentence-transformers folder. Guide: docs/guide/train-w
 """
 
 from matryoshka2d.st_losses.ese import ESELoss
+from matryoshka2d.st_losses.exit_heads import exit_heads_for, save_with_exit_heads
 from matryoshka2d.st_losses.method_loss import MethodLoss
 from matryoshka2d.st_losses.starbucks import StarbucksLoss
 from matryoshka2d.st_losses.task_loss import TaskLoss
 from matryoshka2d.st_losses.twodmse import TwoDMSELoss
 
-__all__ = ["ESELoss", "MethodLoss", "StarbucksLoss", "TaskLoss", "TwoDMSELoss"]
+__all__ = [
+    "ESELoss",
+    "MethodLoss",
+    "StarbucksLoss",
+    "TaskLoss",
+    "TwoDMSELoss",
+    "exit_heads_for",
+    "save_with_exit_heads",
+]

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from matryoshka2d.models.heads import ExitHeads
 from matryoshka2d.st_losses.method_loss import MethodLoss
 
 
@@ -18,6 +19,7 @@ class ESELoss(MethodLoss):
         loss: nn.Module | None = None,
         preset: str | None = None,
         seed: int | None = None,
+        exit_heads: ExitHeads | None = None,
         **options: Any,
     ) -> None:
         """Learn-to-express (the wrapped loss at every shallow layer at width k, weights 1/(1+ln i), plus the
@@ -31,13 +33,15 @@ class ESELoss(MethodLoss):
             preset: the method options of one of our recipes: "ese-paper" (the paper's equations) or
                 "ese-angle-emb" (angle-emb 0.6.1's AngleESETrainer); each preset file cites its source.
             seed: unused by ESE (it draws nothing); kept for a common signature.
+            exit_heads: heads trained along (`st_losses.exit_heads_for(model)`): every shallow view goes through
+                its exit's head; `st_losses.save_with_exit_heads` writes the model with them.
             options: any option of `matryoshka2d.methods.ESE` (k=128, alpha=1, beta=0, layers="paper",
                 shallow_mean=False, compress_target="scaled", pca="exact", pca_sign="fixed", kl_temperature=1,
                 kl_factor="T2", full_loss=True, dynamic_weights=False), overriding the preset's.
 
         Inputs: whatever the wrapped loss takes (triplets, pairs, scored pairs).
         """
-        super().__init__(model, loss, preset, seed, options)
+        super().__init__(model, loss, preset, seed, options, exit_heads)
 
     @property
     def citation(self) -> str:

@@ -22,6 +22,8 @@ from torch import Tensor, nn
 
 from matryoshka2d.losses import EmbeddedBatch
 from matryoshka2d.methods import Method, make_method
+from matryoshka2d.models.heads import ExitHeads
+from matryoshka2d.st_losses.exit_heads import check_heads
 from matryoshka2d.st_losses.layer_states import (
     as_float,
     check_layout,
@@ -55,7 +57,13 @@ class MethodLoss(nn.Module):
     method_name = ""
 
     def __init__(
-        self, model: nn.Module, loss: nn.Module | None, preset: str | None, seed: int | None, options: dict
+        self,
+        model: nn.Module,
+        loss: nn.Module | None,
+        preset: str | None,
+        seed: int | None,
+        options: dict,
+        exit_heads: ExitHeads | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -72,6 +80,7 @@ class MethodLoss(nn.Module):
         self._prepare_loss_parameters()
         self._view_loss = view_loss(self.loss, model)
         self.seed, self.steps = seed, 0
+        self.exit_heads = check_heads(exit_heads, self.method, owner)
 
     def _prepare_loss_parameters(self) -> None:
         """Our softmax loss holds a classifier per width: made now, so the trainer's optimizer sees them."""
@@ -97,6 +106,9 @@ class MethodLoss(nn.Module):
         training = torch.is_grad_enabled() and unwrap(self.model).training
         plan = self.method.plan(self._generator(training))
         per_column = as_float(column_states(unwrap(self.model), sentence_features, plan.layers))
+        if self.exit_heads is not None:  # each shallow view through its exit's head, as ElasticEncoder.forward does
+            heads = self.exit_heads
+            per_column = [{n: heads(n, x) if heads.has(n) else x for n, x in column.items()} for column in per_column]
         kind = batch_kind(len(per_column), labels, getattr(self.loss, "kind", None))
         states = {
             layer: EmbeddedBatch([column[layer] for column in per_column], kind, labels) for layer in plan.layers

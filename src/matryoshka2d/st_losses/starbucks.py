@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from matryoshka2d.models.heads import ExitHeads
 from matryoshka2d.st_losses.method_loss import MethodLoss
 
 
@@ -19,6 +20,7 @@ class StarbucksLoss(MethodLoss):
         loss: nn.Module | None = None,
         preset: str | None = None,
         seed: int | None = None,
+        exit_heads: ExitHeads | None = None,
         **options: Any,
     ) -> None:
         """The wrapped loss on a fixed list of (layer, dim) sizes every step, small to large, plus a KL term from
@@ -30,6 +32,8 @@ class StarbucksLoss(MethodLoss):
                 (ielab/Starbucks trains MultipleNegativesRankingLoss: pass it, or use preset "starbucks-paper").
             preset: "starbucks-paper" for the KL as ielab/Starbucks' STS code computes it.
             seed: unused (Starbucks draws nothing); kept for a common signature.
+            exit_heads: heads trained along (`st_losses.exit_heads_for(model)`): every shallow view goes through
+                its exit's head; `st_losses.save_with_exit_heads` writes the model with them.
             options: any option of `matryoshka2d.methods.Starbucks`: sizes (default: the paper's six sizes scaled
                 to the backbone, e.g. (1,32) (2,32) (3,64) (4,128) (5,256) (6,384) for 6 x 384), kl_weight=1,
                 kl_temperature=0.3, kl="similarity", kl_factor="T2", kl_detach=True, kl_scale_logits=True,
@@ -37,7 +41,7 @@ class StarbucksLoss(MethodLoss):
 
         Inputs: whatever the wrapped loss takes.
         """
-        super().__init__(model, loss, preset, seed, options)
+        super().__init__(model, loss, preset, seed, options, exit_heads)
 
     @property
     def citation(self) -> str:

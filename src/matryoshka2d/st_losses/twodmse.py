@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from matryoshka2d.models.heads import ExitHeads
 from matryoshka2d.st_losses.method_loss import MethodLoss
 
 
@@ -20,6 +21,7 @@ class TwoDMSELoss(MethodLoss):
         loss: nn.Module | None = None,
         preset: str | None = None,
         seed: int | None = None,
+        exit_heads: ExitHeads | None = None,
         **options: Any,
     ) -> None:
         """Each step a random shallow layer n (1..N-1) and a random width d (8, 16, ... below D): the wrapped
@@ -33,13 +35,15 @@ class TwoDMSELoss(MethodLoss):
                 (sentence-transformers' Matryoshka2dLoss reading, draws in its order).
             seed: the seed of the layer and width draws; by default drawn from Python's `random` at the first
                 step, which the trainer's seed has set. Step s draws from its own generator (seed, s).
+            exit_heads: heads trained along (`st_losses.exit_heads_for(model)`): every shallow view goes through
+                its exit's head; `st_losses.save_with_exit_heads` writes the model with them.
             options: any option of `matryoshka2d.methods.TwoDMSE` (dims, the four view weights, kl_weight=1,
                 kl_temperature=0.3, shallow_weighting="uniform", kl="similarity", kl_widths="both",
                 kl_factor="T2", kl_detach=True, kl_normalize=False, min_layer=1, views="paper", draws="numpy").
 
         Inputs: whatever the wrapped loss takes.
         """
-        super().__init__(model, loss, preset, seed, options)
+        super().__init__(model, loss, preset, seed, options, exit_heads)
 
     @property
     def citation(self) -> str:
