@@ -369,6 +369,7 @@ OUTPUT_UNDER_RO = {
     ("eval", "sts"): ["--model", "{model}", "--output", "{ro}/results"],
     ("eval", "classification"): ["--model", "{model}", "--output", "{ro}/results"],
     ("eval", "retrieval"): ["--model", "{model}", "--output", "{ro}/results"],
+    ("eval", "mteb"): ["--model", "{model}", "--output", "{ro}/results"],
     ("report",): ["{results}", "--output", "{ro}/report"],
     ("train",): ["--model", "{model}", "--data", "{texts}", "--output", "{ro}/run"],
     ("merge",): ["--models", "{model}", "{model}", "--output", "{ro}/merged"],

@@ -145,6 +145,10 @@ def invocations(w: Work) -> dict[tuple[str, ...], list | None]:
         ("eval", "retrieval"): [
             *["eval", "retrieval", "--model", w.model, *tiny, "--dataset-dir", w.beir, *cell, "--output", "OUT"]
         ],
+        ("eval", "mteb"): [
+            *["eval", "mteb", "--model", w.model, *tiny, "--task-dir", w.beir, "--cells", "4x32", "--quiet"],
+            *["--output", "OUT"],
+        ],
         ("report",): ["report", w.results, w.results2, "--output", "OUT"],
         ("train",): [
             *["train", "--model", w.model, *tiny, "--data", w.triplets, "--eval-file", w.dev, *quick, "--output", "OUT"]

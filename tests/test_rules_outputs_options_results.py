@@ -85,6 +85,7 @@ def test_distill_never_replaces_its_teacher_directly_or_through_a_link(model, te
         ["pretrain", "--model", "{model}", "--data", "{text}", "--output", "{model}", "--overwrite"],
         ["two-step", "--model", "{model}", "--data", "{text}", "--target-dim", "8", "--output", "{model}"],
         ["eval", "sts", "--model", "{model}", "--reducer", "pca", "--reducer-corpus", "{out}/results.csv"],
+        ["eval", "mteb", "--model", "{model}", "--task-dir", "{out}/results.csv"],  # an STS file as a task
         ["search", "--index", "{model}", "--queries", "{text}", "--output", "{text}"],
         ["search", "--index", "{model}", "--queries", "{text}", "--output", "{out}/hard-link.txt"],
         ["index", "build", "--model", "{model}", "--corpus", "{text}", "--backend", "qdrant", "--path", "{model}"],

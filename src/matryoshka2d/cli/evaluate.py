@@ -1,7 +1,8 @@
-"""`matryoshka2d eval sts|classification|retrieval` and `matryoshka2d report`.
+"""`matryoshka2d eval sts|classification|retrieval|mteb` and `matryoshka2d report`.
 
 Each eval command builds the default cell embedder (one encoder pass per dataset, widths by slicing), runs
-the evaluator and writes results.json, results.md, results.csv and heatmap.png into --output.
+the evaluator and writes results.json, results.md, results.csv and heatmap.png into --output. `eval mteb` runs
+mteb's tasks on chosen cells (a pair's query side included) and also writes mteb's own files, a folder per cell.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from matryoshka2d.cli.args import (
     width_ranges,
 )
 from matryoshka2d.evaluate.grid import EncoderCells, parse_ints
+from matryoshka2d.evaluate.mteb_run import INSTALL as INSTALL_MTEB  # mteb itself is imported by `eval mteb` only
 from matryoshka2d.outputs import TEMPORARY_MARK, write_text
 
 REDUCER_SAMPLES = 2000  # corpus sentences a reducer is fitted on, unless --reducer-samples says
@@ -280,6 +282,91 @@ def _cascade(args, dirs: list[Path], split: str) -> int:
     return 0
 
 
+def _cells(values, option: str) -> list[tuple[int, int]]:
+    """--cells / --query-cell items: LAYERxDIM (6x384; 6:384 is read too), each checked against the model later."""
+    import re
+
+    cells = []
+    for value in values or ():
+        for part in str(value).replace(",", " ").split():
+            match = re.fullmatch(r"(\d{1,9})\s*[xX:]\s*(\d{1,9})", part)
+            if match is None or int(match[2]) < 1:
+                raise ValueError(f"{option} {part!r}: give LAYERxDIM, e.g. 6x384 (layer 0 is the static cell)")
+            cells.append((int(match[1]), int(match[2])))
+    return list(dict.fromkeys(cells))
+
+
+def cmd_mteb(args) -> int:
+    """mteb's tasks (local files first, else mteb's by name) on each cell of --cells, mteb's result files in
+    OUTPUT/<layer>x<dim>, our grid of main scores in OUTPUT/results.*; a card in the model folder that holds OUTPUT
+    gets them as its model-index."""
+    from matryoshka2d.evaluate.mteb_run import require_mteb
+
+    require_mteb()  # before anything else: without mteb nothing here runs
+    from matryoshka2d.cli.args import check_new_output, load_encoder
+    from matryoshka2d.evaluate import mteb_encoder, mteb_tasks
+    from matryoshka2d.evaluate.mteb_run import evaluate_mteb
+    from matryoshka2d.paths import data_dir
+
+    if args.query_model and args.query_cell:
+        raise ValueError("--query-model and --query-cell are each a pair's query side: give one of them")
+    cells = _cells(args.cells, "--cells")
+    query_cell = _cells([args.query_cell], "--query-cell")[0] if args.query_cell else None
+    output = Path(args.output)
+    check_new_output(output, args.overwrite)  # results already there are replaced only with --overwrite
+    try:
+        root = data_dir(args.data_dir)
+    except FileNotFoundError:
+        if args.data_dir:
+            raise
+        root = None  # no shared data: the tasks come from --task-dir or from mteb
+    catalogue = mteb_tasks.local_catalogue(root, args.task_dir or ())
+    names = args.tasks or (mteb_tasks.local_catalogue(None, args.task_dir).names() if args.task_dir else None)
+    tasks = mteb_tasks.resolve_tasks(names or ["STSBenchmark"], catalogue)  # before the model loads
+    encoder = load_encoder(args, max_length=args.max_length, log=_log)
+    full = (encoder.num_layers, query_cell[1] if query_cell else encoder.hidden_size)
+    cells = cells or [full]
+    documents = mteb_encoder.SharedPass(encoder, cells, args.batch_size, not args.quiet)  # checks every cell
+    if args.query_model:
+        student = load_encoder(args, model=args.query_model, pooling=None, max_length=args.max_length, log=_log)
+        query = mteb_encoder.query_model_side(encoder, student.query_encoder or student, cells, args.batch_size)
+    elif query_cell:
+        query = mteb_encoder.query_cell_side(encoder, query_cell, cells, args.batch_size)
+    else:
+        query = mteb_encoder.pair_folder_side(encoder, cells, args.batch_size)
+    from matryoshka2d.models.identity import weights_sha256
+
+    revision = weights_sha256(encoder)[:12]  # the weights the cells are cut from name mteb's revision folder
+    encoders = {cell: mteb_encoder.CellEncoder(documents, cell, query, revision) for cell in cells}
+    shared = [documents, *([query.queries] if query is not None else [])]
+    settings = {"query_side": query.label if query is not None else None, "cells": [list(c) for c in cells]}
+    result = evaluate_mteb(
+        encoders, tasks, output, shared, documents.embedder, settings, batch_size=args.batch_size, log=_log
+    )
+    code = _finish(result, args.output)
+    _refresh_card(encoder, output)
+    return code
+
+
+def _refresh_card(encoder, output: Path) -> None:
+    """When OUTPUT lies inside the --model folder and the folder has a card (README.md), the card's front matter
+    gets every mteb result in the folder as its model-index (models.card.refresh_model_index); the rest of the card
+    is left as it is. The card is the one file of the model folder this writes, allowed here by name of the folder."""
+    from matryoshka2d.models.card import refresh_model_index
+    from matryoshka2d.outputs import allow_folder
+
+    folder = Path(encoder.location) if encoder.location else None
+    if folder is None or not folder.is_dir() or not output.resolve().is_relative_to(folder.resolve()):
+        return
+    if not (folder / "README.md").is_file():
+        _log(f"{folder} has no model card (README.md): none was written; a save of the model writes one with them")
+        return
+    allow_folder(folder)
+    card = refresh_model_index(folder, Path(str(encoder.name)).name)
+    if card is not None:
+        print(f"model card -> {card} (model-index: the mteb results in {folder})")
+
+
 def cmd_report(args) -> int:
     from matryoshka2d.cli.report_compression import COMPRESSION_OPTIONS, report_compression
     from matryoshka2d.evaluate.report import write_report
@@ -326,7 +413,7 @@ def _common(p, model_args, caches: tuple[str, ...] = ()) -> None:
 
 def register(sub, model_args) -> None:
     esub = command_group(
-        sub, "eval", help="evaluate every (layer, dim) cell: sts, classification, retrieval", dest="task"
+        sub, "eval", help="evaluate every (layer, dim) cell: sts, classification, retrieval; mteb", dest="task"
     )
 
     p = command(
@@ -418,6 +505,50 @@ def register(sub, model_args) -> None:
         "backbone's checksum, pooling, max length and the corpus, so that models sharing a backbone (with and "
         "without heads, other heads) encode the corpus once",
     )
+
+    p = command(
+        esub,
+        "mteb",
+        cmd_mteb,
+        help="MTEB's tasks on chosen cells, a query/document pair or layer 0 (needs the mteb extra)",
+        description="Runs mteb's tasks through each cell of --cells (default: the full cell): local files first "
+        "(the shared data's STS sets by mteb's names STS12-16, STSBenchmark, SICK-R; SciFact; classification sets; "
+        "--task-dir), else mteb's task of that name, which loads from the Hugging Face hub. Writes mteb's result files "
+        "in OUTPUT/<layer>x<dim> and the grid of main scores x 100 as results.json/.md/.csv and heatmap.png; when "
+        f"OUTPUT lies inside the model folder, its card gets them as a model-index. Install: {INSTALL_MTEB}",
+    )
+    reads_and_writes(p, ("--model", "--query-model", "--data-dir", "--task-dir"), files=EVAL_WRITES[:4])
+    model_args(p)
+    p.add_argument("--cells", nargs="+", help="LAYERxDIM cells, e.g. 6x384 3x128 0x384 (0: the static cell)")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        help="task names: a local task of --task-dir or the shared data, else mteb's (default: every --task-dir "
+        "task, else STSBenchmark)",
+    )
+    p.add_argument(
+        "--task-dir",
+        nargs="+",
+        help="local tasks: a BEIR folder (retrieval), an STS .tsv file (sentence1, sentence2, score) or a folder of "
+        "<name>_train.tsv / <name>_test.tsv (classification), each named after its folder or file",
+    )
+    p.add_argument(
+        "--query-model",
+        help="a pair: this query encoder (`distill --mode query` from --model) for the queries of retrieval tasks, "
+        "--model's cells for the documents and every other task",
+    )
+    p.add_argument(
+        "--query-cell",
+        metavar="LAYERxDIM",
+        help="a pair: this shallow cell of --model for queries, the cells (default: the last layer at DIM) for "
+        "documents",
+    )
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--max-length", type=token_length, help="truncate texts to this many tokens (default: the model's)")
+    p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
+    p.add_argument("--output", required=True, help="folder for a folder of mteb's files per cell and results.*")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier run in --output")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = command(
         sub,

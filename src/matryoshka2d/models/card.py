@@ -5,6 +5,13 @@ matryoshka2d.json: the method's settings, the loss, the data, and the run's last
 results.json files of `matryoshka2d eval` that are already in the folder when it is saved. The trainer saves
 into a fresh folder, so a trained model's card shows that last evaluation; its grid comes from `matryoshka2d
 eval` afterwards. A field nobody recorded is left out rather than guessed.
+
+Results of `eval mteb` in the folder also go into the card's YAML front matter as a `model-index`, the Hub's format
+for evaluation results (huggingface_hub.repocard_data: `model_index_to_eval_results` reads it): one result per
+(task, cell), the cell named in the dataset's config ("default, matryoshka2d cell 6x384") because the Hub tells
+results apart by task type, dataset type, config, split and revision (EvalResult.unique_identifier), and the value
+the task's mteb main score x 100, as the Hub shows MTEB. `eval mteb --output MODEL/mteb` refreshes the model-index of
+MODEL's card (`refresh_model_index`) and leaves the rest of the card as it is.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
+from matryoshka2d.files import ConfinedFolder
 from matryoshka2d.outputs import write_text
 from matryoshka2d.result_files import read_result_record
 
@@ -31,6 +41,67 @@ def find_results(folder: Path) -> list[dict]:
         except (OSError, ValueError) as exc:
             print(f"model card: {exc}; that result is left off the card", file=sys.stderr)
     return found
+
+
+def model_index(model_name: str, results: list[dict]) -> list[dict]:
+    """The Hub's model-index of every `eval mteb` result among `results` (records of find_results): one entry, the
+    model, with a result per (task, split, subset, cell); [] when there are none. A task's type, dataset and main
+    score come from the record's settings (evaluate.mteb_run.task_record)."""
+    entries = []
+    for result in results:
+        if result.get("task") != "mteb":
+            continue
+        tasks = (result.get("settings") or {}).get("tasks") or {}
+        for row in result.get("scores") or []:
+            task = tasks.get(row.get("dataset"))
+            value = row.get(result["metric"])
+            if not isinstance(task, dict) or value is None:
+                continue
+            cell = f"matryoshka2d cell {row['layer']}x{row['dim']}"
+            for split in task.get("splits") or ["test"]:
+                for subset in task.get("subsets") or ["default"]:
+                    entries.append(
+                        {
+                            "task": {"type": task.get("type"), "name": f"{row['dataset']} ({cell})"},
+                            "dataset": {
+                                "type": task.get("dataset"),
+                                "name": f"MTEB {row['dataset']} ({cell})",
+                                "config": f"{subset}, {cell}",
+                                "split": split,
+                                "revision": task.get("revision"),
+                            },
+                            "metrics": [{"type": task.get("main_score"), "value": round(float(value), 4)}],
+                        }
+                    )
+    return [{"name": model_name, "results": entries}] if entries else []
+
+
+def _front_matter(fields: dict, results: list[dict], model_name: str) -> list[str]:
+    """The card's YAML front matter: `fields`, and the model-index of the mteb results among `results`."""
+    index = model_index(model_name, results)
+    data = {**fields, **({"model-index": index} if index else {})}
+    return ["---", yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n"), "---"]
+
+
+def refresh_model_index(folder: Path, model_name: str) -> Path | None:
+    """Put the model-index of the mteb results in `folder` into the front matter of its card (README.md, read
+    through the folder's confined reader), replacing an earlier model-index and keeping every other field and the
+    body; None when the folder has no card."""
+    confined = ConfinedFolder(folder, "model")
+    path = confined.path("README.md")
+    if not path.is_file():
+        return None
+    text = confined.read_text("README.md")
+    fields, body = {}, text
+    if text.startswith("---\n") and "\n---" in text[4:]:
+        head, _, body = text[4:].partition("\n---")
+        body = body[1:] if body.startswith("\n") else body
+        loaded = yaml.safe_load(head)
+        fields = loaded if isinstance(loaded, dict) else {}
+    fields.pop("model-index", None)
+    lines = _front_matter(fields, find_results(Path(folder)), model_name)
+    write_text(path, "\n".join(lines) + "\n" + body)
+    return path
 
 
 def _grid_table(result: dict) -> list[str]:
@@ -73,12 +144,13 @@ def model_card(
     method = metadata.get("method")  # Method.config(): {"method": name, and its settings}
     method_name = method.get("method") if isinstance(method, dict) else method
     training = metadata.get("training") if isinstance(metadata.get("training"), dict) else {}
+    fields = {
+        "library_name": "sentence-transformers",
+        "pipeline_tag": "sentence-similarity",
+        "tags": ["sentence-transformers", "sentence-similarity", "matryoshka2d", "2d-matryoshka"],
+    }
     lines = [
-        "---",
-        "library_name: sentence-transformers",
-        "pipeline_tag: sentence-similarity",
-        "tags: [sentence-transformers, sentence-similarity, matryoshka2d, 2d-matryoshka]",
-        "---",
+        *_front_matter(fields, results, Path(str(encoder.name)).name),
         "",
         f"# {Path(str(encoder.name)).name} ({layers} layers, {width} dims)",
         "",
