@@ -180,14 +180,9 @@ def cmd_classification(args) -> int:
 
 def pick_split(directory: Path, split: str | None) -> str:
     """--split, else 'test' when the folder has it, else the folder's only qrels file."""
-    if split:
-        return split
-    available = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
-    if "test" in available:
-        return "test"
-    if len(available) == 1:
-        return available[0]
-    raise ValueError(f"{directory / 'qrels'}: pass --split (qrels files: {', '.join(available) or 'none'})")
+    from matryoshka2d.evaluate.retrieval import qrels_split
+
+    return qrels_split(directory, split)
 
 
 def cmd_retrieval(args) -> int:

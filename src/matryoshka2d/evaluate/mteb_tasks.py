@@ -36,7 +36,7 @@ from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
 
 from matryoshka2d.evaluate.classification import discover, load_split
-from matryoshka2d.evaluate.retrieval import corpus_file, load_beir
+from matryoshka2d.evaluate.retrieval import corpus_file, load_beir, qrels_split
 from matryoshka2d.evaluate.sts import STS_SETS, load_pairs
 from matryoshka2d.files import DataFormatError, file_sha256
 
@@ -123,17 +123,10 @@ class LocalSTS(_LocalData, AbsTaskSTS):
 
 def beir_split(directory: Path, split: str | None = None) -> str:
     """`split`, else 'test' when the folder has qrels/test.tsv, else its only qrels file (as `eval retrieval`)."""
-    if split:
-        return split
-    available = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
-    if "test" in available:
-        return "test"
-    if len(available) == 1:
-        return available[0]
-    raise TaskNotFoundError(
-        f"{directory / 'qrels'}: {'several qrels files' if available else 'no qrels file'} "
-        f"({', '.join(available) or 'none'}); a BEIR folder needs qrels/test.tsv or a single qrels/<split>.tsv"
-    )
+    try:
+        return qrels_split(directory, split)
+    except ValueError as exc:
+        raise TaskNotFoundError(str(exc)) from None
 
 
 class LocalRetrieval(_LocalData, AbsTaskRetrieval):

@@ -57,6 +57,22 @@ def _read_records(path: Path, titles: bool) -> tuple[list[str], list[str]]:
     return [key for _, key, _ in records], [text for _, _, text in records]
 
 
+def qrels_split(directory: Path, split: str | None = None) -> str:
+    """`split`, else 'test' when the BEIR folder has qrels/test.tsv, else its only qrels file."""
+    if split:
+        return split
+    available = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
+    if "test" in available:
+        return "test"
+    if len(available) == 1:
+        return available[0]
+    raise ValueError(
+        f"{directory / 'qrels'}: {'several qrels files' if available else 'no qrels file'} "
+        f"({', '.join(available) or 'none'}); a BEIR folder needs qrels/test.tsv or a single qrels/<split>.tsv, "
+        "else pass --split"
+    )
+
+
 def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
     """Read and cross-check a BEIR folder; unknown query ids in the qrels are an error naming the line."""
     directory = Path(directory)
