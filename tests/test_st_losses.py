@@ -146,6 +146,19 @@ def test_a_model_trained_in_sentence_transformers_trainer_is_a_folder_our_comman
     exported = SentenceTransformer(str(tmp_path / "cell"), device="cpu")
     assert exported.encode(["red cat"]).shape == (1, 16)
 
+    from fastapi.testclient import TestClient
+
+    from matryoshka2d.deploy.server import create_app
+    from matryoshka2d.models.encoder import ElasticEncoder
+
+    served = ElasticEncoder(str(folder), device="cpu")
+    with TestClient(create_app(served, "st-ese")) as client:
+        body = {"model": "st-ese", "input": ["red cat"], "layer": 2, "dimensions": 16}
+        reply = client.post("/v1/embeddings", json=body)
+    assert reply.status_code == 200
+    got = np.array(reply.json()["data"][0]["embedding"], dtype=np.float32)
+    np.testing.assert_allclose(got, exported.encode(["red cat"], normalize_embeddings=True)[0], atol=1e-5)
+
 
 def test_the_defaults_are_train_methods_and_a_preset_gives_its_options(st_model_dir):
     from matryoshka2d.methods import make_method
