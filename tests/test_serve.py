@@ -70,7 +70,7 @@ class Server:
                     if r.status == 200:
                         return
             except OSError:
-                time.sleep(0.2)
+                time.sleep(0.05)
         self.stop()
         raise RuntimeError("server did not answer /health within 120 s")
 
@@ -143,21 +143,27 @@ def tiny_local(tiny_folder):
     return ElasticEncoder(str(tiny_folder), device="cpu")
 
 
-def test_openai_client_gets_the_cell_of_minilm(minilm):
-    server = Server("minilm-l6", "minilm-l6", "--truncate")
-    try:
-        client = server.client()
-        response = client.embeddings.create(model="minilm-l6", input=TEXTS, dimensions=64, extra_body={"layer": 3})
-        got = np.array([d.embedding for d in response.data], dtype=np.float32)
-        expected = minilm.encode(TEXTS, layer=3, dim=64, normalize=True)
-        np.testing.assert_allclose(got, expected, atol=1e-5)
-        assert [d.index for d in response.data] == list(range(len(TEXTS)))
-        assert response.usage.prompt_tokens == response.usage.total_tokens > len(TEXTS)
-        # --truncate: a text over 256 tokens is cut, and the answer says so.
-        status, body = server.call("POST", "/v1/embeddings", {"model": "minilm-l6", "input": ["word " * 400]})
-        assert status == 200 and body["usage"]["prompt_tokens"] == 256 and body["truncated_inputs"] == 1
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def minilm_server():
+    """minilm-l6 served with --truncate and a default cell of (2, 16): one process for the two tests that read it
+    (a server takes seconds to start); each asks for what it checks."""
+    server = Server("minilm-l6", "minilm-l6", "--truncate", "--default-layer", "2", "--default-dimensions", "16")
+    yield server
+    server.stop()
+
+
+def test_openai_client_gets_the_cell_of_minilm(minilm, minilm_server):
+    server = minilm_server
+    client = server.client()
+    response = client.embeddings.create(model="minilm-l6", input=TEXTS, dimensions=64, extra_body={"layer": 3})
+    got = np.array([d.embedding for d in response.data], dtype=np.float32)
+    expected = minilm.encode(TEXTS, layer=3, dim=64, normalize=True)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    assert response.usage.prompt_tokens == response.usage.total_tokens > len(TEXTS)
+    # --truncate: a text over 256 tokens is cut, and the answer says so.
+    status, body = server.call("POST", "/v1/embeddings", {"model": "minilm-l6", "input": ["word " * 400]})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 256 and body["truncated_inputs"] == 1
 
 
 def test_float_and_base64_match_encode(any_server, tiny_local):
@@ -319,21 +325,19 @@ def test_embedding_types_quantise_the_unit_vectors_of_the_cell(tiny_server, tiny
     np.testing.assert_allclose(codes * (2 / 255) - 1, expected, atol=2 / 255)
 
 
-def test_default_cell_of_the_server(tiny_folder, tiny_local):
-    server = Server(str(tiny_folder), "tiny", "--default-layer", "2", "--default-dimensions", "16")
-    try:
-        status, body = server.call("POST", "/v1/embeddings", {"model": "tiny", "input": TEXTS})
-        assert status == 200 and (body["layer"], body["dimensions"]) == (2, 16)
-        expected = tiny_local.encode(TEXTS, layer=2, dim=16, normalize=True)
-        np.testing.assert_allclose([d["embedding"] for d in body["data"]], expected, atol=1e-5)
-        # A request's own fields, or a cell name, win over the defaults.
-        _, body = server.call("POST", "/v1/embeddings", {"model": "tiny", "input": TEXTS, "layer": 4})
-        assert (body["layer"], body["dimensions"]) == (4, 16)
-        _, body = server.call("POST", "/v1/embeddings", {"model": "tiny@3x8", "input": TEXTS})
-        assert (body["layer"], body["dimensions"]) == (3, 8)
-        assert server.call("GET", "/v1/models/tiny")[1]["default_layer"] == 2
-    finally:
-        server.stop()
+def test_default_cell_of_the_server(minilm, minilm_server):
+    """The server started with --default-layer 2 --default-dimensions 16 (minilm_server, shared)."""
+    server = minilm_server
+    status, body = server.call("POST", "/v1/embeddings", {"model": "minilm-l6", "input": TEXTS})
+    assert status == 200 and (body["layer"], body["dimensions"]) == (2, 16)
+    expected = minilm.encode(TEXTS, layer=2, dim=16, normalize=True)
+    np.testing.assert_allclose([d["embedding"] for d in body["data"]], expected, atol=1e-5)
+    # A request's own fields, or a cell name, win over the defaults.
+    _, body = server.call("POST", "/v1/embeddings", {"model": "minilm-l6", "input": TEXTS, "layer": 4})
+    assert (body["layer"], body["dimensions"]) == (4, 16)
+    _, body = server.call("POST", "/v1/embeddings", {"model": "minilm-l6@3x8", "input": TEXTS})
+    assert (body["layer"], body["dimensions"]) == (3, 8)
+    assert server.call("GET", "/v1/models/minilm-l6")[1]["default_layer"] == 2
 
 
 def test_transport_errors(any_server):
