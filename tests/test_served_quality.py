@@ -8,11 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.data import LETTER_CORPUS, beir, sts_tree
+from helpers.models import distill_config
 from matryoshka2d.cli import main
-from test_distill import config as distill_config
-from test_eval_cascade import CORPUS
-from test_eval_retrieval import beir
-from test_eval_sts import sts_tree
 
 pytest.importorskip("onnxruntime")
 
@@ -154,7 +152,7 @@ def test_pick_reads_cascade_and_query_encoder_results_and_says_which_keep_the_in
         distill_config(teacher_dir, text_file, tmp_path / "q2", sts_dev, method_options={"mode": "query", "layer": 2})
     ).run(progress=False)
     queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
-    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    root = beir(tmp_path / "toy", LETTER_CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
     args = ["eval", "retrieval", "--model", str(teacher_dir), "--pooling", "mean", "--dataset-dir", str(root)]
     options = ["--cascade", "1:8,4:32", "--shortlist", "16", "--query-layer", "2", "--query-model", str(student)]
     options += ["--storage", "float16", "binary"]

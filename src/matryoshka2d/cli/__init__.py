@@ -8,23 +8,32 @@ import importlib
 import sys
 
 from matryoshka2d.cli.args import check_outputs, command_scope_of, model_args
+from matryoshka2d.cli.help import Parser
 
 # In the order `matryoshka2d --help` lists them.
 COMMAND_MODULES = (
-    "matryoshka2d.cli.encode",  # info, encode, models
-    "matryoshka2d.cli.evaluate",  # eval
-    "matryoshka2d.cli.train",  # train, merge
-    "matryoshka2d.cli.compress",  # two-step, pretrain
+    "matryoshka2d.cli.info",  # info
+    "matryoshka2d.cli.encode",  # encode
+    "matryoshka2d.cli.models",  # models list, models prepare
+    "matryoshka2d.cli.evaluate",  # eval (sts, classification; retrieval and mteb from their own modules)
+    "matryoshka2d.cli.report",  # report, report compression
+    "matryoshka2d.cli.train",  # train
+    "matryoshka2d.cli.merge",  # merge
+    "matryoshka2d.cli.two_step",  # two-step
+    "matryoshka2d.cli.pretrain",  # pretrain
     "matryoshka2d.cli.heads",  # heads fit
     "matryoshka2d.cli.distill",  # distill
-    "matryoshka2d.cli.deploy",  # export, serve
-    "matryoshka2d.cli.retrieval",  # index, search, pick
+    "matryoshka2d.cli.export",  # export
+    "matryoshka2d.cli.serve",  # serve
+    "matryoshka2d.cli.index",  # index build
+    "matryoshka2d.cli.search",  # search
+    "matryoshka2d.cli.pick",  # pick
     "matryoshka2d.cli.demo",  # demo
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(  # every command's --help shows each default once (cli/help.py)
         prog="matryoshka2d", description="Sentence embeddings elastic in depth (layers) and width (dims)."
     )
     sub = parser.add_subparsers(dest="command", required=True)

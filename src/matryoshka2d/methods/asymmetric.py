@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from matryoshka2d.losses.batch import EmbeddedBatch
-from matryoshka2d.methods.base import Method, Plan, States, TaskLoss
-from matryoshka2d.views import View
+from matryoshka2d.methods.base import Method, Plan, States, TaskLoss, View
 
 
 class Asymmetric(Method):

@@ -16,7 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.losses.batch import EmbeddedBatch
-from matryoshka2d.views import View
+
+
+@dataclass(frozen=True)
+class View:
+    """A cell that gets the task loss at this step, with its weight: pool the state after `layer` layers, keep the
+    first `dim` numbers (matryoshka2d.cells.Cell, weighted)."""
+
+    layer: int
+    dim: int
+    weight: float = 1.0
+
+    def __str__(self) -> str:
+        return f"({self.layer},{self.dim})" + ("" if self.weight == 1.0 else f"x{self.weight:.3g}")
+
 
 States = dict[int, EmbeddedBatch]  # layer -> full-width pooled embeddings of every column of the batch
 TaskLoss = Callable[[EmbeddedBatch], torch.Tensor]

@@ -53,8 +53,7 @@ import torch
 from torch import nn
 
 from matryoshka2d.losses.align import mse_kl
-from matryoshka2d.methods.base import Method, Plan, States
-from matryoshka2d.views import View
+from matryoshka2d.methods.base import Method, Plan, States, View
 
 LAYER_READINGS = ("paper", "angle-emb")
 TARGETS = ("dependency", "scaled")

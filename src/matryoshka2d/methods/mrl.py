@@ -6,8 +6,8 @@ the 2DMSE paper uses, sec. 3.2: a geometric series with base 8 and ratio 2).
 
 from __future__ import annotations
 
-from matryoshka2d.methods.base import Method, Plan
-from matryoshka2d.views import View, nested_dims
+from matryoshka2d.cells import nested_dims
+from matryoshka2d.methods.base import Method, Plan, View
 
 
 class MRL(Method):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from matryoshka2d.methods.base import Method, Plan
-from matryoshka2d.views import View
+from matryoshka2d.methods.base import Method, Plan, View
 
 
 class Plain(Method):

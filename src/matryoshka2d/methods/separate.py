@@ -7,8 +7,7 @@ backbone is exactly training the cut model: layers above n never run and never c
 
 from __future__ import annotations
 
-from matryoshka2d.methods.base import Method, Plan
-from matryoshka2d.views import View
+from matryoshka2d.methods.base import Method, Plan, View
 
 
 class Separate(Method):

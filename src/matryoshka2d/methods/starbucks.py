@@ -30,8 +30,7 @@ from __future__ import annotations
 import itertools
 
 from matryoshka2d.losses.align import FACTORS, feature_kl, similarity_kl
-from matryoshka2d.methods.base import Method, Plan, States, check_normalize, kl_features
-from matryoshka2d.views import View
+from matryoshka2d.methods.base import Method, Plan, States, View, check_normalize, kl_features
 
 PAPER_SIZES = [(2, 32), (4, 64), (6, 128), (8, 256), (10, 512), (12, 768)]
 

@@ -34,9 +34,9 @@ import random
 
 import numpy as np
 
+from matryoshka2d.cells import nested_dims
 from matryoshka2d.losses.align import FACTORS, feature_kl, similarity_kl
-from matryoshka2d.methods.base import Method, Plan, States, check_normalize, kl_features
-from matryoshka2d.views import View, nested_dims
+from matryoshka2d.methods.base import Method, Plan, States, View, check_normalize, kl_features
 
 
 class TwoDMSE(Method):

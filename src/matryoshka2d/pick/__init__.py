@@ -1,0 +1,1 @@
+"""Pick a (cell, backend) for a budget: cost as served, quality as served, one frontier."""

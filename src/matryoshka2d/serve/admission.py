@@ -1,0 +1,247 @@
+"""What lets a request into the embeddings server, in front of every route: the API key, the drain on SIGTERM,
+and the bound on waiting work.
+
+- API key (`serve --api-key KEY`, or the MATRYOSHKA2D_API_KEY environment variable): every route but `/health` needs
+  `Authorization: Bearer KEY`, else 401 in OpenAI's error shape (as text-embeddings-inference and infinity answer).
+  The key is compared in constant time and never written anywhere: not in a message, not in a log line.
+  The key is checked when the server starts: one with surrounding whitespace (the newline a key file ends with),
+  an empty one, or one holding a character outside printable ASCII is refused there, naming where it came from,
+  since no client could send it in a header and the server would refuse every request.
+- Drain: once SIGTERM or SIGINT (Ctrl-C) arrives the server answers every new request 503 with `Connection:
+  close` (`/health` included, so a load balancer takes the replica out) while its port stays open, finishes what
+  it accepted within `--drain-seconds`, answers what it could not finish by then with a 503 in OpenAI's shape, and
+  exits 0 (serve/process.py).
+- HEAD: every route that answers GET answers HEAD too (what GET answers, without the body), so a load balancer
+  that checks `/health` with HEAD sees the replica up.
+- Bound on waiting work (`--max-queued-texts`, and `--max-queue-ms`): a request whose texts would take the queue
+  past the bound, or that would join a queue the model needs longer than `--max-queue-ms` to answer (its texts
+  times the model's recent time per text, and the rest of the call in flight, whose texts are answered at its
+  end), is answered 429 with `Retry-After` (the seconds the model needs for what waits now), before it is queued;
+  nothing already queued is ever dropped. A request larger than the bound in texts is still taken when nothing
+  waits, so every request the server accepts by its size limits can be answered. The
+  bound in time follows the machine: under overload the event loop's own work (reading requests, refusing them)
+  takes part of the core, the model answers fewer texts a second, and a count of texts sized at rest lets in
+  requests whose clients time out before their answer (3x full depth's capacity on one core, a 2 s deadline and
+  256 texts: 4,320 requests accepted and then left by their clients in 30 s).
+
+`Guard` is the ASGI middleware that applies the key, the drain and HEAD, and counts every answer
+(serve/metrics.py). The bound is applied twice: by `Guard`, before a request to the embeddings route is read, when
+what waits already refuses any request (the queue is full, or past the bound in time), and by the route, which knows
+how many texts a request holds. Under overload most requests are refused, and each refusal takes the event loop's
+time from the core the model needs: a refusal before the body is parsed, checked and tokenized costs a fraction of
+one after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import os
+import time
+
+from matryoshka2d.serve.protocol import ApiError
+
+API_KEY_ENV = "MATRYOSHKA2D_API_KEY"
+OPEN_ROUTES = ("/health",)
+BOUNDED_ROUTES = ("/v1/embeddings",)  # the routes that queue work for the model
+
+
+def key_problem(key: str) -> str | None:
+    """What makes `key` a key no client can send as `Authorization: Bearer KEY`, or None. The key itself is never
+    part of the answer (it would reach a log): only where the fault is."""
+    if not key.strip():
+        return "is empty; give a key or leave it out"
+    if key != key.strip():
+        return (
+            "has whitespace around it (a key file's trailing newline?): a client's header carries none, so no "
+            "request would match; strip it"
+        )
+    for i, char in enumerate(key):
+        if not " " <= char <= "~":
+            return (
+                f"holds U+{ord(char):04X} at character {i}, which is not printable ASCII: HTTP clients cannot send "
+                "it in a header; use printable ASCII only"
+            )
+    return None
+
+
+class Admission:
+    """The API key, the drain and the bound on queued texts of one server."""
+
+    def __init__(
+        self,
+        api_key: str | None = None,
+        max_queued_texts: int = 1024,
+        max_queue_ms: float | None = None,
+        key_source: str = f"--api-key (or {API_KEY_ENV})",
+    ):
+        problem = key_problem(api_key) if api_key is not None else None
+        if problem is not None:
+            raise ValueError(f"{key_source}: the API key {problem}")
+        if max_queued_texts < 1:
+            raise ValueError(f"--max-queued-texts must be at least 1, got {max_queued_texts}")
+        if max_queue_ms is not None and not (math.isfinite(max_queue_ms) and max_queue_ms > 0):
+            raise ValueError(f"--max-queue-ms must be a positive number of milliseconds, got {max_queue_ms}")
+        self._key = api_key.encode() if api_key is not None else None
+        self.max_queued_texts, self.max_queue_ms = max_queued_texts, max_queue_ms
+        self.draining = False
+        # The drain's deadline: the tasks of the requests in flight (registered by Guard), and those the deadline
+        # cut, which Guard answers with a 503 instead of the answer they could not get in time.
+        self.in_flight: set[asyncio.Task] = set()
+        self.cut: set[asyncio.Task] = set()
+        self.drain_seconds: float | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def from_options(cls, api_key: str | None, max_queued_texts: int, max_queue_ms: float | None = None) -> Admission:
+        """`--api-key` if given, else the environment variable (so the key need not be on a command line)."""
+        if api_key is not None:
+            return cls(api_key, max_queued_texts, max_queue_ms, key_source="--api-key")
+        return cls(os.environ.get(API_KEY_ENV), max_queued_texts, max_queue_ms, key_source=API_KEY_ENV)
+
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests, and cut those still in flight after `seconds` (each is answered 503 by Guard).
+        Runs on the event loop (the signal handler schedules it there)."""
+        self.draining, self.drain_seconds = True, seconds
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().call_later(seconds, self.cut_in_flight)
+
+    def cut_in_flight(self) -> None:
+        """The drain's end: every request still in flight is cancelled, and answered 503 by Guard."""
+        for task in list(self.in_flight):
+            if not task.done():
+                self.cut.add(task)
+                task.cancel()
+
+    def unfinished(self) -> ApiError:
+        """The answer to a request the drain cut before it was answered."""
+        within = f" within {self.drain_seconds:g} s (--drain-seconds)" if self.drain_seconds is not None else ""
+        return ApiError(
+            503,
+            f"The server is shutting down and could not finish this request{within}; send it again, to another replica",
+            None,
+            "server_shutting_down",
+            kind="server_error",
+            headers={"Connection": "close"},
+        )
+
+    @property
+    def needs_key(self) -> bool:
+        return self._key is not None
+
+    def refusal(self, path: str, authorization: bytes | None) -> ApiError | None:
+        """Why a request to `path` is not let in (a 401 or a 503), or None."""
+        if self._key is not None and path not in OPEN_ROUTES:
+            scheme, _, given = (authorization or b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._key):
+                return ApiError(
+                    401,
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' with the key this "
+                    "server was started with",
+                    None,
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if self.draining:
+            return ApiError(
+                503,
+                "The server is shutting down: it finishes the requests it accepted and takes no new ones; send this "
+                "one to another replica",
+                None,
+                "server_shutting_down",
+                kind="server_error",
+                headers={"Connection": "close"},
+            )
+        return None
+
+    def admit(self, texts: int, queued: int, drain_seconds: float) -> None:
+        """Let `texts` more texts join `queued` waiting ones, or raise a 429 saying when to come back."""
+        refusal = self.overloaded(texts, queued, drain_seconds)
+        if refusal is not None:
+            raise refusal
+
+    def overloaded(self, texts: int | None, queued: int, drain_seconds: float) -> ApiError | None:
+        """The 429 for `texts` more texts joining `queued` waiting ones (the model needs `drain_seconds` for them and
+        for the rest of the call it runs), or None when they may. `texts` None (a request not read yet): whether
+        what waits refuses any request. With nothing queued the bound in texts lets any request in (one larger than
+        the bound is then taken), the bound in time only while the call in flight is shorter than it."""
+        if queued and queued + (texts or 1) > self.max_queued_texts:
+            adds = f" and this request adds {texts}" if texts is not None else ""
+            why = f"{queued} texts are waiting{adds} (the bound is {self.max_queued_texts}, --max-queued-texts)"
+        elif self.max_queue_ms is not None and 1000 * drain_seconds > self.max_queue_ms:
+            why = (
+                f"the {queued} texts waiting and the call running need about {1000 * drain_seconds:.0f} ms of the "
+                f"model (the bound is {self.max_queue_ms:g} ms, --max-queue-ms)"
+            )
+        else:
+            return None
+        retry = max(1, math.ceil(drain_seconds))
+        return ApiError(
+            429,
+            f"The model is overloaded: {why}; retry after {retry} s",
+            None,
+            "model_overloaded",
+            kind="server_error",
+            headers={"Retry-After": str(retry)},
+        )
+
+
+# The scope key under which Guard leaves the time (perf_counter) it first saw the request.
+REQUEST_START = "matryoshka2d.request_start"
+
+
+class Guard:
+    """ASGI middleware: the API key and the drain before any route, HEAD answered as GET without its body, a
+    request the drain's deadline cuts answered 503, and every answer counted with its status and time. A pure ASGI
+    callable (no BaseHTTPMiddleware), so it adds no task or copy per request."""
+
+    def __init__(self, app, admission: Admission, metrics, respond, waiting=None):
+        """`waiting()`: (texts queued, seconds the model needs for them), for the refusal before the body is read."""
+        self.app, self.admission, self.metrics, self.respond = app, admission, metrics, respond
+        self.waiting = waiting
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, path, status = time.perf_counter(), scope["path"], [None]
+        head = scope["method"] == "HEAD"
+        if head:  # routed as the GET it asks about; the answer's body is left out below (its headers describe it)
+            scope = {**scope, "method": "GET"}
+        scope[REQUEST_START] = start  # the route times its phases from here (engine.py)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            elif head and message["type"] == "http.response.body" and message.get("body"):
+                message = {**message, "body": b""}
+            await send(message)
+
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        refusal = self.admission.refusal(path, authorization)
+        if refusal is None and self.waiting is not None and path in BOUNDED_ROUTES and scope["method"] == "POST":
+            refusal = self.admission.overloaded(None, *self.waiting())
+        try:
+            if refusal is not None:
+                await self.respond(refusal)(scope, receive, counted)
+            else:
+                await self._within_drain(scope, receive, counted, status)
+        finally:
+            self.metrics.request(path, status[0] or 500, time.perf_counter() - start)
+
+    async def _within_drain(self, scope, receive, send, status) -> None:
+        """The route, registered as in flight so that the drain's deadline can cut it: a request cut before its
+        answer started is answered 503 (a cancelled route would otherwise be uvicorn's plain-text 500)."""
+        task = asyncio.current_task()
+        in_flight = self.admission.in_flight
+        in_flight.add(task)
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if task not in self.admission.cut or status[0] is not None:
+                raise
+            task.uncancel()
+            await self.respond(self.admission.unfinished())(scope, receive, send)
+        finally:
+            in_flight.discard(task)
+            self.admission.cut.discard(task)

@@ -1,0 +1,177 @@
+"""The server's HTTP routes, and nothing else: each reads its request and hands it to the engine (serve/engine.py).
+
+    POST /v1/embeddings   {"model", "input": str | [str], "dimensions"?, "encoding_format"?: "float"|"base64",
+                           "layer"?: int | "auto", "input_type"?: "query"|"document",
+                           "embedding_type"?: "float"|"int8"|"uint8"|"binary"|"ubinary"}
+                           (layer, input_type and embedding_type are ours; OpenAI clients send them in extra_body)
+    GET  /v1/models       the model, the cells it serves (MODEL@LAYERxDIMS) and its query encoders (serve/catalog.py)
+    GET  /health          liveness and queue length (503 while draining); the one route open without the API key
+    GET  /metrics         Prometheus text format (serve/metrics.py)
+
+    (every GET route answers HEAD too: its headers, no body)
+
+A model name `MODEL@3x128` is the same request as `model: MODEL, layer: 3, dimensions: 128`, for clients that
+cannot send extra fields. Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}}, the app's
+own faults included. In front of every route, admission.Guard: the API key, the drain, HEAD, the bound on waiting
+work, and the count of every answer.
+
+A request is bounded before any work is spent on it: its body while it streams (chunked bodies too: reading stops
+at the bound, 413). Response headers carry names percent-encoded (any served name is a valid header).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from matryoshka2d.serve.admission import REQUEST_START, Guard
+from matryoshka2d.serve.engine import Engine
+from matryoshka2d.serve.protocol import ApiError
+
+
+def app_for(engine: Engine) -> FastAPI:
+    """The FastAPI app that serves `engine`: its routes, its error handlers, the Guard in front of them and the
+    embeddings route's fast path (`EmbeddingsFirst`)."""
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        await engine.start()
+        yield
+        await engine.stop()
+
+    # FastAPI's OpenTelemetry hooks off: they asked the tracer, meter and logger providers on every request (a
+    # tenth of a one-query request's own time in a profile), and the server's own /metrics already times each phase.
+    no_telemetry = {"tracing": False, "metrics": False, "logs": False}
+    app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan, telemetry=no_telemetry)
+    app.state.engine, app.state.admission = engine, engine.admission
+
+    async def embeddings(request: Request) -> Response:
+        arrived = request.scope.get(REQUEST_START) or time.perf_counter()
+        body = await read_body(request, engine.config.max_body_bytes)
+        content, headers = await engine.embed(body, arrived, lambda work: unless_gone(request, work))
+        return Response(content, media_type="application/json", headers=headers)
+
+    app.add_middleware(EmbeddingsFirst, handler=embeddings)  # inside the Guard
+    app.add_middleware(
+        Guard, admission=engine.admission, metrics=engine.metrics, respond=error_response, waiting=engine.waiting
+    )
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, str(exc.detail), None, code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc: RequestValidationError):
+        return error_response(ApiError(400, str(exc), None, "invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def server_fault(_request, exc: Exception):  # a fault of the server's own, still in OpenAI's shape
+        return fault_response(exc)
+
+    # Every GET route answers HEAD too (admission.Guard routes HEAD as GET and leaves the body out).
+    @app.get("/health")  # open without the key; 503 while draining (admission.Guard), so a balancer moves on
+    async def health(response: Response):
+        response.headers["x-matryoshka2d-worker"] = str(os.getpid())  # which process of `serve --workers` answered
+        return engine.health()
+
+    @app.get("/metrics")
+    async def prometheus():
+        content, kind = engine.prometheus()
+        return Response(content, media_type=kind)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": engine.catalog.describe_all()}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_by_name(name: str):
+        return engine.catalog.describe(name)
+
+    # Declared for the API's schema and its 405 for other methods; POST is answered by EmbeddingsFirst.
+    app.post("/v1/embeddings")(embeddings)
+    return app
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def fault_response(exc: Exception) -> JSONResponse:
+    message = f"The server failed on this request ({type(exc).__name__}: {str(exc)[:200]})"
+    return error_response(ApiError(500, message, None, "internal_error", kind="server_error"))
+
+
+class EmbeddingsFirst:
+    """POST /v1/embeddings straight to its handler, past FastAPI's router: matching the routes, solving the
+    endpoint's dependencies and its exception middleware took about a quarter of the stack's own time for a
+    one-query request (cProfile of the server with a model that answers at once, 2026-11-28), time every request
+    takes from the core the model needs. The route stays declared (the API's schema, 405 for other methods); its
+    errors are answered here in the same OpenAI shape as the app's handlers answer them."""
+
+    def __init__(self, app, handler):
+        self.app, self.handler = app, handler
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/embeddings" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            response = await self.handler(Request(scope, receive))
+        except ApiError as exc:
+            response = error_response(exc)
+        except Exception as exc:  # a fault of the server's own, as the app's handler answers it
+            response = fault_response(exc)
+        await response(scope, receive, send)
+
+
+async def unless_gone(request: Request, work):
+    """The result of `work`, or, when the client closes its connection first (its own timeout, under overload), a
+    499 that nobody reads: the request's texts are then skipped by the batcher (their future is cancelled), so the
+    model does not spend itself on answers nobody waits for."""
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, closed = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({answer, closed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closed.cancel()
+        if not answer.done():  # the client left, or the drain's deadline cut the request: nobody takes the answer
+            answer.cancel()
+    if answer in done:
+        return answer.result()
+    raise ApiError(499, "The client closed the connection before the answer", None, "client_closed_request")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is over `limit` bytes: by its Content-Length before any of it is
+    read, else (a chunked body has none) while it streams in, reading stops at the first chunk past the bound."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:  # uvicorn discards the declared rest, unbuffered
+        raise ApiError(413, f"Request body is {int(size)} bytes; the limit is {limit}", None, "request_too_large")
+    chunks, read = [], 0
+    async for chunk in request.stream():
+        read += len(chunk)
+        if read > limit:  # a chunked body may not end: the connection is closed, so nothing more of it is read
+            raise ApiError(
+                413,
+                f"Request body is over {limit} bytes ({read} read, and more were coming); the limit is {limit}",
+                None,
+                "request_too_large",
+                headers={"Connection": "close"},
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
