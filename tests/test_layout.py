@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SENTENCES, tiny_transformer
+from helpers.data import SENTENCES
+from helpers.models import tiny_transformer
 from matryoshka2d.models.encoder import ElasticEncoder
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "help-before-layout.txt"  # taken at the move's first commit

@@ -1,5 +1,6 @@
-"""Options shared by several commands: the model to load, the options of a training run, key=value option
-lists, the run-safety flags; and reading back which of them were given."""
+"""Options shared by several commands: the converters every typed option parses through (numbers, cells and
+layer lists read by matryoshka2d.cells), the model to load, and what a command reads and writes (rule 2). The
+options of a training run are in cli/run_options.py, how --help reads in cli/help.py."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import argparse
 import math
 import re
 from pathlib import Path
-
-import yaml
 
 POOLING_CHOICES = ["mean", "cls", "last-token"]  # models.backbones.POOLING_MODES, without importing torch here
 
@@ -96,34 +95,53 @@ def fraction(text: str) -> float:
     return value
 
 
-def int_list(text: str) -> list[int]:
-    """Comma-separated whole numbers of at least 1, e.g. 64,128,384: an empty list or item is refused, not read
-    as "the default" or skipped."""
-    if not (text or "").strip():
-        raise argparse.ArgumentTypeError("is empty: give comma-separated numbers such as 64,128,384")
-    out = []
-    for position, part in enumerate(text.split(","), start=1):
-        if not part.strip():
-            raise argparse.ArgumentTypeError(f"item {position} of {text!r} is empty: write e.g. 64,128,384")
-        try:
-            out.append(positive_int(part))
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"item {position} of {text!r}: {exc}") from None
-    return out
+# Cells and layer lists are read by matryoshka2d.cells, the one parser of both notations (3x128, 3:128) and of
+# ranges (1-6), so that an option means and refuses the same thing in every command and in the server.
 
 
-def cell_list(text: str) -> list[tuple[int, int]]:
-    """layer:dim cells, e.g. 3:128,6:384, each number at least 1."""
-    from matryoshka2d.views import parse_cells
+def _cells(text: str, least_layer: int) -> list:
+    from matryoshka2d.cells import parse_cells
 
     try:
-        cells = parse_cells(text or "")
+        cells = parse_cells(text or "", "cells")
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    for layer, dim in cells:
-        if layer < 1 or dim < 1:
-            raise argparse.ArgumentTypeError(f"cell {layer}:{dim}: a layer and a width are at least 1")
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("cells: ")) from None
+    for cell in cells:
+        if cell.layer < least_layer or cell.dim < 1:
+            lowest = "a layer and a width are at least 1" if least_layer else "a width is at least 1"
+            raise argparse.ArgumentTypeError(f"cell {cell.label}: {lowest}")
     return cells
+
+
+def cell_list(text: str) -> list:
+    """Cells of exits, e.g. 3:128,6:384 or 3x128 6x384 (matryoshka2d.cells.parse_cells), each number at least 1."""
+    return _cells(text, 1)
+
+
+def grid_cells(text: str) -> list:
+    """Cells of a grid, e.g. 6x384 3x128 0x384: layer 0 is a model's static cell, a width is at least 1."""
+    return _cells(text, 0)
+
+
+def one_cell(text: str):
+    """One cell, 3x128 or 3:128 (matryoshka2d.cells.Cell.parse); layer 0 is a model's static cell."""
+    from matryoshka2d.cells import Cell
+
+    try:
+        cell = Cell.parse(text, "cell")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("cell: ")) from None
+    if cell.dim < 1:
+        raise argparse.ArgumentTypeError(f"cell {cell.label}: a width is at least 1")
+    return cell
+
+
+def cascade_cells(text: str) -> tuple:
+    """small:full, e.g. 2:128,6:384: the cell that shortlists, then the one that reranks."""
+    cells = grid_cells(text)
+    if len(cells) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give exactly two cells, small then full (e.g. 2:128,6:384)")
+    return cells[0], cells[1]
 
 
 # A model adds its start and end tokens ([CLS] and [SEP]) to every text: a length of 2 holds only those (every text
@@ -142,51 +160,43 @@ def token_length(text: str) -> int:
     return value
 
 
-def _numbers_or_ranges(text: str, least: int, what: str) -> str:
-    """Check one item of a --layers/--dims style option (evaluate.grid.parse_ints reads it): comma-separated whole
-    numbers of at least `least` or ranges LOW-HIGH with LOW <= HIGH. A reversed range (3-1) was read as no number
-    at all, so the option fell back to its default silently. The text is returned as given (parse_ints reads it)."""
-    for part in (text or "").split(","):
-        part = part.strip()
-        if not part:  # an empty item: evaluate.grid.parse_ints names it, with the option, when the command starts
-            continue
-        low_text, dash, high_text = part[1:].partition("-")  # part[1:]: a leading '-' is a sign, refused below
-        low_text = part[0] + low_text
-        try:
-            low = _whole(low_text)
-            high = _whole(high_text) if dash else low
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a whole number or a range like 1-6") from None
-        if low < least:
-            raise argparse.ArgumentTypeError(f"{part!r}: {what} start at {least}, got {low}")
-        if high < low:
-            raise argparse.ArgumentTypeError(
-                f"{part!r} is a reversed range, which holds no number: write {high}-{low} (from the smaller up)"
-            )
-    return text
+def _numbers(text: str, least: int, what: str) -> list[int]:
+    from matryoshka2d.cells import parse_numbers
+
+    try:
+        return parse_numbers(text, "numbers", least=least, what=what)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("numbers: ")) from None
 
 
-def layer_ranges(text: str) -> str:
-    """Layers as 1,2,3 or 1-6 (0 is a model's static cell); a reversed range is refused."""
-    return _numbers_or_ranges(text, 0, "layers")
+def layer_list(text: str) -> list[int]:
+    """Layers as 1,3,6 or ranges 1-6 (0: a model's static cell) -> the numbers, in the order given; an empty item, a
+    reversed range (3-1, which holds no number) and a negative number are refused (matryoshka2d.cells.parse_numbers).
+    With nargs="+" give it action=Numbers, which joins the items (--layers 1,2 4-6) into one list."""
+    return _numbers(text, 0, "layers")
 
 
-def width_ranges(text: str) -> str:
-    """Widths as 64,128 or ranges (each at least 1); a reversed range is refused."""
-    return _numbers_or_ranges(text, 1, "widths")
+def width_list(text: str) -> list[int]:
+    """Widths as 64,128 or ranges, each at least 1, read as layer_list reads layers."""
+    return _numbers(text, 1, "widths")
 
 
-def exit_ranges(text: str) -> str:
-    """Exits as 1,2,3 or 1-5 (each at least 1: layer 0 has no exit head); a reversed range is refused."""
-    return _numbers_or_ranges(text, 1, "exits")
+def exit_list(text: str) -> list[int]:
+    """Exits as 1,2,3 or 1-5, each at least 1 (layer 0 has no exit head), read as layer_list reads layers."""
+    return _numbers(text, 1, "exits")
+
+
+class Numbers(argparse.Action):
+    """The action of an option of several number lists (nargs="+", type=layer_list: --layers 1,2 4-6): one list of
+    the numbers, in the order given, repeats dropped."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, list(dict.fromkeys(number for value in values for number in value)))
 
 
 def only_static_layers(layers) -> bool:
-    """Whether every layer given (items of layer_ranges, or numbers) is 0, the static cell."""
-    from matryoshka2d.evaluate.grid import parse_ints
-
-    numbers = parse_ints([str(item) for item in layers], "layers") if layers else None
-    return bool(numbers) and set(numbers) == {0}
+    """Whether every layer given (a parsed --layers list) is 0, the static cell."""
+    return bool(layers) and set(layers) == {0}
 
 
 def refuse_pooling_at_static_cell(args, layer_option: str) -> None:
@@ -400,8 +410,8 @@ def check_new_output(out: Path, overwrite: bool) -> None:
 
 def folder_metadata(encoder) -> dict:
     """The model folder's matryoshka2d.json (method, training record, ...), or {} for a folder without one (or a
-    model that has no folder here), read by the one confined reader (files.ConfinedFolder)."""
-    from matryoshka2d.files import ConfinedFolder
+    model that has no folder here), read by the one confined reader (confined.ConfinedFolder)."""
+    from matryoshka2d.confined import ConfinedFolder
 
     if not encoder.location or not Path(encoder.location).is_dir():  # not the current folder's matryoshka2d.json
         return {}
@@ -412,88 +422,3 @@ def folder_metadata(encoder) -> dict:
     if not isinstance(record, dict):
         raise ValueError(f"{folder.folder / 'matryoshka2d.json'}: not a JSON object (a model's record is one)")
     return record
-
-
-# The options of a training run that train, two-step and pretrain share: flag -> (argparse keywords, help).
-# Every one defaults to None, so that a command can tell what was given (see `given`) from its own defaults.
-RUN_OPTIONS = {
-    "--steps": ({"type": positive_int}, "optimizer steps (default: one epoch)"),
-    "--epochs": ({"type": positive_float}, None),
-    "--batch-size": ({"type": positive_int}, None),
-    "--lr": ({"type": positive_float}, None),
-    "--weight-decay": ({"type": non_negative_float}, None),
-    "--lr-schedule": ({"choices": ["cosine", "linear"]}, None),
-    "--warmup-ratio": ({"type": fraction}, None),
-    "--seed": ({"type": count}, None),
-    "--max-length": ({"type": token_length}, None),
-    "--save-steps": ({"type": count}, "checkpoint every N steps (default 200; 0: none)"),
-    "--eval-steps": ({"type": count}, None),
-    "--eval-file": ({}, None),
-    "--resume": ({"action": "store_true"}, "continue from the last checkpoint in --output"),
-    "--quiet": ({"action": "store_true"}, "no progress bars"),
-}
-
-
-def run_options(p, *flags: str, **helps: str) -> None:
-    """Add these training-run options, in this order; `helps` (by option name: batch_size="...") gives a
-    command's own help for one."""
-    for flag in flags:
-        keywords, text = RUN_OPTIONS[flag]
-        text = helps.get(flag[2:].replace("-", "_"), text)
-        p.add_argument(flag, **keywords, **({"help": text} if text else {}))
-
-
-def run_training(entry, values: dict, args):
-    """Start `entry` (training.trainer.train, compress.smae.pretrain) on a TrainConfig of `values`, with the run
-    options every training command has: --resume, --quiet, --overwrite, --allow-pickle-checkpoint."""
-    from matryoshka2d.training.config import TrainConfig
-
-    return entry(
-        TrainConfig.from_dict(values),
-        resume=args.resume,
-        progress=not args.quiet,
-        overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle_checkpoint,
-    )
-
-
-def given(args, names) -> dict:
-    """The options among `names` given on the command line, by name: a value, or a switch turned on (None, and
-    False for a switch, mean not given, so that a preset's or a config file's value stands)."""
-    return {name: value for name in names if (value := getattr(args, name, None)) is not None and value is not False}
-
-
-def training_options(args, but=()) -> dict:
-    """The flags named like a TrainConfig option (--batch-size: batch_size) that were given, except `but`."""
-    import dataclasses
-
-    from matryoshka2d.training.config import TrainConfig
-
-    return given(args, [f.name for f in dataclasses.fields(TrainConfig) if f.name not in but])
-
-
-def parse_options(values: list[str] | None, flag: str) -> dict:
-    """key=value pairs; values parsed as YAML scalars/lists (k=128, sizes=[[1,32],[6,384]], dynamic_weights=true)."""
-    out = {}
-    for item in values or []:
-        if "=" not in item:
-            raise ValueError(f"{flag} expects key=value, got '{item}'")
-        key, value = item.split("=", 1)
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
-    return out
-
-
-def add_safety_flags(p, overwrite: bool = True) -> None:
-    """--overwrite and --allow-pickle-checkpoint, shared by train and pretrain."""
-    if overwrite:
-        p.add_argument(
-            "--overwrite",
-            action="store_true",
-            help="train into an --output that already holds a model or run, deleting its checkpoints and log",
-        )
-    p.add_argument(
-        "--allow-pickle-checkpoint",
-        action="store_true",
-        help="when resuming, read a checkpoint written by an older matryoshka2d (state.pt, a pickle). RISK: "
-        "unpickling a file can run code planted in it; use only on checkpoints you wrote yourself",
-    )

@@ -21,6 +21,7 @@ similarities and time per cell.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,54 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.cli.args import command, positive_float, positive_int, reads_and_writes
-from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.outputs import make_folder, open_for_writing
-
-DEMO_SENTENCES = [
-    "A man is playing a guitar on stage.",
-    "Someone performs music with a guitar in front of an audience.",
-    "The central bank raised interest rates again this quarter.",
-    "A child is riding a bicycle down the street.",
-    "A kid rides a bike along the road.",
-    "Fresh snow covered the mountain village overnight.",
-]
-
-
-def demo_cells(num_layers: int, hidden: int) -> list[tuple[int, int]]:
-    """Six or fewer cells from full size down: depth spread evenly, width proportional to depth."""
-    layers = sorted({max(1, round(num_layers * i / 6)) for i in range(1, 7)}, reverse=True)
-    return [(n, max(8, hidden * n // num_layers // 8 * 8)) for n in layers]
-
-
-def run_cells(args) -> int:
-    """Embed a few sentences at several cells and show similarities and time per cell."""
-    from matryoshka2d.models.encoder import ElasticEncoder
-
-    encoder = ElasticEncoder(args.model, pooling=args.pooling, device=args.device)
-    n, d = encoder.num_layers, encoder.hidden_size
-    cells = demo_cells(n, d)
-    # Timing text: the demo sentences repeated with a counter so that deduplication does not hide work.
-    timing_texts = [f"{s} ({i})" for i in range(40) for s in DEMO_SENTENCES]
-    encoder.encode(timing_texts[:64])  # warm-up
-    print(f"model {encoder.name}: {n} layers x {d} dims, pooling {encoder.pooling}")
-    print("pairs: P1 guitar/guitar (paraphrase), P2 child-bike/kid-bike (paraphrase), U guitar/bank (unrelated)")
-    print(f"{'cell':>10} {'P1':>7} {'P2':>7} {'U':>7} {'ms/sentence':>12} {'speed-up':>9}")
-    full_ms = None
-    for layer, dim in cells:
-        v = encoder.encode(DEMO_SENTENCES, layer=layer, dim=dim, normalize=True)
-        start = time.perf_counter()
-        encoder.encode(timing_texts, layer=layer, dim=dim)
-        ms = (time.perf_counter() - start) * 1000 / len(timing_texts)
-        full_ms = full_ms or ms
-        print(
-            f"{f'({layer},{dim})':>10} {v[0] @ v[1]:7.3f} {v[3] @ v[4]:7.3f} {v[0] @ v[2]:7.3f} {ms:12.2f} "
-            f"{full_ms / ms:8.2f}x"
-        )
-    print(
-        f"(time per cell: {len(timing_texts)} sentences, batch 64, {os.cpu_count()} CPU cores, torch threads "
-        f"{__import__('torch').get_num_threads()})"
-    )
-    return 0
 
 
 def step(number: int, title: str) -> float:
@@ -146,9 +101,9 @@ def save_beside(encoder, model_dir: Path, out: Path) -> None:
 def fit_heads_for(args, root: Path, model_dir: Path) -> Path:
     """Exit heads fitted in closed form on the fine-tune's own training sentences, cached beside it; the ridge
     strength chosen on STS-B dev as `heads fit` does by default (held-out squared error if the file is missing)."""
-    from matryoshka2d.cli.heads import ridge_selection
     from matryoshka2d.models.encoder import ElasticEncoder
-    from matryoshka2d.models.heads import fit_heads
+    from matryoshka2d.models.heads_fit import fit_heads
+    from matryoshka2d.training.heads_run import ridge_selection
 
     select, dev = ridge_selection("auto", root / "sts" / "raw" / "stsb_dev.tsv")
     out = model_dir.with_name(f"{model_dir.name}-heads{args.head_sentences}-{select}")
@@ -199,7 +154,7 @@ def export_cell(encoder, layer: int, dim: int, out: Path, backend: str = "torch"
     folder that loads with SentenceTransformer(out) alone (and, for onnx-int8, its int8 ONNX graph), checked against
     encode(layer, dim) before it is put in place. The folder is the demo's own (inside --output), so a rerun
     replaces it."""
-    from matryoshka2d.deploy.export import export_cell as export
+    from matryoshka2d.export.cell import export_cell as export
 
     onnx = {"fmt": "onnx", "quantize": "int8", "sts_file": sts_file} if backend == "onnx-int8" else {}
     report = export(encoder, layer, dim, out, overwrite=True, **onnx)
@@ -211,10 +166,10 @@ def export_cell(encoder, layer: int, dim: int, out: Path, backend: str = "torch"
 def int8_grid(encoder, dims, root: Path, datasets, out: Path, log):
     """The same STS grid scored by the int8 ONNX graphs `serve --backend onnx --quantize int8` runs (built and
     cached in the model's folder), or None where onnxruntime is not installed."""
-    from matryoshka2d.deploy.onnx_graphs import ExportError, require_onnx
-    from matryoshka2d.deploy.served import BackendCells, make_backend
     from matryoshka2d.evaluate.results import write_outputs
     from matryoshka2d.evaluate.sts import evaluate_sts
+    from matryoshka2d.export.onnx_graphs import ExportError, require_onnx
+    from matryoshka2d.serve.served import BackendCells, make_backend
 
     try:
         require_onnx()
@@ -231,10 +186,9 @@ def int8_grid(encoder, dims, root: Path, datasets, out: Path, log):
 def small_scifact(source: Path, out: Path, n_queries: int, n_docs: int):
     """A BEIR folder with the first `n_queries` judged queries and a corpus of their relevant documents filled
     up to `n_docs` with the corpus's first documents."""
-    from matryoshka2d.cli.evaluate import pick_split
-    from matryoshka2d.evaluate.retrieval import load_beir
+    from matryoshka2d.beir import load_beir, qrels_split
 
-    split = pick_split(source, None)
+    split = qrels_split(source, None)
     full = load_beir(source, split)
     relevant = {d for rel in full.qrels[:n_queries] for d in rel}
     fill = [i for i in range(len(full.doc_ids)) if i not in relevant][: max(0, n_docs - len(relevant))]
@@ -274,28 +228,44 @@ def static_point(points: list[dict], full_ms: float) -> str:
 
 
 def run_loop(args) -> int:
-    from matryoshka2d.deploy.cost import layer_latency
-    from matryoshka2d.deploy.pick import run_pick
-    from matryoshka2d.evaluate.grid import EncoderCells
-    from matryoshka2d.evaluate.results import write_outputs
-    from matryoshka2d.evaluate.retrieval import rank_metrics
-    from matryoshka2d.evaluate.sts import evaluate_sts
-    from matryoshka2d.models.encoder import ElasticEncoder
+    """The five steps, each printing what it produced into --output."""
     from matryoshka2d.paths import data_dir
-    from matryoshka2d.retrieval.index import build_index
-    from matryoshka2d.retrieval.search import CellIndex
 
     begin = time.perf_counter()
     root = data_dir(args.data_dir)
     work = make_folder(Path(args.output), "--output")
     quiet = (lambda m: None) if args.quiet else (lambda m: print(f"    {m}", file=sys.stderr))
+    model_dir = elastic_model(args, root)
+    encoder, int8 = sts_grids(args, root, work, model_dir, quiet)
+    chosen = pick_cell(args, work, model_dir, encoder, int8 is not None, quiet)
+    layer, dim, backend = chosen["layer"], chosen["dim"], chosen["backend"]
+    t = step(4, f"export cell ({layer},{dim}) for {backend}")
+    sts_file = root / "sts" / "raw" / "stsb_test.tsv"
+    done(t, export_cell(encoder, layer, dim, work / f"export-{layer}x{dim}", backend, sts_file))
+    cascade_search(args, root, work, encoder, quiet)
+    print(f"\nrecommended cell {chosen['reason']}")
+    print("\n".join(f"  {line}" for line in chosen["deploy"]))
+    print(f"demo finished in {time.perf_counter() - begin:.0f} s; everything is in {work}")
+    return 0
 
+
+def elastic_model(args, root: Path) -> Path:
+    """Step 1: the fine-tune, its exit heads and its static cell (each cached): the folder of the model."""
     t = step(1, f"fine-tune {args.model} to be elastic (2dmse)")
     model_dir = fine_tune(args, root)
-    meta = ConfinedFolder(model_dir, "model").read_json("matryoshka2d.json")
-    dev = meta.get("final_eval", {})
+    dev = ConfinedFolder(model_dir, "model").read_json("matryoshka2d.json").get("final_eval", {})
     model_dir = static_cell_for(args, root, fit_heads_for(args, root, model_dir))
     done(t, f"{model_dir}; STS-B dev Spearman at the full model: {dev.get('spearman', '?')}")
+    return model_dir
+
+
+def sts_grids(args, root: Path, work: Path, model_dir: Path, quiet):
+    """Step 2: the STS grid with and without heads from one pass, and as served in int8: (the encoder, the int8
+    result or None where onnxruntime is missing)."""
+    from matryoshka2d.evaluate.grid import EncoderCells
+    from matryoshka2d.evaluate.results import cell_average, write_outputs
+    from matryoshka2d.evaluate.sts import evaluate_sts
+    from matryoshka2d.models.encoder import ElasticEncoder
 
     t = step(2, f"STS grid on {', '.join(args.sts)}: every layer (0: the static cell) x dims, with and without heads")
     encoder = ElasticEncoder(str(model_dir), device=args.device)
@@ -314,8 +284,6 @@ def run_loop(args) -> int:
             f"{int8.summary['average']:.2f} ({int8.summary['average'] - full['average']:+.2f} vs torch fp32) -> "
             f"{work / 'sts-int8'}"
         )
-    from matryoshka2d.evaluate.results import cell_average
-
     static = cell_average(result.scores, result.metric)[(0, encoder.hidden_size)]
     done(
         t,
@@ -324,9 +292,18 @@ def run_loop(args) -> int:
         f"{shallow[False]:.2f} without heads, {shallow[True]:.2f} with; the static cell (0,{encoder.hidden_size}): "
         f"{static:.2f}",
     )
+    return encoder, int8
+
+
+def pick_cell(args, work: Path, model_dir: Path, encoder, int8: bool, quiet) -> dict:
+    """Step 3: the picker's choice for the budget over torch (and int8), and the same budget without heads: the
+    recommendation pick.json records."""
+    from matryoshka2d.pick.cost import layer_latency
+    from matryoshka2d.pick.options import PickOptions
+    from matryoshka2d.pick.picker import run_pick
 
     t = step(3, "pick a cell and a backend for a budget")
-    backends = ["torch"] + (["onnx-int8"] if int8 is not None else [])
+    backends = ["torch"] + (["onnx-int8"] if int8 else [])
     latency = {b: layer_latency(str(model_dir), None, False, quiet, b)[0] for b in backends}
     full_ms = latency["torch"][encoder.num_layers]
     budget = args.max_latency_ms or round(full_ms * args.budget_fraction, 3)
@@ -335,38 +312,33 @@ def run_loop(args) -> int:
     if budget < fastest:  # fixed per-call costs dominate on tiny models or busy machines
         budget = fastest
         print(f"    nothing is that fast here; the budget becomes the fastest option's {budget:.2f} ms/query")
-    pick_args = argparse.Namespace(
-        results=[str(work / "sts")] + ([str(work / "sts-int8")] if int8 is not None else []),
-        backend=backends,
-        max_latency_ms=budget,
-        max_bytes=None,
-        min_score=None,
-        storage="float32",
-        model=str(model_dir),
-        remeasure=False,
-        output=str(work / "pick"),
-    )
-    run_pick(pick_args, log=quiet)
+    results = [str(work / "sts")] + ([str(work / "sts-int8")] if int8 else [])
+    options = PickOptions(results, str(work / "pick"), str(model_dir), backends, max_latency_ms=budget)
+    run_pick(options, log=quiet)
     picked = json.loads((work / "pick" / "pick.json").read_text())
     chosen = picked["recommended"]
-    layer, dim, backend = chosen["layer"], chosen["dim"], chosen["backend"]
-    pick_args.results, pick_args.output = [str(work / "sts-no-heads")], str(work / "pick-no-heads")
-    pick_args.backend = ["torch"]
-    pick_args.max_latency_ms = max(budget, min(latency["torch"].values()))  # torch alone may not be that fast
-    run_pick(pick_args, log=quiet)
+    torch_budget = max(budget, min(latency["torch"].values()))  # torch alone may not be that fast
+    plain = PickOptions([str(work / "sts-no-heads")], str(work / "pick-no-heads"), str(model_dir), ["torch"])
+    run_pick(dataclasses.replace(plain, max_latency_ms=torch_budget), log=quiet)
     plain = json.loads((work / "pick-no-heads" / "pick.json").read_text())["recommended"]
     print(
         f"    without heads (torch only) the same budget would give ({plain['layer']},{plain['dim']}) at "
         f"{plain['score']:.2f}"
     )
-    if int8 is not None:
+    if int8:
         print(f"    {int8_verdict(picked['points'], chosen, encoder.num_layers, encoder.hidden_size, budget)}")
-    print(f"    {static_point(picked['points'], latency['torch'][encoder.num_layers])}")
-    done(t, f"recommended ({layer},{dim}) on {backend} at {chosen['score']:.2f}; {work / 'pick'}/pick.md and pick.png")
+    print(f"    {static_point(picked['points'], full_ms)}")
+    where = f"{work / 'pick'}/pick.md and pick.png"
+    done(t, f"recommended ({chosen['layer']},{chosen['dim']}) on {chosen['backend']} at {chosen['score']:.2f}; {where}")
+    return chosen
 
-    t = step(4, f"export cell ({layer},{dim}) for {backend}")
-    sts_file = root / "sts" / "raw" / "stsb_test.tsv"
-    done(t, export_cell(encoder, layer, dim, work / f"export-{layer}x{dim}", backend, sts_file))
+
+def cascade_search(args, root: Path, work: Path, encoder, quiet) -> None:
+    """Step 5: a faiss index of a small SciFact corpus at a narrow last-layer cell and the full cell, searched
+    flat and as a cascade."""
+    from matryoshka2d.evaluate.retrieval import rank_metrics
+    from matryoshka2d.retrieval.index import build_index
+    from matryoshka2d.retrieval.search import CellIndex
 
     N, D = encoder.num_layers, encoder.hidden_size
     # The query runs to the full cell's layer for the rerank anyway, so the shortlist cell saves search work
@@ -402,14 +374,13 @@ def run_loop(args) -> int:
     print("    small cell reads a fraction of the bytes per document: benchmarks/retrieval_cascade.py)")
     done(t, f"cascade finds {100 * overlap:.0f}% of flat search's top 10")
 
-    print(f"\nrecommended cell {chosen['reason']}")
-    print("\n".join(f"  {line}" for line in chosen["deploy"]))
-    print(f"demo finished in {time.perf_counter() - begin:.0f} s; everything is in {work}")
-    return 0
-
 
 def cmd_demo(args) -> int:
-    return run_cells(args) if args.cells else run_loop(args)
+    if args.cells:
+        from matryoshka2d.cli.demo_cells import run_cells
+
+        return run_cells(args)
+    return run_loop(args)
 
 
 def register(sub, model_args) -> None:
@@ -424,24 +395,22 @@ def register(sub, model_args) -> None:
     )
     model_args(p)
     p.add_argument("--cells", action="store_true", help="the quick demo: a few sentences at several cells, timed")
-    p.add_argument("--steps", type=positive_int, default=60, help="fine-tuning steps (60)")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="triplets per step (16)")
+    p.add_argument("--steps", type=positive_int, default=60, help="fine-tuning steps")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="triplets per step")
     p.add_argument(
         "--head-sentences",
         type=positive_int,
         default=10000,
-        help="training sentences the exit heads are fitted on (10000)",
+        help="training sentences the exit heads are fitted on",
     )
-    p.add_argument("--sts", nargs="+", default=["stsb", "sts16"], help="STS sets for the grid (stsb sts16)")
-    p.add_argument(
-        "--budget-fraction", type=positive_float, default=0.5, help="budget as a share of full query time (0.5)"
-    )
+    p.add_argument("--sts", nargs="+", default=["stsb", "sts16"], help="STS sets for the grid")
+    p.add_argument("--budget-fraction", type=positive_float, default=0.5, help="budget as a share of full query time")
     p.add_argument("--max-latency-ms", type=positive_float, help="budget in ms per query instead of --budget-fraction")
-    p.add_argument("--queries", type=positive_int, default=50, help="SciFact queries searched (50)")
+    p.add_argument("--queries", type=positive_int, default=50, help="SciFact queries searched")
     p.add_argument(
-        "--docs", type=positive_int, default=1000, help="SciFact documents indexed, at least the relevant ones (1000)"
+        "--docs", type=positive_int, default=1000, help="SciFact documents indexed, at least the relevant ones"
     )
     p.add_argument("--data-dir", help="shared data root (default: $MATRYOSHKA2D_DATA, else ../shared/data)")
-    p.add_argument("--output", default="runs/demo", help="where the results go (runs/demo)")
+    p.add_argument("--output", default="runs/demo", help="where the results go")
     p.add_argument("--quiet", action="store_true", help="no progress bars or detail lines")
     reads_and_writes(p, ("--model", "--data-dir"))

@@ -5,18 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from matryoshka2d.cli.args import (
-    POOLING_CHOICES,
-    add_safety_flags,
-    cell_list,
-    int_list,
-    positive_float,
-    positive_int,
-    reads_and_writes,
-    run_options,
-    run_training,
-    training_options,
-)
+from matryoshka2d.cli.args import POOLING_CHOICES, cell_list, positive_float, positive_int, reads_and_writes, width_list
+from matryoshka2d.cli.run_options import add_safety_flags, run_options, run_training, training_options
 from matryoshka2d.training.distill_recipe import RECIPE_CHOICES
 
 # The run's defaults; the learning rate, the number of epochs and the passages' length are the measured recipe's
@@ -161,6 +151,25 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--max-texts", type=positive_int, help="use the first N distinct texts of --data (default: all)")
     p.add_argument("--output", required=True, help="folder for the student, its log, checkpoints and the targets")
+    _student_options(p)
+    _exit_heads_options(p)
+    _run_options(p)
+    p.add_argument("--eval-cell", type=cell_list, help="layer:dim to evaluate on STS-B dev, or several: 3:128,6:384")
+    p.add_argument(
+        "--exclude-sts-test",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave out every sentence of the STS test sets (compared by lower-cased words; default on)",
+    )
+    _engine_options(p)
+    run_options(p, "--resume", "--quiet")
+    add_safety_flags(p)
+    p.set_defaults(func=cmd_distill)
+    reads_and_writes(p, ("--teacher", "--data", "--eval-file"))
+
+
+def _student_options(p) -> None:
+    """What the student is (a 2D model, a query encoder, a static cell) and what it learns by."""
     p.add_argument(
         "--mode",
         choices=["shared", "query", "static"],
@@ -176,9 +185,12 @@ def register(sub, model_args) -> None:
         "similarity distributions; each on nested prefixes of --widths",
     )
     p.add_argument(
-        "--widths", type=int_list, help="nested prefixes the loss covers, e.g. 64,128,256,384 (default: the model's)"
+        "--widths", type=width_list, help="nested prefixes the loss covers, e.g. 64,128,256,384 (default: the model's)"
     )
     p.add_argument("--temperature", type=positive_float, help="relational: the softmax temperature (default 0.05)")
+
+
+def _exit_heads_options(p) -> None:
     p.add_argument(
         "--exit-heads",
         choices=["fit", "identity", "keep"],
@@ -190,6 +202,10 @@ def register(sub, model_args) -> None:
     p.add_argument(
         "--exit-heads-sentences", type=positive_int, help="texts the closed-form start is fitted on (default 20000)"
     )
+
+
+def _run_options(p) -> None:
+    """The training run's options, with what the measured recipe chooses where they are not given."""
     run_options(
         p,
         "--steps",
@@ -216,13 +232,10 @@ def register(sub, model_args) -> None:
         save_steps="checkpoint every N steps (default 100)",
         eval_steps="evaluate on STS-B dev every N steps (and always at the end)",
     )
-    p.add_argument("--eval-cell", type=cell_list, help="layer:dim to evaluate on STS-B dev, or several: 3:128,6:384")
-    p.add_argument(
-        "--exclude-sts-test",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="leave out every sentence of the STS test sets (compared by lower-cased words; default on)",
-    )
+
+
+def _engine_options(p) -> None:
+    """Where the teacher's targets are computed."""
     p.add_argument(
         "--engine",
         choices=["local", "ray"],
@@ -231,7 +244,3 @@ def register(sub, model_args) -> None:
     )
     p.add_argument("--address", help="--engine ray: a Ray cluster's HEAD:6379 (default: a local Ray)")
     p.add_argument("--workers", type=positive_int, help="--engine ray: actors (default: the cluster's CPUs)")
-    run_options(p, "--resume", "--quiet")
-    add_safety_flags(p)
-    p.set_defaults(func=cmd_distill)
-    reads_and_writes(p, ("--teacher", "--data", "--eval-file"))

@@ -1,5 +1,4 @@
-"""`matryoshka2d train`: one command for every backbone, method and loss; `--config file.yaml` for all.
-`matryoshka2d merge`: a weighted average of runs of one start (WiSE-FT, model soups)."""
+"""`matryoshka2d train`: one command for every backbone, method and loss; `--config file.yaml` for all."""
 
 from __future__ import annotations
 
@@ -9,19 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from matryoshka2d.cli.args import (
-    add_safety_flags,
-    cell_list,
-    fraction,
-    number,
-    parse_options,
-    positive_float,
-    positive_int,
-    reads_and_writes,
-    run_options,
-    run_training,
-    training_options,
-)
+from matryoshka2d.cli.args import cell_list, fraction, positive_float, positive_int, reads_and_writes
+from matryoshka2d.cli.run_options import add_safety_flags, parse_options, run_options, run_training, training_options
 from matryoshka2d.losses import TASK_LOSSES
 from matryoshka2d.methods import METHODS
 from matryoshka2d.training import presets
@@ -165,6 +153,92 @@ def register(sub, model_args) -> None:
         "--eval-cell", type=cell_list, help="layer:dim to evaluate, or several: 1:16,2:32 (default: the full model)"
     )
     run_options(p, "--save-steps")
+    _method_options(p)
+    _exit_heads_options(p.add_argument_group("exit heads (a small map at every exit into the last layer's space)"))
+    _distill_options(
+        p.add_argument_group("distillation (the term of `matryoshka2d distill`, added to the method's loss)")
+    )
+    _decoder_options(p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)"))
+    _throughput_options(p.add_argument_group("throughput"))
+    p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
+    run_options(p, "--resume", "--quiet")
+    add_safety_flags(p)
+    p.set_defaults(func=cmd_train)
+    reads_and_writes(p, ("--model", "--data", "--eval-file", "--distill-from", "--config"))
+
+
+def _exit_heads_options(g) -> None:
+    g.add_argument(
+        "--exit-heads",
+        nargs="?",
+        const="fit",
+        choices=["fit", "identity", "keep"],
+        help="train a head per exit with the backbone (2dmse, ese, starbucks, separate, asymmetric); it starts from "
+        "the closed-form fit on the training sentences (fit, the default), the identity, or the model's own (keep)",
+    )
+    g.add_argument("--exit-heads-lr", type=positive_float, help="learning rate of the heads (default: --lr)")
+    g.add_argument(
+        "--exit-heads-inputs",
+        choices=["exit", "stack"],
+        help="what a head reads: its exit's pooled vector (exit, the default of fit and identity) or the pooled "
+        "vectors of the embedding output and every layer up to its exit (stack); keep takes the folder's heads",
+    )
+    g.add_argument(
+        "--freeze-encoder",
+        action="store_true",
+        help="keep the transformer's weights as they are and train only the heads (or a pooler head): e.g. a "
+        "query head for asymmetric search against documents already indexed at the last layer",
+    )
+
+
+def _distill_options(g) -> None:
+    g.add_argument(
+        "--distill-from",
+        metavar="TEACHER",
+        help="a frozen teacher (same tokenizer and width) whose unit vectors of each step's texts pull every view the "
+        "method trains towards them",
+    )
+    g.add_argument(
+        "--distill-weight", type=positive_float, help="weight of the term next to the method's loss (default 1)"
+    )
+    g.add_argument("--distill-loss", choices=["cos", "mse", "relational"], help="the comparison (default cos)")
+
+
+def _decoder_options(g) -> None:
+    g.add_argument(
+        "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"
+    )
+    g.add_argument("--lora-r", type=positive_int, help="train LoRA adapters of this rank (peft); ESE uses 32")
+    g.add_argument("--lora-alpha", type=positive_float, help="LoRA scaling alpha (default: the rank)")
+    g.add_argument("--lora-dropout", type=fraction, help="dropout on the LoRA path (ESE uses 0.1; default 0)")
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        metavar="NAME",
+        help="modules to adapt, e.g. q_proj v_proj",
+    )
+
+
+def _throughput_options(g) -> None:
+    g.add_argument(
+        "--precision", choices=["bf16", "fp16", "fp32"], help="autocast precision (default bf16 on CUDA, else fp32)"
+    )
+    g.add_argument(
+        "--log-every", type=positive_int, help="read the loss back from the device every N steps (default 10)"
+    )
+    g.add_argument("--gradient-accumulation", type=positive_int, help="micro-batches per batch (default 1)")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    g.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
+    g.add_argument(
+        "--padding-free",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a step's texts in length groups instead of padding each column (default: on a CPU)",
+    )
+
+
+def _method_options(p) -> None:
+    """A method's own settings, the rows a run keeps, and weight decay."""
     p.add_argument("--sizes", type=cell_list, help="starbucks: the (layer,dim) list, e.g. 1:32,2:64,6:384")
     p.add_argument("--layer", type=positive_int, help="separate: train the model cut to this many layers")
     p.add_argument("--dim", type=positive_int, help="separate: at this width")
@@ -188,123 +262,3 @@ def register(sub, model_args) -> None:
         help="parameters without weight decay: none (default) or biases and LayerNorm weights, as "
         "sentence-transformers' trainer and nanoGPT do",
     )
-    heads = p.add_argument_group("exit heads (a small map at every exit into the last layer's space)")
-    heads.add_argument(
-        "--exit-heads",
-        nargs="?",
-        const="fit",
-        choices=["fit", "identity", "keep"],
-        help="train a head per exit with the backbone (2dmse, ese, starbucks, separate, asymmetric); it starts from "
-        "the closed-form fit on the training sentences (fit, the default), the identity, or the model's own (keep)",
-    )
-    heads.add_argument("--exit-heads-lr", type=positive_float, help="learning rate of the heads (default: --lr)")
-    heads.add_argument(
-        "--exit-heads-inputs",
-        choices=["exit", "stack"],
-        help="what a head reads: its exit's pooled vector (exit, the default of fit and identity) or the pooled "
-        "vectors of the embedding output and every layer up to its exit (stack); keep takes the folder's heads",
-    )
-    heads.add_argument(
-        "--freeze-encoder",
-        action="store_true",
-        help="keep the transformer's weights as they are and train only the heads (or a pooler head): e.g. a "
-        "query head for asymmetric search against documents already indexed at the last layer",
-    )
-    teach = p.add_argument_group("distillation (the term of `matryoshka2d distill`, added to the method's loss)")
-    teach.add_argument(
-        "--distill-from",
-        metavar="TEACHER",
-        help="a frozen teacher (same tokenizer and width) whose unit vectors of each step's texts pull every view the "
-        "method trains towards them",
-    )
-    teach.add_argument(
-        "--distill-weight", type=positive_float, help="weight of the term next to the method's loss (default 1)"
-    )
-    teach.add_argument("--distill-loss", choices=["cos", "mse", "relational"], help="the comparison (default cos)")
-    decoder = p.add_argument_group("decoder backbones (ESE sec. 3.1: bidirectional, mean pooling, LoRA)")
-    decoder.add_argument(
-        "--bidirectional", action="store_true", help="non-causal attention in a Llama/Qwen2/Mistral backbone"
-    )
-    decoder.add_argument("--lora-r", type=positive_int, help="train LoRA adapters of this rank (peft); ESE uses 32")
-    decoder.add_argument("--lora-alpha", type=positive_float, help="LoRA scaling alpha (default: the rank)")
-    decoder.add_argument("--lora-dropout", type=fraction, help="dropout on the LoRA path (ESE uses 0.1; default 0)")
-    decoder.add_argument(
-        "--lora-target-modules",
-        nargs="+",
-        metavar="NAME",
-        help="modules to adapt, e.g. q_proj v_proj",
-    )
-    speed = p.add_argument_group("throughput")
-    speed.add_argument(
-        "--precision", choices=["bf16", "fp16", "fp32"], help="autocast precision (default bf16 on CUDA, else fp32)"
-    )
-    speed.add_argument(
-        "--log-every", type=positive_int, help="read the loss back from the device every N steps (default 10)"
-    )
-    speed.add_argument("--gradient-accumulation", type=positive_int, help="micro-batches per batch (default 1)")
-    speed.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    speed.add_argument("--compile", action="store_true", help="torch.compile each layer's blocks")
-    speed.add_argument(
-        "--padding-free",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run a step's texts in length groups instead of padding each column (default: on a CPU)",
-    )
-    p.add_argument("--config", help="YAML file with any of the options above (flags override it)")
-    run_options(p, "--resume", "--quiet")
-    add_safety_flags(p)
-    p.set_defaults(func=cmd_train)
-    reads_and_writes(p, ("--model", "--data", "--eval-file", "--distill-from", "--config"))
-    register_merge(sub)
-
-
-def cmd_merge(args) -> int:
-    from matryoshka2d.cli.args import check_new_output, folder_metadata, load_encoder
-    from matryoshka2d.training.checkpoints import save_model_atomically
-    from matryoshka2d.training.merge import merge_encoders, merge_weights
-
-    out = Path(args.output)
-    check_new_output(out, args.overwrite)
-    weights = merge_weights(args.weights, len(args.models))  # before loading anything: a typo fails at once
-    encoders = [load_encoder(args, model=m) for m in args.models]
-    metadata = folder_metadata(encoders[0])
-    for stale in ("final_eval", "final_evals"):  # the first run's scores are not the average's
-        metadata.pop(stale, None)
-    metadata["merge"] = {
-        "models": [e.location or e.name for e in encoders],
-        "weights": weights,
-        "rule": "weighted average of every weight (transformer, pooler head, exit heads); WiSE-FT / model soups",
-    }
-    merged = merge_encoders(encoders, weights, allow_different_starts=args.allow_different_starts)
-    saved = save_model_atomically(lambda folder: merged.save(folder, metadata=metadata), out)
-    parts = " + ".join(f"{w:g} x {m}" for w, m in zip(weights, args.models, strict=True))
-    print(f"merged {parts} -> {saved}")
-    return 0
-
-
-def register_merge(sub) -> None:
-    p = sub.add_parser(
-        "merge",
-        help="average the weights of runs of one start (WiSE-FT, model soups)",
-        description="Write the weighted average of models fine-tuned from one start, every weight alike (the "
-        "transformer, a pooler head, the exit heads). With a trained run and the model it started from this is "
-        "WiSE-FT (weights alpha, 1 - alpha); with several runs, a model soup. The models must share architecture, "
-        "tokenizer, pooling and heads layout; the first gives everything that is not a weight.",
-    )
-    p.add_argument("--models", nargs="+", required=True, help="model folders (or names), two or more")
-    p.add_argument(
-        "--weights",
-        nargs="+",
-        type=number,
-        help="one weight per model, in their order, summing to 1 (default: equal weights)",
-    )
-    p.add_argument("--output", required=True, help="folder for the averaged model")
-    p.add_argument("--device", default="cpu", help="where the average is computed (default: cpu)")
-    p.add_argument(
-        "--allow-different-starts",
-        action="store_true",
-        help="average models that are not runs of one start (their records name other start models)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
-    p.set_defaults(func=cmd_merge)
-    reads_and_writes(p, ("--models",))
