@@ -6,24 +6,25 @@ every model a tiny random one.
 """
 
 import json
+import re
+import shlex
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import WORDS
-from test_eval_retrieval import beir
-from test_eval_sts import sts_tree
-from test_rules_outputs_options_results import error_line, exit_code
+from helpers.cli import error_line, exit_code
+from helpers.data import WORDS, beir, sts_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread", "offline_mteb")
 mteb = pytest.importorskip("mteb")
 
+from matryoshka2d.beir import load_beir  # noqa: E402
+from matryoshka2d.cells import unit_rows  # noqa: E402
 from matryoshka2d.evaluate import mteb_encoder, mteb_tasks  # noqa: E402  (mteb is there: importorskip above)
 from matryoshka2d.evaluate.grid import EncoderCells  # noqa: E402
-from matryoshka2d.evaluate.retrieval import DEPTH, load_beir, rank_metrics, search  # noqa: E402
+from matryoshka2d.evaluate.retrieval import DEPTH, rank_metrics, search  # noqa: E402
 from matryoshka2d.evaluate.sts import evaluate_sts  # noqa: E402
-from matryoshka2d.views import unit_rows  # noqa: E402
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def test_a_cell_scores_in_mteb_as_eval_sts_scores_it(tiny_bert, data):
 
 
 def test_layer_zero_is_the_static_cell(tokenizer, data):
-    from conftest import tiny_transformer
+    from helpers.models import tiny_transformer
     from matryoshka2d.models.encoder import ElasticEncoder
     from matryoshka2d.models.static import StaticCell
 
@@ -212,10 +213,12 @@ def test_the_command_writes_mteb_files_per_cell_and_our_grid(tiny_dir, data, tmp
         "results.json",
         "results.md",
     ]
+    assert grid.metrics == ["cosine_spearman", "ndcg_at_10"]  # each task's main score under its own name
     for row in grid.scores:
         files = list((out / f"{row['layer']}x{row['dim']}" / "results").glob(f"*/*/{row['dataset']}.json"))
         assert len(files) == 1, files
-        assert 100 * TaskResult.from_disk(files[0]).get_score() == pytest.approx(row["main_score"], abs=1e-3)
+        metric = grid.settings["tasks"][row["dataset"]]["main_score"]
+        assert 100 * TaskResult.from_disk(files[0]).get_score() == pytest.approx(row[metric], abs=1e-3)
     assert (next((out / "2x16" / "results").glob("*/*/model_meta.json"))).is_file()
     assert "STSBenchmark at 2x16: cosine_spearman x 100" in capsys.readouterr().err
 
@@ -267,7 +270,9 @@ def test_without_mteb_the_command_says_how_to_install_it(tiny_dir, tmp_path, mon
     monkeypatch.setitem(sys.modules, "mteb", None)  # `import mteb` raises ImportError, as when it is not installed
     assert eval_mteb(tiny_dir, tmp_path / "out") == 2
     assert "`eval mteb` needs mteb, which is not installed" in (line := error_line(capsys))
-    assert "pip install 'matryoshka2d[mteb]'" in line
+    from matryoshka2d.evaluate.mteb_run import ROOT
+
+    assert f"-m pip install -e {shlex.quote(f'{ROOT}[mteb]')}" in line  # the checkout's extra: we are on no index
 
 
 def test_only_the_mteb_modules_import_mteb_and_only_eval_mteb_imports_them():
@@ -314,7 +319,7 @@ def test_a_pair_folder_as_model_sends_queries_through_its_query_route(tiny_bert,
     (models.encoder); the route stands in here as a second tiny model, set as ElasticEncoder sets it."""
     from mteb.types import PromptType
 
-    from conftest import tiny_transformer
+    from helpers.models import tiny_transformer
     from matryoshka2d.models.encoder import ElasticEncoder
 
     documents = ElasticEncoder.from_modules(tiny_transformer("bert", tokenizer.vocab_size), tokenizer, pooling="mean")
@@ -328,3 +333,117 @@ def test_a_pair_folder_as_model_sends_queries_through_its_query_route(tiny_bert,
     np.testing.assert_allclose(encode(cell, texts), documents.encode(texts, dim=16, normalize=True), atol=1e-6)
     assert not np.allclose(queries, documents.encode(texts, dim=16, normalize=True), atol=1e-3)  # two models
     assert mteb_encoder.pair_folder_side(tiny_bert, [(4, 16)]) is None  # any other model: no query side
+
+
+# ---- what the output says: metrics apart, each cell's own time, the model's metadata, the weights' folder ----------
+
+
+def test_a_grid_of_two_metrics_averages_each_over_its_own_tasks_only(tiny_dir, data, tmp_path):
+    """Two STS tasks and a retrieval task: the cell's cosine_spearman is the mean of the two STS scores, its
+    ndcg_at_10 the retrieval score; no number mixes the two metrics, in results.json or results.md."""
+    from matryoshka2d.evaluate.results import load_result
+
+    out = tmp_path / "out"
+    tasks = ["--data-dir", data, "--task-dir", data / "beir" / "toy", "--tasks", "STSBenchmark", "STS12", "toy"]
+    assert eval_mteb(tiny_dir, out, "--cells", "4x32", *tasks) == 0
+    grid = load_result(out)
+    (average,) = grid.average
+    sts = [r["cosine_spearman"] for r in grid.scores if r["dataset"] in ("STSBenchmark", "STS12")]
+    (toy,) = [r["ndcg_at_10"] for r in grid.scores if r["dataset"] == "toy"]
+    assert average["cosine_spearman"] == pytest.approx(np.mean(sts)) and average["ndcg_at_10"] == pytest.approx(toy)
+    assert all(len(set(r) & {"cosine_spearman", "ndcg_at_10"}) == 1 for r in grid.scores)
+    assert grid.summary["average"] == pytest.approx(np.mean(sts)) and grid.summary["metric"] == "cosine_spearman"
+    report = (out / "results.md").read_text()
+    assert "## cosine_spearman: average over 2 datasets" in report and "## ndcg_at_10: toy" in report
+    assert "average of cosine_spearman at layer 4, dim 32" in report
+
+
+def test_layer_0_is_no_shallow_layer_of_a_grid():
+    """ESE's shallow average is over layers 1..N-1: a grid of the static cell (layer 0) and the last layer has none."""
+    from matryoshka2d.evaluate.results import grid_result
+
+    rows = [{"dataset": "s", "layer": n, "dim": 8, "cosine_spearman": 10.0 * n + 1} for n in (0, 2, 4)]
+
+    def grid(rows):
+        cells = [(r["layer"], r["dim"]) for r in rows]
+        return grid_result("mteb", ["cosine_spearman"], ["s"], rows, cells, {"layers": 4}, {}, {}, {})
+
+    assert grid(rows).summary["shallow_layers"] == [2] and grid(rows).summary["shallow_average"] == 21.0
+    only_static = grid(rows[::2])
+    assert "shallow_average" not in only_static.summary
+
+
+def test_each_cells_files_carry_its_own_time_the_models_size_and_the_weights_sha256(tiny_dir, data, tmp_path):
+    from mteb.results import TaskResult
+
+    from matryoshka2d.evaluate.results import load_result
+
+    out = tmp_path / "out"
+    stsb = data / "sts" / "raw" / "stsb_test.tsv"
+    assert eval_mteb(tiny_dir, out, "--cells", "2x16", "4x32", "--task-dir", stsb) == 0
+    grid = load_result(out)
+    timing = grid.seconds["tasks"]["stsb_test"]
+    for cell, dim in (("2x16", 16), ("4x32", 32)):
+        (revision,) = (out / cell / "results").glob("*/*")
+        assert revision.name == grid.model["weights_sha256"] and len(revision.name) == 64  # as the guide shows it
+        took = TaskResult.from_disk(revision / "stsb_test.json").evaluation_time
+        assert took == pytest.approx(timing["encoding"] + timing["scoring"][cell], abs=1e-6)  # the pass + its scoring
+        meta = json.loads((revision / "model_meta.json").read_text())
+        assert meta["n_parameters"] == grid.model["parameters"] and meta["embed_dim"] == dim
+        assert meta["memory_usage_mb"] > 0 and 0 < meta["n_embedding_parameters"] < meta["n_parameters"]
+
+
+# ---- local tasks: the user's named like a shared one, names alike, a | in a name, one label -----------------------
+
+
+def test_a_task_dir_file_named_like_a_shared_task_is_the_task_run(tiny_dir, data, tmp_path):
+    from matryoshka2d.evaluate.results import load_result
+
+    mine = tmp_path / "mine" / "sts12.tsv"  # the shared data has sts12 (mteb's STS12) too: this one must run
+    mine.parent.mkdir()
+    mine.write_text((data / "sts" / "raw" / "stsb_test.tsv").read_text())
+    for tasks in ([], ["--tasks", "sts12"]):
+        out = tmp_path / f"out{len(tasks)}"
+        assert eval_mteb(tiny_dir, out, "--cells", "4x8", "--data-dir", data, "--task-dir", mine, *tasks) == 0
+        grid = load_result(out)
+        assert grid.datasets == ["sts12"] and grid.settings["tasks"]["sts12"]["source"] == str(mine)
+
+
+def test_two_task_dir_items_of_one_name_are_refused_naming_both(tiny_dir, data, tmp_path, capsys):
+    first, second = tmp_path / "a" / "same.tsv", tmp_path / "b" / "Same.tsv"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_text((data / "sts" / "raw" / "stsb_test.tsv").read_text())
+    assert eval_mteb(tiny_dir, tmp_path / "out", "--task-dir", first, second) == 2
+    assert f"--task-dir {first} and {second} are both task 'Same'" in error_line(capsys)
+
+
+def test_a_bar_in_a_task_name_leaves_the_tables_whole(tiny_dir, data, tmp_path):
+    barred = tmp_path / "a|b.tsv"
+    barred.write_text((data / "sts" / "raw" / "stsb_test.tsv").read_text())
+    out = tmp_path / "out"
+    assert eval_mteb(tiny_dir, out, "--cells", "4x8", "--task-dir", barred) == 0
+    table = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| layer |")]
+    assert table and "a\\|b" in table[-1]
+    rows = (out / "results.md").read_text().split(table[-1])[1].strip().splitlines()[:3]
+    assert len({len(re.findall(r"(?<!\\)\|", line)) for line in [table[-1], *rows]}) == 1  # as many cells per row
+
+
+def test_a_classification_set_of_one_label_is_named_before_any_encoding(tiny_dir, tmp_path, capsys):
+    (tmp_path / "sets").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "sets" / f"one_{split}.tsv").write_text("sentence\tlabel\na cat\tx\na dog\tx\nred\tx\n")
+    assert eval_mteb(tiny_dir, tmp_path / "out", "--task-dir", tmp_path / "sets") == 2
+    line = error_line(capsys)
+    assert f"task one: {tmp_path / 'sets' / 'one_train.tsv'} has one label ('x'); a classification task" in line
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_the_docs_install_extras_from_the_checkout():
+    """The package is on no index: every install line of the docs installs from the checkout."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    bad = [f"{p.name}: {m}" for p in pages for m in re.findall(r"pip install '?matryoshka2d\[", p.read_text())]
+    assert not bad

@@ -2,7 +2,10 @@
 batch, the library's own Matryoshka2dLoss reproduced through the wrapping path, a run of SentenceTransformerTrainer
 whose folder our commands take, and the errors a user can meet."""
 
+import inspect
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,16 +15,20 @@ from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
     Matryoshka2dLoss,
+    MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
 
-from conftest import tiny_run
+from helpers.models import tiny_run
+from matryoshka2d.cells import nested_dims
 from matryoshka2d.cli import main
+from matryoshka2d.methods import METHODS
 from matryoshka2d.models.backbones import minilm_dir
+from matryoshka2d.paths import data_dir
 from matryoshka2d.st_losses import ESELoss, StarbucksLoss, TaskLoss, TwoDMSELoss
 from matryoshka2d.st_losses.task_loss import batch_kind
+from matryoshka2d.training.data import read_training_data
 from matryoshka2d.training.trainer import Trainer
-from matryoshka2d.views import nested_dims
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +48,7 @@ def st_model(folder) -> SentenceTransformer:
 @pytest.mark.parametrize(
     ("method", "options"),
     [
-        ("ese", {"k": 16}),  # k = 128 by default, wider than the tiny model
+        ("ese", {"k": 16}),  # below the tiny model's width, 32, which ESE's default k takes
         ("ese", {"k": 16, "beta": 1.0}),  # learn-to-compress on: the PCA target and its MSE + KL
         ("starbucks", {}),
         ("2dmse", {}),
@@ -119,7 +126,7 @@ def test_a_model_trained_in_sentence_transformers_trainer_is_a_folder_our_comman
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-    from test_demo import data_root
+    from helpers.data import data_root
 
     model = st_model(st_model_dir)
     rows = {
@@ -148,11 +155,11 @@ def test_a_model_trained_in_sentence_transformers_trainer_is_a_folder_our_comman
 
     from fastapi.testclient import TestClient
 
-    from matryoshka2d.deploy.server import create_app
+    from helpers.server import app_of
     from matryoshka2d.models.encoder import ElasticEncoder
 
     served = ElasticEncoder(str(folder), device="cpu")
-    with TestClient(create_app(served, "st-ese")) as client:
+    with TestClient(app_of(served, "st-ese")) as client:
         body = {"model": "st-ese", "input": ["red cat"], "layer": 2, "dimensions": 16}
         reply = client.post("/v1/embeddings", json=body)
     assert reply.status_code == 200
@@ -166,7 +173,7 @@ def test_the_defaults_are_train_methods_and_a_preset_gives_its_options(st_model_
 
     model = st_model(st_model_dir)
     for name, cls in LOSSES.items():
-        narrow = {"k": 16} if name == "ese" else {}  # ESE's k = 128 is wider than the tiny model
+        narrow = {"k": 16} if name == "ese" else {}  # ESE's default k fits the model: tested on its own below
         assert cls(model, **narrow).method.config() == make_method(name, 4, 32, **narrow).config()
         assert isinstance(cls(model, **narrow).loss, TaskLoss) and cls(model, **narrow).loss.name == "angle"
     authors = ESELoss(model, preset="ese-angle-emb", k=16)
@@ -264,3 +271,132 @@ def test_exit_heads_train_along_as_in_our_trainer_and_save_into_a_model_folder(
         save_with_exit_heads(model, heads, folder)
     with pytest.raises(ValueError, match=r"exit heads at layers \[4\]"):
         StarbucksLoss(model, exit_heads=type(heads).identity([4], 32, 32))
+
+
+# ---- documented where Python looks; errors that name the loss -------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [ESELoss, StarbucksLoss, TwoDMSELoss, TaskLoss])
+def test_each_loss_documents_itself_as_sentence_transformers_losses_do(cls):
+    """The class docstring (what help() and the API pages show): its arguments, inputs, an example, references."""
+    doc = inspect.getdoc(cls)
+    for section in ("Args:", "Inputs:", "Example:", "References:"):
+        assert section in doc, f"{cls.__name__}: no {section}"
+    documented = set(re.findall(r"^    \*{0,2}(\w+):", doc, re.M))  # the Args entries
+    assert set(inspect.signature(cls).parameters) <= documented
+
+
+@pytest.mark.parametrize("name", ["ese", "starbucks", "2dmse"])
+def test_a_losss_signature_shows_the_methods_options_with_train_methods_defaults(name):
+    """Explicit keyword arguments, each with `matryoshka2d train --method`'s default (ESE's k follows the model)."""
+    ours = inspect.signature(LOSSES[name]).parameters
+    method = inspect.signature(METHODS[name]).parameters
+    options = {key for key in method if key not in ("num_layers", "hidden_size")}
+    assert options <= set(ours) and not any(p.kind is p.VAR_KEYWORD for p in ours.values())
+    defaults = {key: ours[key].default for key in options}
+    if name == "ese":
+        assert defaults.pop("k") is None and method["k"].default == 128
+    assert defaults == {key: method[key].default for key in defaults}
+
+
+def test_a_misspelt_argument_and_a_bad_value_name_the_loss(st_model_dir):
+    model = st_model(st_model_dir)
+    with pytest.raises(TypeError, match=r"ESELoss\.__init__\(\) got an unexpected keyword argument 'kk'"):
+        ESELoss(model, kk=3)
+    with pytest.raises(ValueError, match=r"^ESELoss: compression size k=64 must be within 1\.\.32$"):
+        ESELoss(model, k=64)
+    with pytest.raises(ValueError, match=r"^TwoDMSELoss: kl_widths must be one of both, full, got 'half'$"):
+        TwoDMSELoss(model, kl_widths="half")
+    with pytest.raises(TypeError, match=r"TaskLoss\('cosent'\): unknown option 'scal'; cosent takes scale"):
+        TaskLoss(model, "cosent", scal=20.0)
+    with pytest.raises(ValueError, match=r"^StarbucksLoss: unknown preset 'starbucks'; choose one of"):
+        StarbucksLoss(model, preset="starbucks")
+    with pytest.raises(TypeError, match=r"^ESELoss: loss must be a loss module, .* got str 'angle'"):
+        ESELoss(model, "angle")
+
+
+def test_eses_default_width_fits_the_model(st_model_dir):
+    """k = 128 (the paper's) where the model is that wide; the model's own width where it is narrower."""
+    from matryoshka2d.st_losses.ese import PAPER_K
+
+    assert PAPER_K == 128
+    assert ESELoss(st_model(st_model_dir)).method.k == 32  # the tiny model: 32 numbers
+
+
+def test_a_preset_fills_the_arguments_not_given_and_never_one_given(st_model_dir):
+    model = st_model(st_model_dir)
+    paper = ESELoss(model, preset="ese-paper", k=16).method
+    assert (paper.full_loss, paper.beta, paper.compress_target) == (False, 1.0, "dependency")  # the preset's
+    given = ESELoss(model, preset="ese-paper", k=16, full_loss=True, beta=0.0).method  # the defaults' values, given
+    assert (given.full_loss, given.beta, given.compress_target) == (True, 0.0, "dependency")
+
+
+@pytest.mark.parametrize("inner", ["matryoshka", "matryoshka2d", "ours"])
+def test_a_loss_that_picks_widths_or_layers_itself_is_refused_as_the_wrapped_loss(inner, st_model_dir):
+    model = st_model(st_model_dir)
+    wrapped = {
+        "matryoshka": lambda: MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [32, 16]),
+        "matryoshka2d": lambda: Matryoshka2dLoss(model, MultipleNegativesRankingLoss(model), [32, 16]),
+        "ours": lambda: StarbucksLoss(model, MultipleNegativesRankingLoss(model)),
+    }[inner]()
+    said = rf"ESELoss picks the layer and width of each view itself; {type(wrapped).__name__} picks widths or layers"
+    with pytest.raises(
+        ValueError, match=said + r" too .* e\.g\. ESELoss\(model, MultipleNegativesRankingLoss\(model\)\)"
+    ):
+        ESELoss(model, wrapped)
+
+
+@pytest.mark.parametrize("cls", [ESELoss, TaskLoss])
+def test_an_empty_batch_is_named(cls, st_model_dir):
+    model = st_model(st_model_dir)
+    loss = cls(model)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: a batch without text columns"):
+        loss([], None)
+    empty = model.tokenize([])
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: an empty batch \(column 1 holds no texts\)"):
+        loss([empty, empty, empty], None)
+
+
+# ---- the guide's data: the rows `train` reads ------------------------------------------------------------------
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "train-with-sentence-transformers.md"
+GUIDE_DATA = "../shared/data/nli/train_triplets.tsv"
+
+
+def guide_triplets(path: Path):
+    """The guide's runnable snippet up to its dataset: its st_losses import and its `triplets = ...` line, run on
+    `path` in place of the shared triplets."""
+    block = re.search(r"<!-- runnable python -->\n```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.S)[1]
+    lines = [line for line in block.splitlines() if line.startswith(("from matryoshka2d.st_losses", "triplets ="))]
+    assert len(lines) == 2 and GUIDE_DATA in lines[1], lines
+    scope = {}
+    exec("\n".join(lines).replace(GUIDE_DATA, str(path)), scope)
+    return scope["triplets"]
+
+
+def test_the_guides_dataset_reads_quotes_as_train_does(tmp_path):
+    """train reads with no quoting: a field that starts with a quote keeps it (pandas' csv reading drops it)."""
+    path = tmp_path / "triplets.tsv"
+    path.write_text(
+        'anchor\tpositive\tnegative\n"Quoted" start\tplain\ta "lone quote\nplain\t"two\t"fields"\n', encoding="utf-8"
+    )
+    triplets = guide_triplets(path)
+    assert triplets.column_names == ["anchor", "positive", "negative"]
+    assert [triplets[c] for c in triplets.column_names] == read_training_data([str(path)]).columns
+    assert triplets[0]["anchor"] == '"Quoted" start' and triplets[1]["positive"] == '"two'
+
+
+def test_the_guides_batches_are_trains_on_the_shared_triplets(st_model_dir, sts_dev, tmp_path):
+    """On the real file: the same number of rows, every row the same, so the batches of the same indices are."""
+    path = data_dir() / "nli" / "train_triplets.tsv"
+    if not path.is_file():
+        pytest.skip(f"{path}: the shared NLI triplets are not on this machine")
+    triplets = guide_triplets(path)
+    trainer = Trainer(tiny_run(st_model_dir, path, sts_dev, tmp_path / "run", batch_size=32))
+    assert len(triplets) == len(trainer.data)
+    assert [triplets[c] for c in ("anchor", "positive", "negative")] == trainer.data.columns
+    for step in (0, 1):
+        indices = trainer.batch_indices(step)
+        columns, _ = trainer.data.rows(indices)
+        batch = triplets.select(indices)
+        assert [batch[c] for c in ("anchor", "positive", "negative")] == columns

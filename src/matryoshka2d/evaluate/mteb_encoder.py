@@ -13,12 +13,13 @@ Nothing here encodes on its own: the vectors are the evaluators' (`evaluate.grid
 deepest layer asked for, each distinct text once, widths by slicing; layer 0 through the model's static cell), made
 once for every cell evaluated (`SharedPass`): mteb runs one cell at a time, and the second cell of a task reads what
 the first one's pass already computed. Vectors come back at unit length, as our evaluators compare them
-(`views.unit_rows`); mteb's cosine does not change on them.
+(`cells.unit_rows`); mteb's cosine does not change on them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 from mteb.types import PromptType
 
-from matryoshka2d.evaluate.grid import Cell, EncoderCells, embed_distinct
-from matryoshka2d.views import unit_rows
+from matryoshka2d.cells import Cell, unit_rows
+from matryoshka2d.evaluate.grid import EncoderCells, embed_distinct
 
 
 def cell_label(cell: Cell) -> str:
@@ -57,12 +58,15 @@ class SharedPass:
             show_progress=show_progress,
         )
         self._kept: dict[bytes, tuple[dict[Cell, np.ndarray], np.ndarray]] = {}
+        self.seconds = 0.0  # the time spent encoding, every pass together: a cell's share of it is read as a delta
 
     def vectors(self, texts: Sequence[str], cell: Cell) -> np.ndarray:
         key = _texts_key(texts)
         if key not in self._kept:
+            start = time.perf_counter()
             arrays, rows = embed_distinct(self.embedder, texts)
             self._kept[key] = arrays, np.fromiter((rows[t] for t in texts), dtype=np.int64, count=len(texts))
+            self.seconds += time.perf_counter() - start
         arrays, index = self._kept[key]
         return unit_rows(arrays[cell])[index]
 
@@ -107,15 +111,19 @@ class CellEncoder(AbsEncoder):
         if query is not None:
             name += "-queries-" + query.label.replace(" ", "-")
         # Fields mteb reads (mteb/models/model_meta.py, ModelMeta): the name and revision name its result folders
-        # (model_name_as_path, ResultCache.get_task_result_path); similarity_fn_name: cosine (AbsEncoder.similarity)
+        # (model_name_as_path, ResultCache.get_task_result_path); similarity_fn_name: cosine (AbsEncoder.similarity).
+        # What the model knows of itself fills the rest; what nobody recorded (release date, languages, license)
+        # stays None, as mteb writes a field it does not know.
+        parameters = model_parameters(encoder, cell)
         self.mteb_model_meta = ModelMeta(
             loader=None,
             name=name.replace(" ", "_"),
             revision=revision,
             release_date=None,
             languages=None,
-            n_parameters=None,
-            memory_usage_mb=None,
+            n_parameters=parameters["n_parameters"],
+            n_embedding_parameters=parameters["n_embedding_parameters"],
+            memory_usage_mb=parameters["memory_usage_mb"],
             max_tokens=encoder.max_length,
             embed_dim=cell[1],
             license=None,
@@ -139,6 +147,28 @@ class CellEncoder(AbsEncoder):
         return self.documents.vectors(texts, self.cell)
 
 
+def model_parameters(encoder, cell: Cell) -> dict:
+    """What mteb's ModelMeta holds of a model's size, for a cell of `encoder`: at layer 0 the static cell's own
+    parameters (its token table and head, all it runs), else the model's (the transformer, its pooler and exit heads,
+    the static cell left out: the cell is cut from them), the input token table among them, and their bytes in MiB."""
+    import torch
+
+    static = getattr(encoder, "static_cell", None)
+    if cell[0] == 0 and static is not None:
+        tensors = list(static.parameters())
+        table = static.embedding
+    else:
+        skipped = {id(p) for p in static.parameters()} if static is not None else set()
+        tensors = [p for p in encoder.parameters() if id(p) not in skipped]
+        table = encoder.model.get_input_embeddings() if hasattr(encoder.model, "get_input_embeddings") else None
+    embedding = [p for p in table.parameters()] if isinstance(table, torch.nn.Module) else []
+    return {
+        "n_parameters": sum(p.numel() for p in tensors),
+        "n_embedding_parameters": sum(p.numel() for p in embedding) or None,
+        "memory_usage_mb": round(sum(p.numel() * p.element_size() for p in tensors) / 2**20, 2),
+    }
+
+
 # ---- the query side of a pair: checked as every other reader of a query encoder checks it -------------------------
 
 
@@ -146,7 +176,7 @@ def query_model_side(encoder, student, cells: Sequence[Cell], batch_size: int = 
     """`--query-model`: a query encoder distilled from `encoder` (`distill --mode query`, or `--mode static`: its layer
     0), checked as `eval retrieval --query-model` checks it (retrieval/cascade.py, _check_query_encoders, through
     models.identity): distilled from these weights and pooling, towards the layer the cells' documents are at."""
-    from matryoshka2d.models.identity import (
+    from matryoshka2d.models.query_record import (
         check_query_cells,
         check_query_encoder,
         documents_identity,
@@ -174,7 +204,7 @@ def query_model_side(encoder, student, cells: Sequence[Cell], batch_size: int = 
 
 def query_cell_side(encoder, query_cell: Cell, cells: Sequence[Cell], batch_size: int = 64) -> QuerySide:
     """`--query-cell LxD`: queries at layer L of the model itself, documents at each cell (n, D) with n >= L, as
-    `export --query-cell` pairs them (deploy/pair.py: the query cell and the documents share a width)."""
+    `export --query-cell` pairs them (export/pair.py: the query cell and the documents share a width)."""
     layer, dim = query_cell
     encoder.check_layer(layer)
     encoder.check_dim(dim)

@@ -7,7 +7,7 @@ files through the readers `eval sts|retrieval|classification` use, so both see t
 
 - `LocalSTS` (AbsTaskSTS): a `sentence1, sentence2, score` TSV (evaluate.sts.load_pairs), the dataset
   `{"test": Dataset(sentence1, sentence2, score)}` as mteb's STS tasks hold it (mteb/mocks/mock_tasks/sts.py).
-- `LocalRetrieval` (AbsTaskRetrieval): a BEIR folder (evaluate.retrieval.load_beir: `title + " " + text`, judged
+- `LocalRetrieval` (AbsTaskRetrieval): a BEIR folder (beir.load_beir: `title + " " + text`, judged
   queries only, relevance > 0), as `RetrievalSplitData` under subset "default" (mteb/abstasks/retrieval.py). The
   text already joins the title, so the title given to mteb is empty and mteb's own join (`_corpus_to_dict` in
   mteb/_create_dataloaders.py: `(title + " " + text).strip()`) leaves it as it is. `ignore_identical_ids` is on, as
@@ -35,8 +35,8 @@ from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
 
+from matryoshka2d.beir import corpus_file, load_beir, qrels_split
 from matryoshka2d.evaluate.classification import discover, load_split
-from matryoshka2d.evaluate.retrieval import corpus_file, load_beir, qrels_split
 from matryoshka2d.evaluate.sts import STS_SETS, load_pairs
 from matryoshka2d.files import DataFormatError, file_sha256
 
@@ -190,6 +190,11 @@ class LocalClassification(_LocalData, AbsTaskClassification):
                     f"{split.path}: sentence pairs (sentence1, sentence2); a classification task here reads one "
                     "'sentence' column (`eval classification` scores pair sets)"
                 )
+        if len(set(rows["train"].labels)) < 2:  # scikit-learn's classifier would refuse it in its own words
+            raise TaskNotFoundError(
+                f"task {self.metadata.name}: {rows['train'].path} has one label ({rows['train'].labels[0]!r}); a "
+                "classification task needs two or more among its training rows"
+            )
         # mteb's labels are whole numbers (AbsTaskClassification: "label: int"): each label's place among them all
         self.label_names = sorted({label for split in rows.values() for label in split.labels})
         number = {label: i for i, label in enumerate(self.label_names)}
@@ -207,33 +212,49 @@ class LocalClassification(_LocalData, AbsTaskClassification):
 
 @dataclass
 class LocalCatalogue:
-    """The local tasks a run can name: those of --task-dir, then the shared data's (by mteb's names where the
-    data is one of mteb's sets), each a maker of the task."""
+    """The local tasks a run can name, each a maker of the task: the user's (--task-dir) and the shared data's (by
+    mteb's names where the data is one of mteb's sets). A user's task answers to its own name before any shared
+    task or alias does: a --task-dir file named like a shared set is the task run under that name."""
 
-    makers: dict[str, Any]
+    own: dict[str, Any]
+    shared: dict[str, Any]
     aliases: dict[str, str]  # `eval sts --datasets` names of the shared data's sets (stsb, sickr) -> mteb's names
 
     def find(self, name: str):
-        """The maker of the task of that name, any case, or of that alias; None when there is none."""
-        folded = {key.lower(): key for key in self.makers}
-        folded.update({alias.lower(): key for alias, key in self.aliases.items() if key in self.makers})
-        key = folded.get(name.lower())
-        return None if key is None else self.makers[key]
+        """The maker of the task of that name, any case: the user's first, then the shared data's, then the shared
+        task an alias names; None when there is none."""
+        for tasks in (self.own, self.shared):
+            folded = {key.lower(): key for key in tasks}
+            if name.lower() in folded:
+                return tasks[folded[name.lower()]]
+        aliases = {alias.lower(): key for alias, key in self.aliases.items() if key in self.shared}
+        key = aliases.get(name.lower())
+        return None if key is None else self.shared[key]
 
     def names(self) -> list[str]:
-        return list(self.makers)
+        return [*self.own, *(name for name in self.shared if self.find(name) is self.shared[name])]
 
 
-def local_catalogue(data_dir: Path | None, task_dirs: Sequence[str | Path] = ()) -> LocalCatalogue:
-    """Every local task: each --task-dir item (a BEIR folder, an STS .tsv file, or a folder of <name>_train/_test.tsv
-    classification files) under its folder's or file's name, and what the shared data folder holds."""
+def _task_dir_makers(task_dirs: Sequence[str | Path]) -> dict[str, Any]:
+    """Each --task-dir item's tasks under its folder's or file's name; two items of one name (any case) are
+    refused, naming both."""
     makers: dict[str, Any] = {}
+    sources: dict[str, Path] = {}
+
+    def add(name: str, item: Path, make) -> None:
+        if (earlier := sources.get(name.lower())) is not None:
+            raise TaskNotFoundError(
+                f"--task-dir {earlier} and {item} are both task '{name}': a task is named after its file or folder, "
+                "so rename one of them"
+            )
+        sources[name.lower()], makers[name] = item, make
+
     for item in map(Path, task_dirs):
         if item.is_file():
-            makers[item.stem] = lambda item=item: LocalSTS(item)
+            add(item.stem, item, lambda item=item: LocalSTS(item))
         elif item.is_dir() and (item / "queries.jsonl").is_file():
             name = next((k for k, v in RETRIEVAL_NAMES.items() if v == item.name.lower()), item.name)
-            makers[name] = lambda item=item, name=name: LocalRetrieval(item, name)
+            add(name, item, lambda item=item, name=name: LocalRetrieval(item, name))
         elif item.is_dir():
             try:
                 sets = discover(item)
@@ -242,23 +263,30 @@ def local_catalogue(data_dir: Path | None, task_dirs: Sequence[str | Path] = ())
                     f"--task-dir {item}: not a BEIR folder (no queries.jsonl) and no classification files ({exc})"
                 ) from None
             for name, files in sets.items():
-                makers[name] = lambda files=files, name=name: LocalClassification(files, name)
+                add(name, item, lambda files=files, name=name: LocalClassification(files, name))
         else:
             raise TaskNotFoundError(f"--task-dir {item}: no such file or folder")
+    return makers
+
+
+def local_catalogue(data_dir: Path | None, task_dirs: Sequence[str | Path] = ()) -> LocalCatalogue:
+    """Every local task: each --task-dir item (a BEIR folder, an STS .tsv file, or a folder of <name>_train/_test.tsv
+    classification files) under its folder's or file's name, and what the shared data folder holds."""
+    shared: dict[str, Any] = {}
     if data_dir is not None:
         for name, stem in STS_NAMES.items():
             path = data_dir / "sts" / "raw" / f"{stem}_test.tsv"
             if path.is_file():
-                makers.setdefault(name, lambda path=path, name=name: LocalSTS(path, name))
+                shared[name] = lambda path=path, name=name: LocalSTS(path, name)
         for name, folder in RETRIEVAL_NAMES.items():
             if (data_dir / "retrieval" / folder).is_dir():
-                makers.setdefault(name, lambda d=data_dir / "retrieval" / folder, name=name: LocalRetrieval(d, name))
+                shared[name] = lambda d=data_dir / "retrieval" / folder, name=name: LocalRetrieval(d, name)
         if (data_dir / "classification").is_dir():
             for name, files in discover(data_dir / "classification").items():
                 if {"train", "test"} <= set(files) and _single_sentences(files["train"]):
-                    makers.setdefault(name, lambda files=files, name=name: LocalClassification(files, name))
+                    shared[name] = lambda files=files, name=name: LocalClassification(files, name)
     aliases = {**{stem: name for name, stem in STS_NAMES.items()}, **{v: k for k, v in RETRIEVAL_NAMES.items()}}
-    return LocalCatalogue(makers, aliases)
+    return LocalCatalogue(_task_dir_makers(task_dirs), shared, aliases)
 
 
 def _single_sentences(path: Path) -> bool:

@@ -11,7 +11,9 @@ for evaluation results (huggingface_hub.repocard_data: `model_index_to_eval_resu
 (task, cell), the cell named in the dataset's config ("default, matryoshka2d cell 6x384") because the Hub tells
 results apart by task type, dataset type, config, split and revision (EvalResult.unique_identifier), and the value
 the task's mteb main score x 100, as the Hub shows MTEB. `eval mteb --output MODEL/mteb` refreshes the model-index of
-MODEL's card (`refresh_model_index`) and leaves the rest of the card as it is.
+MODEL's card (`refresh_model_index`) and leaves the rest of the card as it is: its other fields, its body, and every
+model-index result that is not one of ours (a result whose dataset config names no matryoshka2d cell). Where two
+result files in the folder score the same task at the same cell, the newer file's score is the card's.
 """
 
 from __future__ import annotations
@@ -22,18 +24,23 @@ from pathlib import Path
 
 import yaml
 
-from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.confined import ConfinedFolder
+from matryoshka2d.files import utf8_problem
 from matryoshka2d.outputs import write_text
 from matryoshka2d.result_files import read_result_record
 
 CARD_RESULTS_DEPTH = 3  # how deep under the model folder to look for results.json files of `matryoshka2d eval`
 
 
-def find_results(folder: Path) -> list[dict]:
+def find_results(folder: Path, newest_last: bool = False) -> list[dict]:
     """results.json files of `eval` already inside the model folder, read by the one reader of result files
-    (result_files.read_result_record); one it cannot read is left off the card with a line naming the file and field."""
+    (result_files.read_result_record), in path order, or oldest file first with `newest_last`; one it cannot read
+    is left off the card with a line naming the file and field."""
     found = []
-    for path in sorted(folder.rglob("results.json")):
+    paths = sorted(folder.rglob("results.json"))
+    if newest_last:
+        paths.sort(key=lambda path: path.stat().st_mtime_ns)
+    for path in paths:
         if len(path.relative_to(folder).parts) > CARD_RESULTS_DEPTH:
             continue
         try:
@@ -43,37 +50,42 @@ def find_results(folder: Path) -> list[dict]:
     return found
 
 
+OURS = "matryoshka2d cell "  # in the dataset config of every model-index result this module writes
+
+
 def model_index(model_name: str, results: list[dict]) -> list[dict]:
-    """The Hub's model-index of every `eval mteb` result among `results` (records of find_results): one entry, the
-    model, with a result per (task, split, subset, cell); [] when there are none. A task's type, dataset and main
-    score come from the record's settings (evaluate.mteb_run.task_record)."""
-    entries = []
+    """The Hub's model-index of every `eval mteb` result among `results` (records of find_results, oldest first):
+    one entry, the model, with a result per (task, split, subset, cell), a later record's replacing an earlier one's;
+    [] when there are none. A task's type, dataset and main score come from the record's settings
+    (evaluate.mteb_run.task_record); its value is the row's score under the task's main score (under the record's
+    metric in a record of one metric for every task)."""
+    entries: dict[tuple, dict] = {}
     for result in results:
         if result.get("task") != "mteb":
             continue
         tasks = (result.get("settings") or {}).get("tasks") or {}
         for row in result.get("scores") or []:
             task = tasks.get(row.get("dataset"))
-            value = row.get(result["metric"])
-            if not isinstance(task, dict) or value is None:
+            if not isinstance(task, dict):
                 continue
-            cell = f"matryoshka2d cell {row['layer']}x{row['dim']}"
+            value = row.get(task.get("main_score"), row.get(result["metric"]))
+            if value is None:
+                continue
+            cell = f"{OURS}{row['layer']}x{row['dim']}"
             for split in task.get("splits") or ["test"]:
                 for subset in task.get("subsets") or ["default"]:
-                    entries.append(
-                        {
-                            "task": {"type": task.get("type"), "name": f"{row['dataset']} ({cell})"},
-                            "dataset": {
-                                "type": task.get("dataset"),
-                                "name": f"MTEB {row['dataset']} ({cell})",
-                                "config": f"{subset}, {cell}",
-                                "split": split,
-                                "revision": task.get("revision"),
-                            },
-                            "metrics": [{"type": task.get("main_score"), "value": round(float(value), 4)}],
-                        }
-                    )
-    return [{"name": model_name, "results": entries}] if entries else []
+                    entries[(row["dataset"], cell, split, subset)] = {
+                        "task": {"type": task.get("type"), "name": f"{row['dataset']} ({cell})"},
+                        "dataset": {
+                            "type": task.get("dataset"),
+                            "name": f"MTEB {row['dataset']} ({cell})",
+                            "config": f"{subset}, {cell}",
+                            "split": split,
+                            "revision": task.get("revision"),
+                        },
+                        "metrics": [{"type": task.get("main_score"), "value": round(float(value), 4)}],
+                    }
+    return [{"name": model_name, "results": list(entries.values())}] if entries else []
 
 
 def _front_matter(fields: dict, results: list[dict], model_name: str) -> list[str]:
@@ -83,24 +95,81 @@ def _front_matter(fields: dict, results: list[dict], model_name: str) -> list[st
     return ["---", yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n"), "---"]
 
 
-def refresh_model_index(folder: Path, model_name: str) -> Path | None:
-    """Put the model-index of the mteb results in `folder` into the front matter of its card (README.md, read
-    through the folder's confined reader), replacing an earlier model-index and keeping every other field and the
-    body; None when the folder has no card."""
+class CardError(ValueError):
+    """A model card whose front matter cannot be read or kept; the message names the file."""
+
+
+def _split_card(path: Path, text: str) -> tuple[dict, str]:
+    """(front matter fields, body) of a card's text; a front matter that is not a YAML mapping, or a model-index that
+    is not a list of entries, is refused naming the file: rewriting it would drop what the user wrote."""
+    if not (text.startswith("---\n") and "\n---" in text[4:]):
+        return {}, text
+    head, _, body = text[4:].partition("\n---")
+    body = body[1:] if body.startswith("\n") else body
+    try:
+        fields = yaml.safe_load(head)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 2})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise CardError(f"{path}{where}: the card's front matter is not valid YAML: {problem}") from None
+    fields = {} if fields is None else fields
+    if not isinstance(fields, dict):
+        raise CardError(f"{path}: the card's front matter is a YAML {type(fields).__name__}, not a mapping of fields")
+    index = fields.get("model-index", [])
+    if not isinstance(index, list) or not all(isinstance(entry, dict) for entry in index):
+        raise CardError(f"{path}: the card's model-index is not a list of entries (name, results), as the Hub reads it")
+    return fields, body
+
+
+def read_card(folder: Path) -> tuple[Path, dict, str] | None:
+    """(path, front matter fields, body) of the card (README.md) of `folder`, read through the folder's confined
+    reader; None when the folder has no card. A card that is not UTF-8 text or whose front matter cannot be kept is
+    refused (CardError) naming the file."""
     confined = ConfinedFolder(folder, "model")
     path = confined.path("README.md")
     if not path.is_file():
         return None
-    text = confined.read_text("README.md")
-    fields, body = {}, text
-    if text.startswith("---\n") and "\n---" in text[4:]:
-        head, _, body = text[4:].partition("\n---")
-        body = body[1:] if body.startswith("\n") else body
-        loaded = yaml.safe_load(head)
-        fields = loaded if isinstance(loaded, dict) else {}
-    fields.pop("model-index", None)
-    lines = _front_matter(fields, find_results(Path(folder)), model_name)
-    write_text(path, "\n".join(lines) + "\n" + body)
+    try:
+        text = confined.read_text("README.md")
+    except UnicodeDecodeError:
+        with path.open("rb") as lines:
+            raise CardError(utf8_problem(lines, path, what="model card")) from None
+    return (path, *_split_card(path, text))
+
+
+def check_card(folder: Path) -> None:
+    """Refuse, before any work, a card of `folder` that `refresh_model_index` could not rewrite."""
+    read_card(folder)
+
+
+def _kept_entries(index: list[dict], model_name: str) -> tuple[list[dict], list[dict]]:
+    """An existing model-index without our results: (this model's other results, the entries of other models)."""
+    own, others = [], []
+    for entry in index:
+        results = [r for r in entry.get("results") or [] if OURS not in str((r.get("dataset") or {}).get("config"))]
+        if entry.get("name") == model_name:
+            own += results
+        elif results:
+            others.append({**entry, "results": results})
+    return own, others
+
+
+def refresh_model_index(folder: Path, model_name: str) -> Path | None:
+    """Put the model-index of the mteb results in `folder` into the front matter of its card, replacing the results
+    an earlier refresh wrote and keeping every other field, every result of the user's and the body; None when the
+    folder has no card."""
+    card = read_card(Path(folder))
+    if card is None:
+        return None
+    path, fields, body = card
+    own, others = _kept_entries(fields.pop("model-index", []), model_name)
+    ours = model_index(model_name, find_results(Path(folder), newest_last=True))
+    results = own + (ours[0]["results"] if ours else [])
+    index = ([{"name": model_name, "results": results}] if results else []) + others
+    data = {**fields, **({"model-index": index} if index else {})}
+    front = yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n")
+    write_text(path, "\n".join(["---", front, "---"]) + "\n" + body)
     return path
 
 
@@ -130,6 +199,29 @@ def _last_evaluation(final: dict) -> str:
     )
 
 
+def _training_lines(metadata: dict) -> list[str]:
+    """The card's Training section, from what the run recorded (none for a model no run of ours trained)."""
+    if not metadata:
+        return []
+    method = metadata.get("method")  # Method.config(): {"method": name, and its settings}
+    method_name = method.get("method") if isinstance(method, dict) else method
+    training = metadata.get("training") if isinstance(metadata.get("training"), dict) else {}
+    lines = ["## Training", ""]
+    if method_name:
+        lines.append(f"- method: {method_name}" + (f" (`{json.dumps(method)}`)" if isinstance(method, dict) else ""))
+    if metadata.get("loss"):
+        lines.append(f"- loss: {metadata['loss']}")
+    data = training.get("data") or training.get("train_file") or metadata.get("data")
+    if data:
+        examples, kind = metadata.get("examples"), metadata.get("data_kind", "")
+        lines.append(f"- data: {data}" + (f" ({examples} {kind} examples)" if examples else ""))
+    if training.get("model"):
+        lines.append(f"- base model: {training['model']}")
+    if metadata.get("steps"):
+        lines.append(f"- steps: {metadata['steps']}")
+    return [*lines, "- everything the run recorded: `matryoshka2d.json`", ""]
+
+
 def model_card(
     encoder,
     layers: int,
@@ -141,9 +233,6 @@ def model_card(
 ) -> str:
     metadata = metadata or {}
     width = dim or encoder.hidden_size
-    method = metadata.get("method")  # Method.config(): {"method": name, and its settings}
-    method_name = method.get("method") if isinstance(method, dict) else method
-    training = metadata.get("training") if isinstance(metadata.get("training"), dict) else {}
     fields = {
         "library_name": "sentence-transformers",
         "pipeline_tag": "sentence-similarity",
@@ -154,7 +243,7 @@ def model_card(
         "",
         f"# {Path(str(encoder.name)).name} ({layers} layers, {width} dims)",
         "",
-        "A sentence embedding model from [matryoshka2d](https://pypi.org/project/matryoshka2d/): elastic in depth "
+        "A sentence embedding model made with matryoshka2d: elastic in depth "
         "and width, so the first n layers and the first k numbers of its embeddings (a (layer, dim) cell) make a "
         "smaller, faster model of their own.",
         "",
@@ -177,30 +266,7 @@ def model_card(
         f"{width} works with matryoshka2d)",
         "",
     ]
-    if metadata:
-        lines += ["## Training", ""]
-        if method_name:
-            lines.append(
-                f"- method: {method_name}" + (f" (`{json.dumps(method)}`)" if isinstance(method, dict) else "")
-            )
-        if metadata.get("loss"):
-            lines.append(f"- loss: {metadata['loss']}")
-        data = training.get("data") or training.get("train_file") or metadata.get("data")
-        if data:
-            lines.append(
-                f"- data: {data}"
-                + (
-                    f" ({metadata['examples']} {metadata.get('data_kind', '')} examples)"
-                    if metadata.get("examples")
-                    else ""
-                )
-            )
-        if training.get("model"):
-            lines.append(f"- base model: {training['model']}")
-        if metadata.get("steps"):
-            lines.append(f"- steps: {metadata['steps']}")
-        lines.append("- everything the run recorded: `matryoshka2d.json`")
-        lines.append("")
+    lines += _training_lines(metadata)
     if isinstance(metadata.get("final_eval"), dict):
         lines += ["## Evaluation", "", _last_evaluation(metadata["final_eval"]), ""]
     tables = [line for result in results for line in _grid_table(result)]
@@ -250,6 +316,7 @@ def write_model_card(
     """README.md in `folder`, through the one writer; `results`: the folder whose eval results the card lists (the
     model's own folder, when the card is written into a temporary folder that is moved there)."""
     path = Path(folder) / "README.md"
-    card = model_card(encoder, layers, dim, normalize, metadata, find_results(Path(results or folder)), widths)
+    found = find_results(Path(results or folder), newest_last=True)  # the newer of two scores of a cell is the card's
+    card = model_card(encoder, layers, dim, normalize, metadata, found, widths)
     write_text(path, card)
     return path

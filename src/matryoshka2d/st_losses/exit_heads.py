@@ -35,7 +35,27 @@ def _check_plain(model: nn.Module, owner: str) -> None:
 
 
 def exit_heads_for(model: nn.Module, kind: str = "affine") -> ExitHeads:
-    """Heads at every exit below the last layer, starting as the identity (the exit's own vector)."""
+    """Exit heads to train along with the model: one at every exit below the last layer, each starting as the
+    identity (the exit's own vector), on the model's device; pass them to a loss as `exit_heads=`.
+
+    Args:
+        model: the SentenceTransformer being trained: Transformer, Pooling and optionally Normalize (a head maps a
+            layer's pooled vector to the output, which any other module would change).
+        kind: each head's form: "affine" (y = W x + b) or "mlp" (the affine map plus a residual MLP whose output
+            starts at zero). Default: "affine".
+
+    Returns:
+        The heads, at layers 1..N-1, mapping the model's width to itself.
+
+    Example:
+        ```python
+        heads = exit_heads_for(model)
+        loss = StarbucksLoss(model, exit_heads=heads)
+        args = SentenceTransformerTrainingArguments(..., learning_rate_mapping={r"exit_heads": 5e-4})
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=triplets, loss=loss).train()
+        save_with_exit_heads(model, heads, "runs/st-starbucks-heads")
+        ```
+    """
     backbone = unwrap(model)
     check_layout(backbone, "exit_heads_for")
     _check_plain(backbone, "exit_heads_for")
@@ -45,6 +65,7 @@ def exit_heads_for(model: nn.Module, kind: str = "affine") -> ExitHeads:
 
 
 def check_heads(heads: ExitHeads | None, method: Method, owner: str) -> ExitHeads | None:
+    """The heads given to a loss, checked to map this model's exits (1..N-1) from and to its width."""
     if heads is None:
         return None
     if heads.inputs != "exit":
@@ -59,7 +80,17 @@ def check_heads(heads: ExitHeads | None, method: Method, owner: str) -> ExitHead
 
 
 def save_with_exit_heads(model: nn.Module, heads: ExitHeads, output: str | Path) -> Path:
-    """The trained model and its heads as one new model folder (`output` must not exist yet)."""
+    """The trained model and its heads as one new model folder, which `matryoshka2d eval`, `pick`, `export` and
+    `serve` read (a cell exported from it carries its head as a Dense module).
+
+    Args:
+        model: the trained SentenceTransformer (Transformer, Pooling, optionally Normalize).
+        heads: the heads trained along (`exit_heads_for(model)`, or the loss's `exit_heads`).
+        output: the new folder; it must not exist yet.
+
+    Returns:
+        The folder written.
+    """
     backbone = unwrap(model)
     _check_plain(backbone, "save_with_exit_heads")
     output = Path(output)
