@@ -14,12 +14,13 @@ than wall time), minilm-l6.
 - torch: one inference pass of n texts of t tokens at layers 3 and 6, for small shapes; the intercept of the
   line through them, in token positions, is TORCH_CALL_OVERHEAD_TOKENS in models/batching.py.
 - onnx: the same through the cached exit graphs of the onnx serving backend (fp32 and int8, layers 3 and 6),
-  for deploy/backends.py (built first if the cache does not hold them).
+  for serve/backends.py (built first if the cache does not hold them).
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def part_train(args) -> None:
 
     config = TrainConfig(
         data=[str(args.data_dir / "nli" / "train_triplets.tsv")],
-        output="/tmp/m2d-call-overhead",
+        output=str(Path(tempfile.gettempdir()) / "m2d-call-overhead"),  # never written: train_step saves nothing
         method="2dmse",
         loss="infonce",
         batch_size=32,
@@ -115,8 +116,8 @@ def part_torch(args) -> None:
 
 
 def part_onnx(args) -> None:
-    from matryoshka2d.deploy.backends import OnnxBackend, _session
     from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.serve.backends import OnnxBackend, _session
 
     encoder = ElasticEncoder(args.model, device="cpu")
     print("\nonnxruntime pass, CPU ms (1 thread):")

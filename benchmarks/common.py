@@ -18,7 +18,11 @@ DEFAULT_DATA = Path(
 )
 
 
-CHECKOUT_SRC = Path(__file__).resolve().parents[1] / "src"
+CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT_SRC = CHECKOUT / "src"
+# Where a benchmark writes what it keeps by default (servers' logs, cached vectors): runs/ of the checkout, which
+# .gitignore leaves out.
+CHECKOUT_RUNS = CHECKOUT / "runs"
 
 
 def checkout_env() -> dict:

@@ -171,7 +171,7 @@ def score(args) -> None:
     peer_record = json.loads((peer / "matryoshka2d.json").read_text(encoding="utf-8"))["distill"]
     if "weights_sha256" not in peer_record:  # `train` ran without matryoshka2d: state the folder's own checksum and
         from matryoshka2d.models.encoder import ElasticEncoder  # width, as distill does after saving, so that
-        from matryoshka2d.models.identity import record_own_identity  # eval retrieval takes it as a query encoder
+        from matryoshka2d.models.query_record import record_own_identity  # eval retrieval takes it as a query encoder
 
         record_own_identity(peer, ElasticEncoder(str(peer), device="cpu"))
     rows = {}

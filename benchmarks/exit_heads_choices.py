@@ -29,7 +29,8 @@ import torch
 from common import DEFAULT_DATA, header
 from matryoshka2d.evaluate.sts import STS_SETS, load_pairs, spearman_x100, sts_file
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.models.heads import HELD_OUT_EVERY, RIDGE_GRID, ExitHeads, NormalEquations, _train_mlp_residuals
+from matryoshka2d.models.heads import ExitHeads
+from matryoshka2d.models.heads_fit import HELD_OUT_EVERY, RIDGE_GRID, NormalEquations, _train_mlp_residuals
 from matryoshka2d.training.data import read_sentences
 
 

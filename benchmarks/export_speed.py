@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 
 from common import DEFAULT_DATA, header, sts_sentences
-from matryoshka2d.deploy.export import export_cell
-from matryoshka2d.deploy.onnx_graphs import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder
 from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
+from matryoshka2d.export.cell import export_cell
+from matryoshka2d.export.onnx_graphs import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder
 from matryoshka2d.models.encoder import ElasticEncoder
 
 

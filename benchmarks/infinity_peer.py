@@ -8,10 +8,12 @@ the folder's root, exported by optimum itself (`optimum-cli export onnx --librar
 graph gives `last_hidden_state`, which is what infinity reads) and quantised by `optimum-cli onnxruntime
 quantize` (dynamic int8) for the CPU's instruction set; infinity prefers the quantised file on a CPU. The
 workarounds that infinity 0.0.78 with optimum 2.1 needs (start from inside the folder with `--model-id .`,
-`--pooling-method mean`, one HF_HOME per folder) were found by the peer's set-up notes
-(/work/peers/infinity/NOTES.md); the code here is ours.
+`--pooling-method mean`, one HF_HOME per folder) were found while setting the peer up; the code here is ours.
 
-    python benchmarks/infinity_peer.py --layers 3 6 [--out DIR] [--venv /work/venvs/infinity]
+    python benchmarks/infinity_peer.py --venv VENV --layers 3 6 [--out DIR]
+
+VENV: a virtual environment with `pip install torch==2.13.0 'infinity-emb[server,optimum]==0.0.78'` (its
+infinity_emb and optimum-cli are run from VENV/bin).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-DEFAULT_VENV = Path("/work/venvs/infinity")
 DEFAULT_OUT = Path(os.environ.get("MATRYOSHKA2D_CACHE") or Path.home() / ".cache" / "matryoshka2d") / "infinity-peer"
 # The layer index in a BERT-family weight name ("encoder.layer.3.attention...").
 LAYER_KEY = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
@@ -123,7 +124,7 @@ def onnx_folder(cut: Path, out: Path, venv: Path) -> Path:
     return out
 
 
-def prepare(source: Path, layers: list[int], out: Path = DEFAULT_OUT, venv: Path = DEFAULT_VENV) -> dict:
+def prepare(source: Path, layers: list[int], venv: Path, out: Path = DEFAULT_OUT) -> dict:
     """{n: (torch folder, optimum folder)} for each depth, made once (a folder already there is reused)."""
     folders = {}
     for n in layers:
@@ -136,7 +137,7 @@ def prepare(source: Path, layers: list[int], out: Path = DEFAULT_OUT, venv: Path
     return folders
 
 
-def server_command(engine: str, folder: Path, port: int, venv: Path = DEFAULT_VENV) -> tuple[list[str], Path, dict]:
+def server_command(engine: str, folder: Path, port: int, venv: Path) -> tuple[list[str], Path, dict]:
     """(command, working folder, environment) of an infinity server for one folder, on 127.0.0.1 only."""
     infinity = str(venv / "bin" / "infinity_emb")
     # Each run gets a fresh HF_HOME: infinity caches an optimised graph there under the model id ("." for
@@ -158,11 +159,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, nargs="+", default=[3, 6])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        required=True,
+        help="a virtual environment with infinity-emb[server,optimum] 0.0.78 (its bin/: infinity_emb, optimum-cli)",
+    )
     args = parser.parse_args()
     from matryoshka2d.models.backbones import minilm_dir
 
-    for n, (cut, onnx) in prepare(minilm_dir(), args.layers, args.out, args.venv).items():
+    for n, (cut, onnx) in prepare(minilm_dir(), args.layers, args.venv, args.out).items():
         print(f"layer {n}: {cut} (torch engine), {onnx} (optimum engine)")
 
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from common import header
+from matryoshka2d.beir import read_beir_file
 from matryoshka2d.cli import main as cli
-from matryoshka2d.files import read_beir
 
 
 def split_queries(dataset: Path, split: str) -> list[tuple[str, str]]:
@@ -34,7 +34,7 @@ def split_queries(dataset: Path, split: str) -> list[tuple[str, str]]:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         next(rows)
         wanted = {r[0] for r in rows}
-    return [(key, text) for _, key, text in read_beir(dataset / "queries.jsonl", titles=False) if key in wanted]
+    return [(key, text) for _, key, text in read_beir_file(dataset / "queries.jsonl", titles=False) if key in wanted]
 
 
 def main() -> None:
@@ -74,7 +74,7 @@ def main() -> None:
     ours_seconds = time.perf_counter() - started
 
     started = time.perf_counter()
-    documents = [(key, text) for _, key, text in read_beir(corpus, titles=True)]
+    documents = [(key, text) for _, key, text in read_beir_file(corpus, titles=True)]
     embeddings = HuggingFaceEmbeddings(
         model_name=args.pair, encode_kwargs={"task": "document"}, query_encode_kwargs={"task": "query"}
     )

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common import DEFAULT_DATA, header
-from matryoshka2d.deploy.onnx_graphs import EXPORTERS, export_exit, graph_exporter, quantize_int8
+from matryoshka2d.export.onnx_graphs import EXPORTERS, export_exit, graph_exporter, quantize_int8
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.training.data import read_sentences
 

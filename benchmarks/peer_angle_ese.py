@@ -1,8 +1,11 @@
 """Peer run: ESE trained by its authors' own code (angle-emb 0.6.1, AnglE.fit(apply_ese=True)).
 
-    /work/angle-venv/bin/python benchmarks/peer_angle_ese.py --model-dir MINILM_FOLDER \\
+    ANGLE_VENV/bin/python benchmarks/peer_angle_ese.py --model-dir MINILM_FOLDER \\
         --data ../shared/data/nli/train_triplets.tsv --output runs/protocol-cpu150/angle-emb-ese
         [--steps N] [--batch-size 32] [--lr 5e-5] [--seed 42] [--warmup-ratio 0.1]
+
+ANGLE_VENV: a virtualenv of its own, made with `python3.11 -m venv ANGLE_VENV && ANGLE_VENV/bin/pip install
+torch==2.13.0 && ANGLE_VENV/bin/pip install angle-emb==0.6.1` (docs/reproduction.md).
 
 Runs in its own virtualenv (angle-emb 0.6.1 pins transformers 5.3.0 and peft 0.18.1), so it does not import
 matryoshka2d: the backbone folder is given with --model-dir (`matryoshka2d.models.backbones.minilm_dir()`, the local

@@ -27,9 +27,9 @@ from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, 
 from tqdm.auto import tqdm
 
 from common import header, to_device
+from matryoshka2d.cells import nested_dims
 from matryoshka2d.models.backbones import minilm_dir
 from matryoshka2d.training.data import read_training_data
-from matryoshka2d.views import nested_dims
 
 
 def main() -> None:

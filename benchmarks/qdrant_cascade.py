@@ -26,9 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_DATA, header
-from matryoshka2d.evaluate.retrieval import load_beir
+from matryoshka2d.beir import load_beir
+from matryoshka2d.cells import parse_cells
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.retrieval.index import build_index, finalize, parse_cell_list
+from matryoshka2d.retrieval.index import build_index, finalize
 from matryoshka2d.retrieval.qdrant_store import QdrantIndex, QdrantTarget, vector_params
 from matryoshka2d.retrieval.search import CellIndex, query_vectors
 from matryoshka2d.retrieval.shards import cell_name, load_shards
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     args = parser.parse_args()
     print(header())
-    small, full = parse_cell_list(args.cascade, "--cascade")
+    small, full = parse_cells(args.cascade, "--cascade")
     scifact = load_beir(args.data_dir / "retrieval" / "scifact", args.split)
     args.work.mkdir(parents=True, exist_ok=True)
     corpus = args.work / "corpus.jsonl"

@@ -6,7 +6,7 @@
 `--query-models`: query encoders distilled from the model (`matryoshka2d distill --mode query`, timed at their own
 last layer; `--mode static`, timed at their static cell, layer 0), in the same rounds as the model's exits, and
 compared with the model's layer N. `--int8`: the model's layer N as `serve --backend onnx --quantize int8` runs it
-(the server's own backend object, deploy/backends.py, one call per query) is timed in the same rounds too, and every
+(the server's own backend object, serve/backends.py, one call per query) is timed in the same rounds too, and every
 query encoder is compared with it as well.
 
 Each exit encodes each of a few short STS-B sentences one at a time, as a search front end does; a call's
@@ -29,7 +29,7 @@ import torch
 
 from common import DEFAULT_DATA, header, sts_sentences
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
+from matryoshka2d.models.query_record import query_encoder_layer, query_encoder_record
 
 try:
     from matryoshka2d.models.batching import pad_rows
@@ -79,7 +79,7 @@ def main() -> None:
     full = enc.num_layers
     served = {}
     if args.int8:
-        from matryoshka2d.deploy.backends import OnnxBackend
+        from matryoshka2d.serve.backends import OnnxBackend
 
         served["int8"] = OnnxBackend(enc, "int8", [full], threads=args.threads)
     timed = [*layers, *served, *students]  # an exit of the model, the served model, or a query encoder's folder

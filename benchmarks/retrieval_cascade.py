@@ -42,14 +42,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_DATA, header
-from matryoshka2d.evaluate.retrieval import load_beir, rank_metrics
+from matryoshka2d.beir import load_beir
+from matryoshka2d.cells import Cell
+from matryoshka2d.cells import unit_rows as unit
+from matryoshka2d.evaluate.retrieval import rank_metrics
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.cascade import overlap_at
 from matryoshka2d.retrieval.faiss_indexes import factory_string, hnsw_graph, make_index, searchable
-from matryoshka2d.retrieval.index import build_index, parse_cell_list
+from matryoshka2d.retrieval.index import build_index
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, query_vectors
 from matryoshka2d.retrieval.shards import STORAGES, cell_name, load_shards, read_manifest
-from matryoshka2d.views import unit_rows as unit
 
 TEXT_COLUMNS = {"sentence", "sentence1", "sentence2", "anchor", "positive", "negative", "premise", "hypothesis"}
 
@@ -114,8 +116,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(header())
-    full = parse_cell_list(args.full, "--full")[0]
-    smalls = [parse_cell_list(s, "--small")[0] for s in args.small]
+    full = Cell.parse(args.full, "--full")
+    smalls = [Cell.parse(s, "--small") for s in args.small]
     scifact = load_beir(args.data_dir / "retrieval" / "scifact", "train")
     extra = distractors(args.data_dir, args.max_distractors)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -340,11 +342,11 @@ def run_child(kind: str, job: dict) -> dict:
 
 
 def memory_benchmark(args, encoder, scifact, corpus: Path, extra: list[str]) -> None:
-    full = parse_cell_list(args.full, "--full")[0]
+    full = Cell.parse(args.full, "--full")
     tiers = []
     for spec in args.tiers:
         parts = spec.split("/")
-        cell = parse_cell_list(parts[0], "--tiers")[0]
+        cell = Cell.parse(parts[0], "--tiers")
         storage = parts[1] if len(parts) > 1 else "float32"
         kind = parts[2] if len(parts) > 2 else "hnsw"
         if storage not in STORAGES or kind not in ("hnsw", "flat", "ivf"):

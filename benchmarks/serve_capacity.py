@@ -2,15 +2,15 @@
 
     python benchmarks/serve_capacity.py [--model minilm-l6] [--span 12] [--precision 0.05] [--slo-ms 100]
         [--llama-server BIN --llama-model GGUF [--llama-parallel 16] [--llama-batch 512] [--llama-sweep P:B ...]]
-        [--infinity-venv DIR --infinity-folder DIR] [--server-core 0] [--client-core 1] [--pause python|PATTERN|'']
-        [--results FILE.json]
+        [--infinity-venv DIR --infinity-folder DIR] [--server-core 0] [--client-core 1] [--pause python|PATTERN]
+        [--logs DIR] [--results FILE.json]
 
 The servers, one at a time, each pinned with taskset to --server-core with one thread:
 - ours: `matryoshka2d serve --backend onnx --quantize int8 --layers N` (N: the model's depth), full depth;
 - llama.cpp's `llama-server` on the model as GGUF Q8_0, `--embedding --pooling mean -t 1 -tb 1 --parallel P
   --batch-size B --ubatch-size B` (--llama-sweep: the closed-loop capacity of each P:B, the best one then measured);
 - infinity-emb `--engine optimum` (its dynamic-int8 ONNX graph, ONNX Runtime) on the folder infinity_peer.py makes.
-The client is serve_overload.py's (raw asyncio streams, keep-alive connections) on --client-core; each request is
+The client is serving_harness.py's (raw asyncio streams, keep-alive connections) on --client-core; each request is
 one SciFact query (the same queries for all), sent on a Poisson schedule whether or not earlier ones were answered;
 a request's latency counts from its scheduled arrival, and past --timeout s from it a request is a timeout.
 
@@ -25,10 +25,11 @@ limit of the same int8 graph, measured in a child process on the server core wit
 calls of 64 through OnnxBackend.pooled), and one query per call (p50). Between spans a server is let empty what it
 holds (single requests until one is answered within a quarter of the SLO).
 
---pause (default 'python': every other Python process; or a pkill -f pattern; '' for none) SIGSTOPs those processes
-for each timed span and SIGCONTs them after (serve_overload's timed_span).
+--pause stops nothing unless given: `--pause python` (every other Python process) or a pkill -f pattern SIGSTOPs
+those processes for each timed span and SIGCONTs them after (serving_harness's timed_span); what it stopped is
+printed. The servers' logs go to --logs (default: runs/serve-capacity in the checkout).
 
-Making the peers (the commands in full: /work/peers/NOTES.md of the set-up that first ran this):
+Making the peers (the commands in full, as the set-up that first ran this made them):
 - llama-server: `pip download --no-binary :all: --no-deps llama-cpp-python` (0.3.36 vendors llama.cpp 0c1e570),
   unpack, in vendor/llama.cpp: `cmake -B build -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
   -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2` (the native build
@@ -44,10 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -55,10 +53,19 @@ from pathlib import Path
 
 import numpy as np
 
-import serve_overload
-from common import DEFAULT_DATA, checkout_env, header
-from serve_overload import ARGS, Pool, Server, _closed_loop, _open_loop, _resume_others, machine_arguments, timed_span
+from common import DEFAULT_DATA, checkout_env
 from serve_peers import peer_arguments, start_infinity_optimum, start_llama, start_ours_fixed
+from serving_harness import (
+    ARGS,
+    Pool,
+    Server,
+    closed_loop,
+    machine_arguments,
+    open_loop,
+    set_up_machine,
+    stop_everything,
+    timed_span,
+)
 
 
 # ---- ours, offline: the same graph without the server ----------------------------------------------------------
@@ -68,9 +75,9 @@ def offline_probe() -> None:
     the p50 of one query per call; one JSON line on stdout."""
     import torch
 
-    from matryoshka2d.deploy.backends import OnnxBackend
-    from matryoshka2d.evaluate.retrieval import load_beir
+    from matryoshka2d.beir import load_beir
     from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.serve.backends import OnnxBackend
 
     torch.set_num_threads(1)
     queries = load_beir(ARGS.data, ARGS.split).query_texts
@@ -151,7 +158,7 @@ def span(server: Server, rate: float, queries: list[str], seed: int, seconds: fl
     ARGS.seconds = seconds
     wait_quiet(server, queries)
     with timed_span():
-        run = asyncio.run(_open_loop(server, rate, seconds, None, queries, seed))
+        run = asyncio.run(open_loop(server, rate, seconds, None, queries, seed))
     status = [r[1] for r in run["records"]]
     latencies = np.array([r[2] for r in run["records"] if r[1] == 200]) * 1000
     p99 = float(np.percentile(latencies, 99)) if len(latencies) else None
@@ -222,7 +229,7 @@ def measure(server: Server, queries: list[str], name: str) -> dict:
         print(f"{name}: the server's phases, ms (p50 of each): {shown}; their sum {total:.2f}", flush=True)
     wait_quiet(server, queries)
     with timed_span():
-        closed = asyncio.run(_closed_loop(server, ARGS.closed_clients, ARGS.closed_seconds, None, queries))
+        closed = asyncio.run(closed_loop(server, ARGS.closed_clients, ARGS.closed_seconds, None, queries))
     print(f"{name}: closed-loop capacity {closed:.1f}/s ({ARGS.closed_clients} clients)", flush=True)
     capacity, spans = capacity_at_slo(server, queries, closed)
     result = {
@@ -252,7 +259,7 @@ def llama_sweep(queries: list[str]) -> tuple[int, int, list[dict]]:
         try:
             wait_quiet(server, queries)
             with timed_span():
-                rate = asyncio.run(_closed_loop(server, ARGS.closed_clients, ARGS.closed_seconds, None, queries))
+                rate = asyncio.run(closed_loop(server, ARGS.closed_clients, ARGS.closed_seconds, None, queries))
         finally:
             server.stop()
         rows.append({"parallel": parallel, "batch": batch, "closed_loop_per_s": rate})
@@ -344,22 +351,15 @@ def main() -> None:
         metavar="PARALLEL:BATCH",
         help="closed-loop capacity of llama-server at each setting first; the best is measured (else --llama-*)",
     )
-    machine_arguments(parser, settle=1.0)
-    parser.add_argument("--logs", default="/tmp/serve-capacity")
+    machine_arguments(parser, settle=1.0, logs="serve-capacity")
     parser.add_argument("--results", help="write the results as JSON here")
     parser.add_argument("--offline-probe", action="store_true", help=argparse.SUPPRESS)
     parser.parse_args(namespace=ARGS)
     if ARGS.offline_probe:
         offline_probe()
         return
-    Path(ARGS.logs).mkdir(parents=True, exist_ok=True)
-    atexit.register(_resume_others)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: (_resume_others(), sys.exit(128 + s)))
-    os.sched_setaffinity(0, {ARGS.client_core})
-    print(header())
-    print(f"server core {ARGS.server_core}, client core {ARGS.client_core}; load average {os.getloadavg()}")
-    from matryoshka2d.evaluate.retrieval import load_beir
+    set_up_machine()
+    from matryoshka2d.beir import load_beir
     from matryoshka2d.models.backbones import resolve
 
     queries = load_beir(ARGS.data, ARGS.split).query_texts
@@ -412,6 +412,4 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        _resume_others()
-        for started in serve_overload._STARTED:
-            started.stop()
+        stop_everything()

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py [--servers torch onnx onnx-int8 infinity-torch infinity-optimum]
         [--cells 6,384 3,128] [--clients 32] [--requests 2000] [--texts-per-request 8] [--warmup-requests 100]
-        [--server-core 0] [--client-core 1] [--pause-training] [--infinity-venv /work/venvs/infinity] [--pick-check]
+        [--server-core 0] [--client-core 1] [--pause-training] [--infinity-venv VENV] [--pick-check] [--logs DIR]
 
 Every server runs on 127.0.0.1 pinned to `--server-core` (taskset; one thread for the model), and this process,
 whose `clients` threads send the requests (one keep-alive connection each), is pinned to `--client-core`: the
@@ -14,6 +14,8 @@ and a reply that is not 200 with one vector per text counts as an error.
   `--layers` of the cells, so its sessions load up front.
 - infinity has no per-request layer: each cell's depth is a folder cut to that many layers (infinity_peer.py),
   one server per cell, `dimensions` in the request. `--engine optimum` serves optimum's int8 ONNX export.
+  They run from `--infinity-venv` (how to make it: benchmarks/infinity_peer.py); without it, the default servers
+  are ours only, and an infinity server named in --servers is refused.
 
 Throughput is given twice: requests per wall-clock second, and requests per CPU second of the server process
 (user + system time of all its threads over the timed span, from /proc). On a core of its own the two agree;
@@ -30,20 +32,19 @@ this process moved to the server's core with one thread: `ElasticEncoder.encode`
 cache) for onnx and onnx-int8; infinity is set against torch's. `--pick-check` replaces the load with the check of
 `pick`'s timing: pick's one-query ms per (layer, backend), measured here as pick measures it, against what the server
 delivers to one client for the same query texts, less the round trip of an empty request (GET /health).
-`--pause-training` stops the machine's training runs (SIGSTOP to processes whose command line holds
-"matryoshka2d" then "train", "distill" or "eval", or the WiSE-FT alphas script) for each timed span only, and
-always continues them (SIGCONT) after it, also on errors and interrupts.
+Nothing else on the machine is stopped unless asked: `--pause-training` stops the machine's training runs (SIGSTOP to
+processes whose command line holds "matryoshka2d" then "train", "distill" or "eval", or the WiSE-FT alphas script)
+for each timed span only, and always continues them (SIGCONT) after it, also on errors and interrupts; what it
+stopped is printed. The servers' logs go to --logs (default: runs/serve-load in the checkout).
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import base64
 import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -54,16 +55,19 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DEFAULT_DATA, checkout_env, free_port, header, rss_mb, stop_process, sts_sentences
+from common import CHECKOUT_RUNS, DEFAULT_DATA, checkout_env, free_port, header, rss_mb, stop_process, sts_sentences
+from pausing import Pause
 
-SERVERS = ("torch", "onnx", "onnx-int8", "infinity-torch", "infinity-optimum")
+OURS = ("torch", "onnx", "onnx-int8")
+SERVERS = (*OURS, "infinity-torch", "infinity-optimum")
 MAX_CLIENTS = 256
 MAX_PAUSE_SECONDS = 14 * 60  # a timed span never keeps the training runs stopped longer than this
 CHECK_TEXTS = 16
 PICK_CHECK_ROUNDS = 5  # --pick-check: rounds over pick's query texts, per text the fastest
 PICK_CHECK_EMPTY = 200  # --pick-check: empty requests timed for the HTTP round trip
-# Built here so that this process's own command line never holds the pattern it stops.
-TRAINING_PATTERN = "matryoshka2d" + " (train|distill|eval)|wise_ft" + "_alphas"  # pkill -f: a regular expression
+# What --pause-training stops, as pkill -f reads it (a regular expression); this process and the servers it started
+# are never stopped (pausing.Pause).
+TRAINING_PATTERN = "matryoshka2d (train|distill|eval)|wise_ft_alphas"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -76,38 +80,8 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-# ---- pausing the machine's training runs during a timed span ------------------------------------------
-
-
-def _signal_training(sig: str) -> None:
-    subprocess.run(["pkill", f"-{sig}", "-f", TRAINING_PATTERN], check=False)
-
-
-_PAUSE = {"on": False}
-
-
-def _continue_training() -> None:
-    if _PAUSE["on"]:
-        _signal_training("CONT")
-        _PAUSE["on"] = False
-
-
-@contextmanager
-def training_paused(enabled: bool):
-    if not enabled:
-        yield
-        return
-    _PAUSE["on"] = True
-    _signal_training("STOP")
-    try:
-        yield
-    finally:
-        _continue_training()
-
-
-def _on_signal(signum, _frame):
-    _continue_training()
-    raise SystemExit(128 + signum)
+# The machine's training runs, stopped during each timed span once --pause-training names them.
+PAUSE = Pause("--pause-training")
 
 
 # ---- servers ----------------------------------------------------------------------------------------
@@ -261,7 +235,7 @@ def offline_backend(encoder, kind: str, cells):
     same cache, built and checked the same way), one thread."""
     if kind == "torch" or kind.startswith("infinity"):
         return None
-    from matryoshka2d.deploy.served import make_backend
+    from matryoshka2d.serve.served import make_backend
 
     return make_backend(encoder, kind, sorted({c[0] for c in cells}), threads=1)
 
@@ -282,7 +256,7 @@ def offline_throughput(encoder, texts: list[str], layer: int, dim: int, backend=
     try:
         with on_core(ARGS.server_core):
             run(texts[:128])  # warm-up
-            with training_paused(ARGS.pause_training):
+            with PAUSE.span():
                 start, cpu = time.perf_counter(), time.process_time()
                 run(texts)
                 return len(texts) / (time.perf_counter() - start), len(texts) / (time.process_time() - cpu)
@@ -307,11 +281,11 @@ def measure(server: Server, cells, batches, references, check_texts) -> list[dic
             print(f"  {server.kind}: resident memory per onnxruntime session (MB, by layer): {sessions}")
     for layer, dim in cells:
         run_load(server, batches[: ARGS.warmup_requests], layer, dim, ARGS.clients)
-    time.sleep(ARGS.settle)  # our server gives memory back once idle for REST_AFTER (deploy/micro_batching.py)
+    time.sleep(ARGS.settle)  # our server gives memory back once idle for REST_AFTER (serve/batching.py)
     rss_warm = server.rss()
     for layer, dim in cells:
         diff, cosine = agreement(server.vectors(check_texts, layer, dim), references[(layer, dim)])
-        with training_paused(ARGS.pause_training):
+        with PAUSE.span():
             load = load_average()
             cpu = cpu_seconds(server.process.pid)
             result = run_load(server, batches, layer, dim, ARGS.clients)
@@ -337,7 +311,12 @@ def measure(server: Server, cells, batches, references, check_texts) -> list[dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="minilm-l6")
-    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        choices=SERVERS,
+        help="default: ours (torch onnx onnx-int8), and infinity's two when --infinity-venv is given",
+    )
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000, help="requests per cell")
     parser.add_argument("--texts-per-request", type=int, default=8)
@@ -368,23 +347,35 @@ def main() -> None:
         help="instead of the load: pick's one-query ms per (layer, backend) against serve's for one client, less an "
         "empty request's round trip",
     )
-    parser.add_argument("--infinity-venv", dest="venv", type=Path, default=Path("/work/venvs/infinity"))
+    parser.add_argument(
+        "--infinity-venv",
+        dest="venv",
+        type=Path,
+        help="a virtual environment with infinity-emb (benchmarks/infinity_peer.py); the infinity servers need it",
+    )
     parser.add_argument("--start-timeout", type=float, default=1200, help="seconds a server may take to start")
-    parser.add_argument("--logs", default="/tmp/m2d-serve-load", help="folder for the servers' logs")
+    parser.add_argument(
+        "--logs", default=str(CHECKOUT_RUNS / "serve-load"), help="folder for the servers' logs (default: %(default)s)"
+    )
     parser.add_argument("--results", help="append each measured run to this file as a JSON line")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     global ARGS
     ARGS = args = parser.parse_args()
     if not 1 <= args.clients <= MAX_CLIENTS:
         parser.error(f"--clients must be 1..{MAX_CLIENTS}")
+    peers = [s for s in args.servers or () if s.startswith("infinity")]
+    if peers and args.venv is None:
+        named = " ".join(peers)
+        parser.error(f"--servers {named} needs --infinity-venv VENV (a virtual environment with infinity-emb)")
+    args.servers = args.servers or list(SERVERS if args.venv else OURS)
     cells = [tuple(int(x) for x in c.split(",")) for c in args.cells]
     Path(args.logs).mkdir(parents=True, exist_ok=True)
-    atexit.register(_continue_training)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
+    PAUSE.pattern = TRAINING_PATTERN if args.pause_training else None
+    PAUSE.guard()
     os.sched_setaffinity(0, {args.client_core})
 
     print(header())
+    print(PAUSE.describe(), flush=True)
     need = args.requests * args.texts_per_request
     texts = sts_sentences(args.data_dir, need)
     if len(texts) < need:  # fewer distinct sentences than asked: reuse them, marked so that none is a duplicate
@@ -474,8 +465,8 @@ def pick_check(encoder, cells) -> None:
     """`pick`'s one-query ms at each (layer, backend) against what `serve` delivers to one client at that cell: the
     same query texts one per request, per text the fastest of ROUNDS, median over texts (pick's own protocol), less
     the round trip of an empty request (GET /health) measured on the same connection in the same run."""
-    from matryoshka2d.deploy.cost import QUERY_TEXTS, measure_latency
-    from matryoshka2d.deploy.served import make_backend
+    from matryoshka2d.serve.served import make_backend
+    from matryoshka2d.serve.timing import QUERY_TEXTS, measure_latency
 
     print(
         "\n| server | cell | serve ms (1 client, 1 text) | empty request ms | serve - empty | pick ms "
@@ -487,12 +478,12 @@ def pick_check(encoder, cells) -> None:
         import torch
 
         torch.set_num_threads(1)
-        with on_core(ARGS.server_core), training_paused(ARGS.pause_training):
+        with on_core(ARGS.server_core), PAUSE.span():
             picked = measure_latency(make_backend(encoder, kind, layers, threads=1), layers)
         server = start_ours(kind, cells)
         try:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-            with training_paused(ARGS.pause_training):
+            with PAUSE.span():
                 empty = []
                 for _ in range(PICK_CHECK_EMPTY):
                     start = time.perf_counter()

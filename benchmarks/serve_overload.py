@@ -4,7 +4,8 @@ peers a user would run instead (llama.cpp's llama-server, infinity-emb's optimum
     python benchmarks/serve_overload.py --model DIR [--query-model NAME=FOLDER ...] [--rates 0.5 1 1.5 2 3]
         [--seconds 60] [--target-ms 50] [--min-layer 2] [--shallow-layer 3] [--modes full shallow adaptive llama
         infinity] [--llama-server BIN --llama-model GGUF] [--infinity-venv DIR --infinity-folder DIR] [--timeout 2]
-        [--server-core 0] [--client-core 1] [--pause python|PATTERN] [--results FILE.json] [--plot FILE.png]
+        [--server-core 0] [--client-core 1] [--pause python|PATTERN] [--logs DIR] [--results FILE.json]
+        [--plot FILE.png]
 
 Arrivals are a Poisson process at a fixed rate, each arrival one request of one SciFact query (how a query
 reaches a search service), sent whether or not earlier ones were answered: an open loop. A closed loop of N
@@ -34,190 +35,45 @@ answers kept. Server memory (RSS) is sampled through each span. At the end, a dr
 of a span at 1.5x, how long the server takes to exit, its exit code, and whether any accepted request went
 unanswered.
 
---pause (default 'python': every other Python process on the machine, training runs and test suites among them;
-or a pkill -f pattern; '' for none) SIGSTOPs those processes for each timed span only and SIGCONTs them after,
-also on errors and interrupts.
+--pause stops nothing unless given: `--pause python` (every other Python process on the machine, training runs and
+test suites among them) or a pkill -f pattern SIGSTOPs those processes for each timed span only and SIGCONTs them
+after, also on errors and interrupts; what it stopped is printed. The servers' logs and the documents' vectors go to
+--logs (default: runs/serve-overload in the checkout).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import base64
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
-import urllib.parse
 import urllib.request
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from common import DEFAULT_DATA, checkout_env, free_port, header, rss_mb, stop_process
-
-ARGS = argparse.Namespace()
-
-
-# ---- the machine -----------------------------------------------------------------------------------------------
-_PAUSED = {"on": False, "pids": []}
-_STARTED: list = []  # every server this run started: stopped at the end, also when the run fails
-
-
-def _mine() -> set[int]:
-    """This process and its descendants (our server, infinity), from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with suppress(OSError, IndexError, ValueError):
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    mine, grew = {os.getpid()}, True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in mine} - mine
-        mine |= more
-        grew = bool(more)
-    return mine
+from common import DEFAULT_DATA, checkout_env, free_port
+from serve_peers import peer_arguments, start_infinity_optimum, start_llama
+from serving_harness import (
+    ARGS,
+    PAUSE,
+    Pool,
+    Server,
+    closed_loop,
+    machine_arguments,
+    open_loop,
+    request_bytes,
+    set_up_machine,
+    stop_everything,
+    timed_span,
+)
 
 
-def _others() -> list[int]:
-    """The processes --pause names: every other Python process on the machine ('python'), or pkill -f's matches."""
-    if ARGS.pause != "python":
-        found = subprocess.run(["pgrep", "-f", ARGS.pause], capture_output=True, text=True, check=False).stdout
-        return [int(p) for p in found.split()]
-    mine, out = _mine(), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) not in mine and int(entry.name) > 1:
-            try:
-                command = (entry / "cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                continue
-            if b"python" in command.rsplit(b"/", 1)[-1]:
-                out.append(int(entry.name))
-    return out
-
-
-def _signal_others(sig: str) -> None:
-    if not ARGS.pause:
-        return
-    if sig == "STOP":
-        _PAUSED["pids"] = _others()
-    for pid in _PAUSED["pids"]:
-        with suppress(OSError):
-            os.kill(pid, signal.SIGSTOP if sig == "STOP" else signal.SIGCONT)
-
-
-def _resume_others() -> None:
-    if _PAUSED["on"]:
-        _signal_others("CONT")
-        _PAUSED["on"] = False
-
-
-@contextmanager
-def others_paused():
-    _PAUSED["on"] = True
-    _signal_others("STOP")
-    try:
-        yield
-    finally:
-        _resume_others()
-
-
-@contextmanager
-def timed_span():
-    """A span whose latencies are measured: other processes paused (--pause), and this client's own garbage collector
-    off. The client holds the data set, the documents' vectors and every answer it records; a full collection of that
-    heap stopped its event loop for about 130 ms once a span (one-text requests at 150 a second, 2026-11-27: every
-    latency over 100 ms of the span within 0.15 s of each other, none with the collector frozen and off), during which
-    no answer is read, so the server's latency at p99 and its timeouts counted the client's pause. What the span
-    allocates is collected after it."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        with others_paused():
-            yield
-    finally:
-        gc.enable()
-        gc.unfreeze()
-        gc.collect()
-
-
-# ---- servers ---------------------------------------------------------------------------------------------------
-class Server:
-    """A server process pinned to the server core; `body(text, layer)` is a request to it."""
-
-    def __init__(self, kind: str, command: list[str], port: int, env: dict, cwd=None):
-        self.kind, self.port = kind, port
-        self.log = open(Path(ARGS.logs) / f"{kind}.log", "w")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            ["taskset", "-c", str(ARGS.server_core), *command],
-            env=env,
-            cwd=cwd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        _STARTED.append(self)
-        deadline = time.monotonic() + ARGS.start_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{kind} exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{kind} did not answer /health within {ARGS.start_timeout} s; see {self.log.name}")
-
-    def body(self, text: str, layer, input_type: str | None = None) -> bytes:
-        """A request of one text: `layer` an int (that layer of the model), None (open: the ladder chooses), or
-        "ENCODER@LAYER" (a rung by name: a query encoder served beside the model, or the model's layer)."""
-        if self.kind == "infinity":
-            body = {"model": "bench", "input": [text], "encoding_format": "base64"}
-            return request_bytes("/embeddings", body)
-        body = {"model": "bench", "input": [text], "encoding_format": "base64"}
-        if isinstance(layer, str):
-            encoder, _, number = layer.rpartition("@")
-            layer = int(number) if encoder == "bench" else None
-            body["model"] = encoder
-        if layer is not None:
-            body["layer"] = layer
-        if input_type is not None:
-            body["input_type"] = input_type
-        return request_bytes("/v1/embeddings", body)
-
-    def queued(self) -> int:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10) as reply:
-            return int(json.loads(reply.read()).get("queued_requests", 0))
-
-    def statuses(self) -> dict[str, float]:
-        """Our server's own count of the embeddings requests it answered, by status (its /metrics); {} for a peer."""
-        if self.kind != "ours":
-            return {}
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        counts: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "matryoshka2d_requests_total" and sample.labels.get("route") == "/v1/embeddings":
-                    counts[sample.labels["status"]] = counts.get(sample.labels["status"], 0) + sample.value
-        return counts
-
-    def stop(self) -> int:
-        code = stop_process(self.process)
-        self.log.close()
-        return code
-
-
+# ---- our server and the peers --------------------------------------------------------------------------------
 def start_ours() -> Server:
     env = checkout_env()
     port = free_port()
@@ -241,8 +97,6 @@ def start_peer(mode: str) -> Server:
     """A peer at the model's full depth, one core, one thread: llama.cpp's llama-server on the model as GGUF, or
     infinity-emb's optimum engine on its int8 ONNX folder (benchmarks/serve_peers.py; how to make each:
     benchmarks/serve_capacity.py's docstring)."""
-    from serve_peers import start_infinity_optimum, start_llama
-
     if mode == "llama":
         if not (ARGS.llama_server and ARGS.llama_model):
             raise SystemExit("--modes llama needs --llama-server and --llama-model")
@@ -250,123 +104,6 @@ def start_peer(mode: str) -> Server:
     if not (ARGS.infinity_venv and ARGS.infinity_folder):
         raise SystemExit("--modes infinity needs --infinity-venv and --infinity-folder")
     return start_infinity_optimum(ARGS.infinity_venv, ARGS.infinity_folder)
-
-
-# ---- the client: HTTP/1.1 on asyncio streams, a pool of keep-alive connections --------------------------------
-def request_bytes(path: str, body: dict) -> bytes:
-    payload = orjson.dumps(body)
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    return (head + f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
-
-
-class Pool:
-    def __init__(self, port: int):
-        self.port, self.idle = port, []
-
-    async def send(self, request: bytes) -> tuple[int, dict, bytes]:
-        """One request on an idle keep-alive connection, or a new one. A server closes a connection idle past its
-        keep-alive time (uvicorn: 5 s); a request that finds its reused connection closed before any byte of an
-        answer (it was never read) is sent again once on a new connection."""
-        while self.idle:
-            reader, writer = self.idle.pop()
-            try:
-                return await self._exchange(reader, writer, request)
-            except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                if getattr(exc, "partial", b"") != b"":
-                    raise
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        return await self._exchange(reader, writer, request)
-
-    async def _exchange(self, reader, writer, request: bytes) -> tuple[int, dict, bytes]:
-        try:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            status = int(lines[0].split()[1])
-            headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-            body = await reader.readexactly(int(headers.get("content-length", 0)))
-        except BaseException:
-            writer.close()
-            raise
-        if headers.get("connection", "").lower() == "close":
-            writer.close()
-        else:
-            self.idle.append((reader, writer))
-        return status, headers, body
-
-
-def vector_of(body: bytes) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(orjson.loads(body)["data"][0]["embedding"]), dtype="<f4")
-
-
-async def _open_loop(server: Server, rate: float, seconds: float, layer, queries: list[str], seed: int) -> dict:
-    """Poisson arrivals at `rate` per second for `seconds`; each arrival one query (the next in a shuffled order)."""
-    rng = np.random.default_rng(seed)
-    times = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.5) + 10))
-    times = times[times < seconds]
-    order = rng.permutation(len(times)) % len(queries)
-    pool, loop = Pool(server.port), asyncio.get_running_loop()
-    records: list[tuple] = []
-    lags: list[float] = []
-    requests = [server.body(queries[q], layer) for q in order]
-    rss, sampling = [rss_mb(server.process.pid)], [True]
-
-    async def sample_rss():
-        while sampling[0]:
-            rss.append(rss_mb(server.process.pid))
-            await asyncio.sleep(0.5)
-
-    async def one(i: int, scheduled: float):
-        left = scheduled + ARGS.timeout - loop.time()
-        try:
-            status, headers, body = await asyncio.wait_for(pool.send(requests[i]), left)
-        except TimeoutError:
-            records.append((int(order[i]), "timeout", None, None, None))
-            return
-        except OSError as exc:
-            records.append((int(order[i]), f"refused ({type(exc).__name__})", None, None, None))
-            return
-        latency = loop.time() - scheduled
-        layer_used = None
-        if status == 200:  # the rung that answered: ENCODER@LAYER (a peer: the model's full depth)
-            encoder = urllib.parse.unquote(headers.get("x-matryoshka2d-encoder", "bench"))
-            layer_used = f"{encoder}@{headers.get('x-matryoshka2d-layer', ARGS.layers)}"
-        vector = vector_of(body) if status == 200 else None
-        records.append((int(order[i]), status, latency, layer_used, vector))
-
-    sampler = asyncio.create_task(sample_rss())
-    start = loop.time() + 0.1
-    tasks = []
-    for i, t in enumerate(times):
-        delay = start + t - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        lags.append(max(0.0, loop.time() - start - t))
-        tasks.append(asyncio.create_task(one(i, start + t)))
-    await asyncio.gather(*tasks)
-    sampling[0] = False
-    await sampler
-    for _, writer in pool.idle:
-        writer.close()
-    return {"records": records, "lag_p99_ms": 1000 * float(np.percentile(lags, 99)) if lags else 0.0, "rss": rss}
-
-
-async def _closed_loop(server: Server, clients: int, seconds: float, layer, queries: list[str]) -> float:
-    """Requests per second that `clients` back-to-back clients get answered at `layer`."""
-    loop = asyncio.get_running_loop()
-    stop = loop.time() + seconds
-    done = [0]
-
-    async def client(c: int):
-        pool, i = Pool(server.port), c
-        while loop.time() < stop:
-            status, _, _ = await pool.send(server.body(queries[i % len(queries)], layer))
-            done[0] += status == 200
-            i += clients
-
-    start = loop.time()
-    await asyncio.gather(*(client(c) for c in range(clients)))
-    return done[0] / (loop.time() - start)
 
 
 def encode_all(server: Server, texts: list[str], layer: int | None, input_type: str | None = None) -> np.ndarray:
@@ -500,7 +237,7 @@ def depth_lever(server: Server, queries: list[str], docs, qrels, flat: np.ndarra
         quality = 100 * float(ndcg_of(encode_all(server, queries, name), qids, docs, qrels).mean() / flat.mean())
         wait_idle(server)
         with timed_span():
-            rate = asyncio.run(_closed_loop(server, ARGS.capacity_clients, ARGS.layer_seconds, name, queries))
+            rate = asyncio.run(closed_loop(server, ARGS.capacity_clients, ARGS.layer_seconds, name, queries))
         rows.append(
             {
                 "rung": name,
@@ -531,7 +268,7 @@ def drain_check(capacity: float, queries: list[str]) -> dict:
 
     async def run():
         loop = asyncio.get_running_loop()
-        span = asyncio.create_task(_open_loop(server, 1.5 * capacity, ARGS.drain_span, None, queries, 7))
+        span = asyncio.create_task(open_loop(server, 1.5 * capacity, ARGS.drain_span, None, queries, 7))
         await asyncio.sleep(ARGS.drain_span / 2)
         sent = loop.time()
         server.process.send_signal(signal.SIGTERM)
@@ -553,21 +290,6 @@ def drain_check(capacity: float, queries: list[str]) -> dict:
         "timeouts": status.count("timeout"),
         "other": len(status) - status.count(200) - status.count(503) - refused - status.count("timeout"),
     }
-
-
-def machine_arguments(parser, settle: float) -> None:
-    """Where the server and the client run, and what is paused while they are timed (serve_capacity.py too)."""
-    parser.add_argument(
-        "--server-core", default="0", help="the server's CPUs for taskset: 0, or 0,1 for serve --workers 2"
-    )
-    parser.add_argument("--client-core", type=int, default=1)
-    parser.add_argument("--settle", type=float, default=settle)
-    parser.add_argument("--start-timeout", type=float, default=900.0)
-    parser.add_argument(
-        "--pause",
-        default="python",
-        help="stopped during timed spans: 'python' (every other Python process), a pkill -f pattern, or '' (none)",
-    )
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -625,11 +347,8 @@ def main() -> None:
         "--layer-seconds", type=float, default=10.0, help="closed-loop seconds per layer, the depth table (0: none)"
     )
     parser.add_argument("--drain-span", type=float, default=8.0, help="seconds of the drain check's span (0: none)")
-    machine_arguments(parser, settle=2.0)
-    from serve_peers import peer_arguments
-
+    machine_arguments(parser, settle=2.0, logs="serve-overload")
     peer_arguments(parser)
-    parser.add_argument("--logs", default="/tmp/serve-overload")
     parser.add_argument("--results", help="write every row as JSON here")
     parser.add_argument("--plot", help="latency against offered load, a line per mode, as PNG")
     parser.add_argument("--report", help="print the table (and --plot) of an earlier run's --results file, run nothing")
@@ -640,19 +359,13 @@ def main() -> None:
         if ARGS.plot:
             plot(earlier["rows"], ARGS.plot)
         return
-    Path(ARGS.logs).mkdir(parents=True, exist_ok=True)
-    atexit.register(_resume_others)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: (_resume_others(), sys.exit(128 + s)))
-    os.sched_setaffinity(0, {ARGS.client_core})
-    print(header())
-    print(f"server core {ARGS.server_core}, client core {ARGS.client_core}; load average {os.getloadavg()}")
+    set_up_machine()
 
-    from matryoshka2d.evaluate.retrieval import load_beir
+    from matryoshka2d.beir import load_beir
 
     data = load_beir(ARGS.data, ARGS.split)
     queries = data.query_texts
-    with others_paused():  # the server measures its layers' costs as it starts: on a quiet machine too
+    with PAUSE.span():  # the server measures its layers' costs as it starts: on a quiet machine too
         ours = start_ours()
     config = json.loads(Path(ARGS.model, "config.json").read_text())
     ARGS.layers = int(config["num_hidden_layers"])
@@ -670,7 +383,7 @@ def main() -> None:
     else:
         with timed_span():
             capacity = asyncio.run(
-                _closed_loop(ours, ARGS.capacity_clients, ARGS.capacity_seconds, ARGS.layers, queries)
+                closed_loop(ours, ARGS.capacity_clients, ARGS.capacity_seconds, ARGS.layers, queries)
             )
         print(
             f"full-depth capacity: {capacity:.1f} requests/s ({ARGS.capacity_clients} closed-loop clients)", flush=True
@@ -688,7 +401,7 @@ def main() -> None:
             before = server.statuses()
             with timed_span():
                 run = asyncio.run(
-                    _open_loop(server, rate, ARGS.seconds, layer_of[mode], queries, seed=int(10 * multiple))
+                    open_loop(server, rate, ARGS.seconds, layer_of[mode], queries, seed=int(10 * multiple))
                 )
             wait_idle(server)  # what the server still held is answered (or found gone) before it is counted
             after = server.statuses()
@@ -809,6 +522,4 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        _resume_others()
-        for started in _STARTED:
-            started.stop()
+        stop_everything()

@@ -2,7 +2,7 @@
 on the server core: our `matryoshka2d serve` at a fixed depth, llama.cpp's `llama-server` on a GGUF file, and
 infinity-emb with its optimum (ONNX Runtime) engine on a folder made by benchmarks/infinity_peer.py.
 
-Every function returns serve_overload's `Server` (pinned with taskset to ARGS.server_core, its log in ARGS.logs),
+Every function returns serving_harness's `Server` (pinned with taskset to ARGS.server_core, its log in ARGS.logs),
 so the callers' clients, spans and pauses are the same for all three. How to make each peer: the docstring of
 serve_capacity.py.
 """
@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from common import checkout_env, free_port
-from serve_overload import Server
+from infinity_peer import server_command
+from serving_harness import Server
 
 # What keeps a peer to the one core it is pinned to: every library's own thread pool at one thread (taskset alone
 # leaves a pool sized to the machine, whose threads then take turns on the core).
@@ -50,8 +51,6 @@ def start_llama(binary: str, gguf: str, parallel: int, batch: int, ubatch: int) 
 
 def start_infinity_optimum(venv: str, folder: str) -> Server:
     """infinity-emb `--engine optimum` on a folder of benchmarks/infinity_peer.py (model_quantized.onnx: int8)."""
-    from infinity_peer import server_command
-
     command, cwd, env = server_command("optimum", Path(folder).resolve(), port := free_port(), Path(venv))
     return Server("infinity", command, port, {**env, **ONE_THREAD}, cwd)
 

@@ -38,10 +38,10 @@ from torch.utils.data import BatchSampler, SequentialSampler
 from transformers import TrainerCallback
 
 from common import header
+from matryoshka2d.cells import nested_dims
 from matryoshka2d.models.backbones import minilm_dir
 from matryoshka2d.st_losses import ESELoss, StarbucksLoss, TaskLoss, TwoDMSELoss
 from matryoshka2d.training.data import read_training_data
-from matryoshka2d.views import nested_dims
 
 OURS = {"ese": ESELoss, "starbucks": StarbucksLoss, "2dmse": TwoDMSELoss}
 

@@ -15,10 +15,10 @@ import argparse
 import numpy as np
 
 from common import header
+from matryoshka2d.cells import unit_rows
 from matryoshka2d.evaluate.sts import load_pairs, spearman_x100
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import sts_dev_file
-from matryoshka2d.views import unit_rows
 
 SMALL_CELLS = ((1, 64), (2, 128), (3, 128))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def time_ours(
 ) -> float:
     cfg = TrainConfig(
         data=[str(data)],
-        output="/tmp/m2d-train-speed",
+        output=str(Path(tempfile.gettempdir()) / "m2d-train-speed"),  # never written: train_step saves nothing
         method=method,
         loss=loss,
         batch_size=batch_size,
@@ -119,9 +120,9 @@ def time_peer(data, batch_size, warmup, steps, device="cpu", precision="fp32") -
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 
+    from matryoshka2d.cells import nested_dims
     from matryoshka2d.models.backbones import minilm_dir
     from matryoshka2d.training.data import read_training_data
-    from matryoshka2d.views import nested_dims
 
     rows = read_training_data([str(data)])
     from matryoshka2d.training.throughput import autocast
