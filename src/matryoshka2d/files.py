@@ -1,12 +1,14 @@
 """Reading files strictly: every problem is reported with the file and the line it is on.
 
-Text inputs (`encode`, `search --queries`) are one text per line; evaluation and training files are TSV or JSON
-lines.
+The readers of the toolkit's inputs: TSV tables and JSON lines (evaluation and training files), JSON documents,
+the texts of `encode` and `search --queries` (one text per line, from a file or standard input), and the sha256 of
+a file's bytes (checkpoints and index files are checked with it). Folders are read through the confined reader
+(matryoshka2d.confined), BEIR folders through matryoshka2d.beir; both read their files with these.
 
 The shared data is tab-separated with one header line and no quoting (a `"` is an ordinary character), so
-files are read with csv.QUOTE_NONE; BEIR corpora are JSON lines, optionally gzipped. A bad row should stop an
-evaluation with a message such as `sts12_test.tsv line 17: score 'n/a' is not a number`, never with a
-silently shifted column or a bare IndexError.
+files are read with csv.QUOTE_NONE; JSON lines may be gzipped. A bad row should stop an evaluation with a
+message such as `sts12_test.tsv line 17: score 'n/a' is not a number`, never with a silently shifted column or a
+bare IndexError.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -33,109 +34,6 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-class OutsideFolderError(ValueError):
-    """A record, manifest or modules.json names a path that leaves the folder it describes."""
-
-
-def confinement(folder: str | Path) -> tuple[Path, Path | None]:
-    """(the folder, resolved; the blobs folder its links may reach, or None). A Hugging Face cache snapshot,
-    `.../models--ORG--NAME/snapshots/REV/`, holds links into `../../blobs`: it is a folder users have, so a link
-    from it into its own repository's `blobs/` stays inside, on purpose; nothing else outside the folder does."""
-    try:
-        real = Path(folder).resolve()
-    except (RuntimeError, OSError) as exc:  # the folder itself a loop of links
-        raise OutsideFolderError(f"{folder}: cannot be resolved ({exc}); not a folder matryoshka2d can read") from None
-    blobs = real.parent.parent / "blobs"
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--")):
-        return real, (blobs.resolve() if blobs.is_dir() else None)
-    return real, None
-
-
-def stays_inside(path: Path, folder: str | Path) -> bool:
-    """Whether `path` (a name under `folder`), links followed, lies in the folder (or its snapshot's blobs/)."""
-    real, blobs = confinement(folder)
-    try:
-        target = Path(path).resolve()
-    except (RuntimeError, OSError):  # a loop of links leads nowhere inside the folder
-        return False
-    return target.is_relative_to(real) or (blobs is not None and target.is_relative_to(blobs))
-
-
-def _loops(path: Path) -> bool:
-    try:
-        path.resolve(strict=False)
-    except (RuntimeError, OSError):
-        return True
-    return False
-
-
-def inside(folder: str | Path, name, named_by: str | Path, field: str, folder_itself: bool = False) -> Path:
-    """`folder / name` for a path that a file inside `folder` names (a record, a manifest, a sentence-transformers
-    modules.json, a Router's router_config.json): the one place such a path is resolved. Refused
-    (OutsideFolderError, before anything there is opened, whatever it holds) unless it is a plain relative name that
-    stays inside the folder: an absolute path, `..`, or a symbolic link (of the name or of a folder on its way) that
-    resolves outside would let a planted folder read, apply or test the contents of any file of the machine. A
-    Hugging Face cache snapshot's links into its blobs/ stay inside (`confinement`). `named_by` is the file that
-    names the path, `field` the field that holds it; `folder_itself` accepts "" (sentence-transformers' path of a
-    module stored at the folder's top)."""
-    folder = Path(folder)
-    refused = f"{named_by}: {field} names {name!r}, which"
-    what = "only a file inside the folder, or a folder in it, may be named there"
-    if not isinstance(name, str) or (not name and not folder_itself) or "\0" in name:
-        raise OutsideFolderError(f"{refused} is not a name of a file inside {folder}; {what}")
-    if Path(name).is_absolute() or ".." in Path(name).parts or name.startswith("~"):
-        raise OutsideFolderError(f"{refused} leaves {folder} (an absolute path or '..'); {what}")
-    path = folder / name
-    if not stays_inside(path, folder):
-        raise OutsideFolderError(f"{refused} leaves {folder} through a symbolic link; {what}")
-    return path
-
-
-class ConfinedFolder:
-    """The one reader of a folder the toolkit knows (a model, a pair, a static cell, exit heads, a query encoder,
-    an index, a run, a graph cache, teacher targets): made before anything in the folder is opened, it refuses a
-    folder holding a symbolic link that leaves it (`check_links`: a file the library behind a reader opens by a
-    fixed name, such as a tokenizer's, could otherwise be read from anywhere), and `path` resolves every name a
-    file of the folder gives through `inside`. The refusal says only that a path leaves the folder, never what
-    lies outside (no content oracle)."""
-
-    def __init__(self, folder: str | Path, kind: str = "model", check: bool = True):
-        self.folder = Path(folder)
-        self.kind = kind
-        if check:
-            self.check_links()
-
-    def check_links(self) -> None:
-        if not self.folder.is_dir():
-            return
-        for root, dirs, files in os.walk(self.folder, followlinks=False):
-            for name in sorted(dirs + files):
-                entry = Path(root) / name
-                if entry.is_symlink() and _loops(entry):
-                    raise OutsideFolderError(
-                        f"{entry} is a symbolic link that loops (it leads back to itself): the {self.kind} folder "
-                        f"{self.folder} is read only through links that reach a file; nothing in it was read"
-                    )
-                if entry.is_symlink() and not stays_inside(entry, self.folder):
-                    raise OutsideFolderError(
-                        f"{entry} is a symbolic link that leaves the {self.kind} folder {self.folder}: the folder is "
-                        "read only inside itself (a Hugging Face cache snapshot may link into its own blobs/); "
-                        "nothing in it was read: put the file itself in the folder"
-                    )
-
-    def path(self, name, named_by: str | Path | None = None, field: str = "a file name", folder_itself=False) -> Path:
-        return inside(self.folder, name, named_by or self.folder, field, folder_itself)
-
-    def read_json(self, name: str, error: type[Exception] | None = None, named_by=None, field: str = "a file name"):
-        return read_json(self.path(name, named_by, field), error or DataFormatError)
-
-    def read_bytes(self, name: str, named_by=None, field: str = "a file name") -> bytes:
-        return self.path(name, named_by, field).read_bytes()
-
-    def read_text(self, name: str, named_by=None, field: str = "a file name") -> str:
-        return self.path(name, named_by, field).read_text(encoding="utf-8")
 
 
 def where(path: Path, line: int | None = None) -> str:
@@ -292,28 +190,6 @@ def read_jsonl(path: str | Path, error: type[DataFormatError] = DataFormatError)
         raise error(f"{path}: unreadable ({exc})") from exc
 
 
-def read_beir(path: str | Path, titles: bool) -> Iterator[tuple[int, str, str]]:
-    """(line, id, text) of each record of a BEIR corpus or queries file (JSON lines with `_id` and `text`).
-    With `titles` (a corpus), a document is `title + " " + text`, stripped, as BEIR and sentence-transformers
-    embed it. A record without an id or a text, or an id used twice, is an error naming the line."""
-    path = Path(path)
-    seen: dict[str, int] = {}
-    for line, obj in read_jsonl(path):
-        if "_id" not in obj:
-            raise DataFormatError(f"{where(path, line)}: no '_id' field")
-        if not isinstance(obj.get("text"), str):
-            raise DataFormatError(f"{where(path, line)}: no 'text' string field")
-        key = str(obj["_id"])
-        if key in seen:
-            raise DataFormatError(f"{where(path, line)}: _id {key!r} already used on line {seen[key]}")
-        seen[key] = line
-        text = obj["text"]
-        if titles:
-            title = obj.get("title") or ""
-            text = (f"{title} {text}" if title else text).strip()
-        yield line, key, text
-
-
 def read_json(path: str | Path, error: type[Exception] = DataFormatError):
     """A JSON document; a syntax error, bytes that are not UTF-8 (a binary file) or nesting deeper than the parser
     follows is an `error` naming the file (and the line)."""
@@ -362,11 +238,7 @@ def _first_long(value, place: str = "") -> tuple[str, int]:
     return "", 0
 
 
-# ---- result files of `matryoshka2d eval`: results.json (a grid) and cascade.json -----------------------------
-# One reader (rule 6): `pick`, `report` and the model card read them through `read_result_record`, which checks
-# every field they use and names the file and the field of the first that is wrong. A score is a JSON number (a
-# boolean or a string is not); NaN or inf is a score that could not be computed (a correlation of constant
-# vectors), which pick names and leaves out. A cell's average must be the mean of its per-dataset scores.
+# ---- the inputs of `encode` and `search --queries`: a file or standard input, one text a line ----------------
 
 
 def open_input(path: str):

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from matryoshka2d.compress.masking import IGNORE, MaskedBatch, mask_batch
-from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.methods.base import recorded_settings
 from matryoshka2d.methods.starbucks import default_sizes
 from matryoshka2d.models.backbones import ARCHITECTURES, layer_stack

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from matryoshka2d import outputs
-from matryoshka2d.files import ConfinedFolder
-from matryoshka2d.views import nested_dims
+from matryoshka2d.cells import nested_dims
+from matryoshka2d.confined import ConfinedFolder
 
 # TrainConfig options that two-step sets itself, per run.
 MANAGED = ("model", "method", "loss", "data", "output", "pooler_dim", "freeze_encoder", "eval_file")

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 from scipy.linalg import orthogonal_procrustes
 
+from matryoshka2d.cells import unit_rows
 from matryoshka2d.evaluate.plots import paired_points
 from matryoshka2d.evaluate.sts import distinct_rows, load_pairs, sts_file
 from matryoshka2d.outputs import make_folder, write_json, write_text
-from matryoshka2d.views import unit_rows
 
 NEIGHBOURS = 10
 LAYOUTS = ("joint", "separate")

@@ -14,9 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from matryoshka2d.views import nested_dims
-
-Cell = tuple[int, int]
+from matryoshka2d.cells import Cell, nested_dims
 
 
 @runtime_checkable
@@ -98,18 +96,18 @@ class EncoderCells:
         self.show_progress = show_progress
 
     def cells(self) -> list[Cell]:
-        return [(n, d) for n in self.layers for d in self.dims]
+        return [Cell(n, d) for n in self.layers for d in self.dims]
 
     def embed(self, texts: Sequence[str]) -> dict[Cell, np.ndarray]:
         if not self.compare_heads:
             pooled = self.encoder.pooled_states(texts, self.layers, self.batch_size, self.show_progress)
-            return {(n, d): pooled[n][:, :d] for n in self.layers for d in self.dims}
+            return {Cell(n, d): pooled[n][:, :d] for n in self.layers for d in self.dims}
         reads = self.encoder.pooled_inputs(self.layers, heads=True)  # what the heads read, and the layers
         raw = self.encoder.pooled_states(texts, reads, self.batch_size, self.show_progress, pooled=True)
         sides = {}
         for heads in (True, False):
             full = self.encoder.cells_from_pooled(raw, self.layers, heads=heads)
-            sides[heads] = {(n, d): full[n][:, :d] for n in self.layers for d in self.dims}
+            sides[heads] = {Cell(n, d): full[n][:, :d] for n in self.layers for d in self.dims}
         self._without.setdefault(tuple(texts), []).append(sides[False])
         return sides[True]
 
@@ -151,24 +149,3 @@ def embed_distinct(embedder: CellEmbedder, texts: Sequence[str]) -> tuple[dict[C
     for t in texts:
         rows.setdefault(t, len(rows))
     return embedder.embed(list(rows)), rows
-
-
-def parse_ints(values: Sequence[str] | None, what: str) -> list[int] | None:
-    """Accept '--layers 1 2 3', '--layers 1,2,3' or '--layers 1-6'; None stays None (use the default)."""
-    if not values:
-        return None
-    out: list[int] = []
-    for value in values:
-        for part in str(value).split(","):
-            part = part.strip()
-            if not part:
-                raise ValueError(f"--{what}: {value!r} holds an empty item; write e.g. 1,2,3 or 1-6")
-            try:
-                if "-" in part[1:]:
-                    lo, hi = part.split("-", 1)
-                    out.extend(range(int(lo), int(hi) + 1))
-                else:
-                    out.append(int(part))
-            except ValueError:
-                raise ValueError(f"--{what}: '{part}' is not an integer or a range like 1-6") from None
-    return out

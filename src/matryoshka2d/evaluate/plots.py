@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.cells import Cell
 from matryoshka2d.outputs import writing
 
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.cells import Cell
 from matryoshka2d.evaluate.plots import heatmap
 from matryoshka2d.evaluate.results import TITLES, GridResult, grid_of, load_result, markdown_grid
 from matryoshka2d.outputs import make_folder, write_text

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from matryoshka2d.evaluate.grid import Cell
+from matryoshka2d.cells import Cell
 from matryoshka2d.outputs import make_folder, open_for_writing, write_text
 from matryoshka2d.result_files import check_grid_record, read_result_record
 
@@ -104,7 +104,7 @@ def summarize(scores: list[dict], metric: str, num_layers: int) -> dict:
     top_layer = max(n for n, _ in avg)
     top_dim = max(d for _, d in avg)
     out = {"metric": metric, "cell": [top_layer, top_dim], "average": avg.get((top_layer, top_dim))}
-    shallow = sorted(n for n, d in avg if d == top_dim and n < num_layers)
+    shallow = sorted(n for n, d in avg if d == top_dim and 0 < n < num_layers)  # layer 0, the static cell, is none
     if shallow:
         out["shallow_layers"] = shallow
         out["shallow_average"] = float(np.mean([avg[(n, top_dim)] for n in shallow]))
@@ -199,7 +199,7 @@ def markdown_per_dataset(result: GridResult, dim: int) -> str:
     """Rows: layers; columns: each dataset's metrics at one dim, then the average of the primary metric."""
     columns = [(ds, m) for ds in result.datasets for m in result.metrics if _has(result, ds, m)]
     primary = result.metric
-    heads = [ds if m == primary else f"{ds} {m}" for ds, m in columns]
+    heads = [(ds if m == primary else f"{ds} {m}").replace("|", "\\|") for ds, m in columns]  # a | ends a cell
     lines = ["| layer | " + " | ".join(heads) + f" | avg {primary} |", "|---:" * (len(columns) + 2) + "|"]
     index = {(r["dataset"], r["layer"], r["dim"]): r for r in result.scores}
     avg = grid_of(result.average, primary)
@@ -232,7 +232,7 @@ def to_markdown(result: GridResult) -> str:
     summary = result.summary
     if summary.get("average") is not None:
         layer, dim = summary["cell"]
-        lines.append(f"- average at layer {layer}, dim {dim}: **{summary['average']:.2f}**")
+        lines.append(f"- average of {summary['metric']} at layer {layer}, dim {dim}: **{summary['average']:.2f}**")
     if "shallow_average" in summary:
         lines.append(
             f"- shallow average (layers {_span(summary['shallow_layers'])}, dim {summary['cell'][1]}): "
@@ -276,9 +276,9 @@ def write_outputs(result: GridResult, out_dir: str | Path) -> list[Path]:
         for row in result.average:
             writer.writerow(["average", row["layer"], row["dim"], *(_fmt(row.get(m)) for m in result.metrics)])
     metric = result.metric
-    n_sets = len(result.datasets)
+    having = [ds for ds in result.datasets if _has(result, ds, metric)] or result.datasets  # the metric's datasets
     title = f"{result.model.get('model')}: {TITLES.get(result.task, result.task)} {metric} x 100"
-    title += f", average of {n_sets} datasets" if n_sets > 1 else f", {result.datasets[0]}"
+    title += f", average of {len(having)} datasets" if len(having) > 1 else f", {having[0]}"
     heatmap(grid_of(result.average, metric), result.layers, result.dims, paths[3], title, metric)
     return paths
 

@@ -1,12 +1,12 @@
 """Retrieval in the BEIR layout: exact inner-product search on unit vectors, nDCG@10, MRR@10 and Recall@100.
 
 A dataset folder holds `corpus.jsonl` (or `corpus.jsonl.gz`) with `_id, title, text`, `queries.jsonl` with
-`_id, text`, and `qrels/<split>.tsv` with `query-id, corpus-id, score`. As in BEIR and sentence-transformers,
-a document is embedded as `title + " " + text` (stripped), truncated to the encoder's max_length tokens
-(256 for minilm-l6, 384 for mpnet-base: longer abstracts are cut, as they are in BEIR's own numbers); only
-queries with at least one relevant document (score > 0) are evaluated, and a document whose id equals the
-query's id is never returned (BEIR's ignore_identical_ids). Corpus and queries are embedded once for all cells;
-search is an exact matrix product per cell, in chunks of queries.
+`_id, text`, and `qrels/<split>.tsv` with `query-id, corpus-id, score`, read by matryoshka2d.beir. As in BEIR and
+sentence-transformers, a document is embedded as `title + " " + text` (stripped), truncated to the encoder's
+max_length tokens (256 for minilm-l6, 384 for mpnet-base: longer abstracts are cut, as they are in BEIR's own
+numbers); only queries with at least one relevant document (score > 0) are evaluated, and a document whose id
+equals the query's id is never returned (BEIR's ignore_identical_ids). Corpus and queries are embedded once for
+all cells; search is an exact matrix product per cell, in chunks of queries.
 """
 
 from __future__ import annotations
@@ -14,108 +14,17 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.beir import load_beir
+from matryoshka2d.cells import unit_rows
 from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
 from matryoshka2d.evaluate.results import GridResult, grid_result, model_record, provenance
-from matryoshka2d.files import DataFormatError, read_beir, read_tsv
-from matryoshka2d.views import unit_rows
 
 METRICS = ("ndcg@10", "mrr@10", "recall@100")
 DEPTH = 100  # the deepest rank any metric looks at
-
-
-@dataclass
-class BeirSet:
-    """A corpus, the evaluated queries and their graded relevance judgements (qrels)."""
-
-    name: str
-    directory: Path
-    split: str
-    doc_ids: list[str]
-    doc_texts: list[str]
-    query_ids: list[str]
-    query_texts: list[str]
-    qrels: list[dict[int, int]]  # per evaluated query: document index -> relevance (> 0 only)
-    unknown_docs: int  # qrels rows naming a document the corpus does not have (never retrievable)
-
-
-def corpus_file(directory: Path) -> Path:
-    for name in ("corpus.jsonl", "corpus.jsonl.gz"):
-        if (directory / name).is_file():
-            return directory / name
-    raise DataFormatError(f"{directory}: no corpus.jsonl or corpus.jsonl.gz")
-
-
-def _read_records(path: Path, titles: bool) -> tuple[list[str], list[str]]:
-    records = list(read_beir(path, titles))
-    if not records:
-        raise DataFormatError(f"{path}: empty file")
-    return [key for _, key, _ in records], [text for _, _, text in records]
-
-
-def qrels_split(directory: Path, split: str | None = None) -> str:
-    """`split`, else 'test' when the BEIR folder has qrels/test.tsv, else its only qrels file."""
-    if split:
-        return split
-    available = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
-    if "test" in available:
-        return "test"
-    if len(available) == 1:
-        return available[0]
-    raise ValueError(
-        f"{directory / 'qrels'}: {'several qrels files' if available else 'no qrels file'} "
-        f"({', '.join(available) or 'none'}); a BEIR folder needs qrels/test.tsv or a single qrels/<split>.tsv, "
-        "else pass --split"
-    )
-
-
-def load_beir(directory: str | Path, split: str = "test") -> BeirSet:
-    """Read and cross-check a BEIR folder; unknown query ids in the qrels are an error naming the line."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise DataFormatError(f"{directory}: dataset directory not found")
-    doc_ids, doc_texts = _read_records(corpus_file(directory), titles=True)
-    all_qids, all_qtexts = _read_records(directory / "queries.jsonl", titles=False)
-    qrels_path = directory / "qrels" / f"{split}.tsv"
-    if not qrels_path.is_file():
-        have = sorted(p.stem for p in (directory / "qrels").glob("*.tsv")) if (directory / "qrels").is_dir() else []
-        raise DataFormatError(f"{qrels_path}: file not found (splits here: {', '.join(have) or 'none'}; see --split)")
-    table = read_tsv(qrels_path, required=("query-id", "corpus-id", "score"))
-    doc_index = {d: i for i, d in enumerate(doc_ids)}
-    query_index = {q: i for i, q in enumerate(all_qids)}
-    judged: dict[int, dict[int, int]] = {}
-    unknown_docs = 0
-    qi, di, si = table.column("query-id"), table.column("corpus-id"), table.column("score")
-    for line, row in table.rows:
-        try:
-            score = int(row[si])
-        except ValueError:
-            raise DataFormatError(f"{qrels_path} line {line}: score {row[si]!r} is not an integer") from None
-        if row[qi] not in query_index:
-            raise DataFormatError(f"{qrels_path} line {line}: query-id {row[qi]!r} is not in queries.jsonl")
-        if row[di] not in doc_index:
-            unknown_docs += 1
-            continue
-        if score > 0:
-            judged.setdefault(query_index[row[qi]], {})[doc_index[row[di]]] = score
-    if not judged:
-        raise DataFormatError(f"{qrels_path}: no query has a relevant document (score > 0) in the corpus")
-    order = sorted(judged)
-    return BeirSet(
-        name=directory.name,
-        directory=directory,
-        split=split,
-        doc_ids=doc_ids,
-        doc_texts=doc_texts,
-        query_ids=[all_qids[i] for i in order],
-        query_texts=[all_qtexts[i] for i in order],
-        qrels=[judged[i] for i in order],
-        unknown_docs=unknown_docs,
-    )
 
 
 def search(queries: np.ndarray, docs: np.ndarray, k: int, exclude: np.ndarray | None = None, chunk: int = 512):

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from matryoshka2d.evaluate.grid import Cell, CellEmbedder, embed_distinct
+from matryoshka2d.cells import Cell, unit_rows
+from matryoshka2d.evaluate.grid import CellEmbedder, embed_distinct
 from matryoshka2d.evaluate.results import GridResult, grid_result, model_record, provenance
 from matryoshka2d.files import DataFormatError, read_tsv
-from matryoshka2d.views import unit_rows
 
 STS_SETS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 VARIANTS = ("raw", "senteval_tok")

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from matryoshka2d.cells import Cell, unit_rows
 from matryoshka2d.models.backbones import (
     POOLING_MODES,
     BackboneError,
@@ -31,20 +31,21 @@ from matryoshka2d.models.backbones import (
     load_transformer,
     resolve,
 )
-from matryoshka2d.models.batching import TORCH_CALL_OVERHEAD_TOKENS, check_texts, inference_batches, pad_rows
+from matryoshka2d.models.batching import check_texts, run_passes
 from matryoshka2d.models.decoders import default_pooling, prepare_decoder
 from matryoshka2d.models.exits import install_exit_hooks, run_to_exits
 from matryoshka2d.models.identity import backbone_sha256
+from matryoshka2d.models.pair_check import check_pair, check_pair_route, check_pair_routes
 from matryoshka2d.models.pooler import PoolerHead, pool
+from matryoshka2d.models.query_record import check_own_weights
 from matryoshka2d.models.st_folder import (
     head_from_dense,
     model_folder,
     pair_route,
     read_sentence_config,
     router_routes,
-    save_folder,
 )
-from matryoshka2d.views import unit_rows
+from matryoshka2d.models.st_save import save_folder
 
 
 class ElasticEncoder(nn.Module):
@@ -71,25 +72,23 @@ class ElasticEncoder(nn.Module):
         as `query_encoder`; `route="query"` loads the query route alone."""
         super().__init__()
         location, display = resolve(model)
-        # the one reader of the folder (files.ConfinedFolder), made before anything in it is opened: every name its
+        # the one reader of the folder (confined.ConfinedFolder), made before anything in it is opened: every name its
         # modules.json and router_config.json give stays inside it, and no link in it leaves it
         folder = model_folder(location)
         route, display, weights = pair_route(folder or location, display, route)
-        from matryoshka2d.models import identity
-
         if route is not None:  # a pair's routes against its record, before any weights load
-            identity.check_pair_routes(folder, router_routes(folder))
+            check_pair_routes(folder, router_routes(folder))
         transformer, tokenizer = load_transformer(weights, display)
         sentence_cfg = read_sentence_config(folder or location, route)
         self._setup(transformer, tokenizer, location, display, pooling, max_length, device, sentence_cfg)
         self.route = route
         self.__dict__["confined_folder"] = folder  # read again by the records' readers (models.identity)
         if route is not None:
-            identity.check_pair_route(self)  # this route's weights, layers and width are the ones exported
+            check_pair_route(self)  # this route's weights, layers and width are the ones exported
         if route == "document":  # kept out of this module's parameters: the weights checksum stays the route's own
             query = ElasticEncoder(model, max_length=max_length, device=device, route="query")
             object.__setattr__(self, "query_encoder", query)
-            identity.check_pair(self, query)  # the query side's record against the document side
+            check_pair(self, query)  # the query side's record against the document side
         from matryoshka2d.models.heads_on_disk import load_heads, read_record
 
         record = read_record(folder or location) if route is None else None  # a pair's routes hold no exit heads
@@ -103,7 +102,7 @@ class ElasticEncoder(nn.Module):
                 static.load_static_cell(folder or location, cell, backbone_sha256(self), self.hidden_size)
             )
 
-        identity.check_own_weights(self)  # a query encoder's record vouches for these weights and this width
+        check_own_weights(self)  # a query encoder's record vouches for these weights and this width
 
     @classmethod
     def from_modules(
@@ -203,7 +202,7 @@ class ElasticEncoder(nn.Module):
     def set_static_cell(self, cell) -> None:
         """Put a static cell on as layer 0 (None takes it off); it must output this model's vectors. A cell that does
         not say which backbone it was aligned to (one just made) is aligned to this model's weights as they are now:
-        a save after they change drops it (st_folder.save_folder)."""
+        a save after they change drops it (st_save.save_folder)."""
         if cell is not None:
             if cell.dim_out != self.hidden_size:
                 raise BackboneError(
@@ -342,7 +341,7 @@ class ElasticEncoder(nn.Module):
             out[n] = hidden
         return out
 
-    # ---- saving: a sentence-transformers folder (st_folder.save_folder says what is in it) ----------------
+    # ---- saving: a sentence-transformers folder (st_save.save_folder says what is in it) ------------------
 
     save = save_folder
 
@@ -377,7 +376,7 @@ class ElasticEncoder(nn.Module):
         normalize: bool = False,
         show_progress: bool = False,
         heads: bool | None = None,
-    ) -> dict[tuple[int, int], np.ndarray]:
+    ) -> dict[Cell, np.ndarray]:
         """Every requested (layer, dim) cell from one forward pass per batch, keyed by (layer, dim)."""
         layers = sorted({self.check_layer(n) for n in (layers or [self.num_layers])})
         dims = sorted({self.check_dim(d) for d in (dims or [self.hidden_size])})
@@ -388,7 +387,7 @@ class ElasticEncoder(nn.Module):
                 cell = pooled[n][:, :d]
                 if normalize:
                     cell = unit_rows(cell)
-                grid[(n, d)] = np.ascontiguousarray(cell, dtype=np.float32)
+                grid[Cell(n, d)] = np.ascontiguousarray(cell, dtype=np.float32)
         return grid
 
     def pooled_states(
@@ -438,29 +437,7 @@ class ElasticEncoder(nn.Module):
             elif len(unique) < len(texts):  # the rows of each text's first occurrence
                 first = np.unique(inverse, return_index=True)[1]
                 encoded = {k: [rows[i] for i in first] for k, rows in encoded.items()}
-            lengths = [len(x) for x in encoded["input_ids"]]
-            device = self.device  # a walk over the modules to the first parameter: once per call, not per batch
-            overhead = TORCH_CALL_OVERHEAD_TOKENS.get(device.type)
-            batches = inference_batches(lengths, batch_size, overhead, token_budget)  # like lengths share a pass
-            # Module.train() walks every submodule (about 1 ms for a 6-layer model, most of a one-query call):
-            # switch to eval and back only when the model is training.
-            was_training = self.model.training
-            if was_training:
-                self.model.eval()
-            if show_progress:  # a progress bar costs a tenth of a millisecond even when disabled
-                batches = tqdm(batches, desc=f"encode {self.name}", unit="batch")
-            try:
-                with torch.inference_mode():
-                    for idx in batches:
-                        features = pad_rows(self.tokenizer, encoded, idx, self._input_names)
-                        features = {k: v.to(device) for k, v in features.items()}
-                        for n, vec in self.forward(features, layers, heads=heads, pooled=pooled).items():
-                            out[n][idx] = vec.float().cpu().numpy()
-                        if progress is not None:
-                            progress(len(idx))
-            finally:
-                if was_training:
-                    self.model.train()
+            run_passes(self, encoded, layers, out, batch_size, heads, pooled, token_budget, show_progress, progress)
         if len(unique) == len(texts):  # no duplicates: rows are already in the texts' order
             return out
         return {n: arr[inverse] for n, arr in out.items()}

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from matryoshka2d.files import ConfinedFolder, file_sha256
+from matryoshka2d.confined import ConfinedFolder
+from matryoshka2d.files import file_sha256
 from matryoshka2d.models.heads import HEADS_FILE, INPUTS, RECORD_KEY, ExitHeads, HeadsError
 from matryoshka2d.models.identity import backbone_sha256, confined_folder, folder_record
 from matryoshka2d.outputs import writing
@@ -52,7 +53,7 @@ def read_record(folder: str | Path | ConfinedFolder) -> dict | None:
 
 def load_heads(folder: str | Path | ConfinedFolder, record: dict, encoder) -> ExitHeads:
     """The heads a folder's record describes, checked against the file and against `encoder`'s backbone. The file
-    the record names is resolved inside the folder (files.ConfinedFolder: its links checked first)."""
+    the record names is resolved inside the folder (confined.ConfinedFolder: its links checked first)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from matryoshka2d.files import ConfinedFolder, OutsideFolderError
+from matryoshka2d.confined import ConfinedFolder, OutsideFolderError
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.decoders import is_bidirectional, set_bidirectional
 from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder, write_text

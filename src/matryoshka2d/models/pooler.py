@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.files import ConfinedFolder, OutsideFolderError
+from matryoshka2d.confined import ConfinedFolder, OutsideFolderError
 from matryoshka2d.models.backbones import POOLING_MODES, BackboneError
 from matryoshka2d.outputs import make_folder, write_text, writing
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from matryoshka2d.files import file_sha256
 from matryoshka2d.models.backbones import BackboneError
-from matryoshka2d.models.heads import HELD_OUT_EVERY, RIDGE_GRID, NormalEquations
+from matryoshka2d.models.heads_fit import HELD_OUT_EVERY, RIDGE_GRID, NormalEquations
 from matryoshka2d.models.identity import confined_folder, folder_record
 from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder
 
@@ -81,7 +81,12 @@ class StaticCell(nn.Module):
         identity (fitted later: fit_head)."""
         from sentence_transformers.base.modules import Dense
         from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+        from tokenizers import Tokenizer
 
+        # A copy without padding: a tokenizer that pads (a tokenizer.json may say so) gives each text of a call the
+        # call's longest length, its pad tokens counted in the mean, so a text's vector moved with its call (issue 61)
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        tokenizer.no_padding()
         table = torch.as_tensor(np.asarray(table, dtype=np.float32) if isinstance(table, np.ndarray) else table)
         embedding = StaticEmbedding(tokenizer, embedding_weights=table.float().contiguous())
         dim_in = embedding.embedding_dim
@@ -186,7 +191,7 @@ def load_static_cell(folder, record: dict, backbone: str, dim_out: int) -> Stati
     """The static cell a model folder's record describes, checked against its files (the table, the tokenizer and
     the head, each by its sha256 in the record) and against the backbone (`backbone`: the folder's backbone sha256;
     `dim_out`: the model's output width). The folder and its files are resolved inside the model folder (`folder`:
-    a path or its files.ConfinedFolder), so a Hugging Face cache snapshot's links into its blobs/ read too."""
+    a path or its confined.ConfinedFolder), so a Hugging Face cache snapshot's links into its blobs/ read too."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
@@ -296,7 +301,7 @@ def _version(package: str) -> str | None:
 
 
 def fit_head(cell: StaticCell, texts: Sequence[str], targets: np.ndarray, batch: int = 4096) -> dict:
-    """The closed-form head: the ridge map (models.heads.NormalEquations) from each text's token mean onto its
+    """The closed-form head: the ridge map (models.heads_fit.NormalEquations) from each text's token mean onto its
     target (the model's unit vector of the text), every tenth text held out to choose the strength of the grid
     with the lowest held-out squared error, then refitted on all texts with it. Sets the head in place (an
     optimizer may hold its parameters); returns what was chosen."""
@@ -322,7 +327,7 @@ def fit_head(cell: StaticCell, texts: Sequence[str], targets: np.ndarray, batch:
         cell.head.linear.weight.copy_(torch.from_numpy(solution[:-1].T.astype(np.float32)).to(device))
         cell.head.linear.bias.copy_(torch.from_numpy(solution[-1].astype(np.float32)).to(device))
     report = {
-        "head": "closed-form ridge onto the model's unit vectors (models.heads.NormalEquations)",
+        "head": "closed-form ridge onto the model's unit vectors (models.heads_fit.NormalEquations)",
         "head_texts": everything.rows,
         "ridge": best,
         "held_out_mse": {str(r): round(e, 6) for r, e in errors.items()},

@@ -21,15 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d import outputs
+from matryoshka2d.beir import BeirSet, load_beir
 from matryoshka2d.cache_keys import cache_key, texts_sha256, tokenizer_sha256
+from matryoshka2d.cells import unit_rows
+from matryoshka2d.confined import OutsideFolderError, inside
 from matryoshka2d.evaluate.results import model_record, provenance, provenance_lines
-from matryoshka2d.evaluate.retrieval import BeirSet, load_beir, rank_metrics
-from matryoshka2d.files import OutsideFolderError, inside
-from matryoshka2d.models.identity import query_encoder_layer, query_encoder_record
+from matryoshka2d.evaluate.retrieval import rank_metrics
+from matryoshka2d.models.query_record import query_encoder_layer, query_encoder_record
 from matryoshka2d.retrieval.faiss_indexes import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search
 from matryoshka2d.retrieval.shards import RESCORED_STORAGES, STORAGES
-from matryoshka2d.views import unit_rows
 
 
 def recall_at(ranking: np.ndarray, qrels: list[dict[int, int]], k: int = 10) -> float:
@@ -230,7 +231,7 @@ def _check_query_encoders(encoder, students: Sequence, full) -> None:
     """Each query encoder must be distilled from `encoder` (the documents' model), for its last layer."""
     if not students:
         return
-    from matryoshka2d.models.identity import (
+    from matryoshka2d.models.query_record import (
         check_query_cells,
         check_query_encoder,
         documents_identity,
@@ -263,86 +264,23 @@ def _cascade_rows(
     query_encoders=(),
     storages=(),
 ) -> list[dict]:
-    """The rows of one dataset: documents encoded once at every layer any mode needs."""
+    """The rows of one dataset: documents encoded once at every layer any mode needs, then each mode's queries
+    searched one at a time (flat full cell first: the reference of the overlap)."""
     doc_layers = sorted({full[0], *([cascade[0][0]] if cascade else []), *query_layers})
     t0 = time.perf_counter()
     docs, cached = document_states(encoder, ds.doc_texts, doc_layers, batch_size, progress, doc_cache)
     seconds = time.perf_counter() - t0
     where = f" (pooled states: {cached})" if cached else ""
     log(f"{ds.name}: {len(ds.doc_texts)} documents at layers {doc_layers} in {seconds:.1f} s{where}")
-    position = {d: i for i, d in enumerate(ds.doc_ids)}
-    exclude = np.array([position.get(q, -1) for q in ds.query_ids])
-    indexes = {}
-    n_queries = len(ds.query_texts)
-
-    def index(cell):
-        if cell not in indexes:
-            indexes[cell] = make_index(unit_rows(docs[cell[0]][:, : cell[1]]), "flat", "float32")
-        return indexes[cell]
-
-    def queries(layers):
-        t = time.perf_counter()
-        pooled = encoder.pooled_states(ds.query_texts, sorted(set(layers)), batch_size)
-        return pooled, (time.perf_counter() - t) / n_queries
-
-    def one_by_one(search_one):
-        t = time.perf_counter()
-        parts = [search_one(i) for i in range(n_queries)]
-        return np.concatenate(parts), (time.perf_counter() - t) / n_queries
-
-    def flat_one(cell, q):
-        return lambda i: flat_search(index(cell), q[i : i + 1], 10, exclude[i : i + 1])[0]
-
-    modes = []
-    pooled, enc = queries([full[0]])
-    ranking, sec = one_by_one(flat_one(full, unit_rows(pooled[full[0]][:, : full[1]])))
-    reference = ranking
-    modes.append((f"flat ({full[0]},{full[1]})", ranking, enc, sec))
-    q = unit_rows(pooled[full[0]][:, : full[1]])
-    full_docs = unit_rows(docs[full[0]][:, : full[1]]) if storages else None
-    for storage in storages:  # the same documents as an index of that storage holds them
-        stored = make_index(full_docs, "flat", storage)
-        if storage in RESCORED_STORAGES:
-            rescoring = full_docs.astype(np.float16)
-            ranking, sec = one_by_one(
-                lambda i, stored=stored, rescoring=rescoring: cascade_search(
-                    stored, rescoring, q[i : i + 1], q[i : i + 1], shortlist, 10, exclude[i : i + 1]
-                )[0]
-            )
-            how = f"{'Hamming' if storage == 'binary' else 'int8'} shortlist {shortlist}, float16 rescoring"
-            modes.append((f"flat ({full[0]},{full[1]}) stored as {storage} ({how})", ranking, enc, sec))
-        else:
-            ranking, sec = one_by_one(
-                lambda i, stored=stored: flat_search(stored, q[i : i + 1], 10, exclude[i : i + 1])[0]
-            )
-            modes.append((f"flat ({full[0]},{full[1]}) stored as {storage}", ranking, enc, sec))
+    search = _DatasetSearch(encoder, ds, docs, batch_size)
+    modes = _flat_modes(search, full, storages, shortlist)
     if cascade:
-        small = cascade[0]
-        pooled, enc = queries([small[0], full[0]])
-        qs, qf = unit_rows(pooled[small[0]][:, : small[1]]), unit_rows(pooled[full[0]][:, : full[1]])
-        ranking, sec = one_by_one(
-            lambda i: cascade_search(
-                index(small), index(full), qs[i : i + 1], qf[i : i + 1], shortlist, 10, exclude[i : i + 1]
-            )[0]
-        )
-        modes.append((f"cascade ({small[0]},{small[1]}) top {shortlist} -> ({full[0]},{full[1]})", ranking, enc, sec))
+        modes.append(_cascade_mode(search, cascade[0], full, shortlist))
     for query_layer in query_layers:
-        pooled, enc = queries([query_layer])
-        qa = unit_rows(pooled[query_layer][:, : full[1]])
-        ranking, sec = one_by_one(flat_one(full, qa))
-        modes.append((f"queries at layer {query_layer} -> docs ({full[0]},{full[1]})", ranking, enc, sec))
-        sym = (query_layer, full[1])
-        ranking, sec = one_by_one(flat_one(sym, qa))
-        modes.append((f"flat ({sym[0]},{sym[1]}) (queries and docs at layer {query_layer})", ranking, enc, sec))
+        modes += _query_layer_modes(search, query_layer, full)
     for student in query_encoders:
-        t = time.perf_counter()
-        top = query_encoder_layer(query_encoder_record(student), student)
-        qa = unit_rows(student.pooled_states(ds.query_texts, [top], batch_size)[top][:, : full[1]])
-        enc = (time.perf_counter() - t) / n_queries
-        ranking, sec = one_by_one(flat_one(full, qa))
-        runs = f"{top} layers" if top else "its static cell, layer 0"
-        name = f"query encoder {student.name} ({runs}) -> docs ({full[0]},{full[1]})"
-        modes.append((name, ranking, enc, sec))
+        modes.append(_query_encoder_mode(search, student, full))
+    reference = modes[0][1]
     rows = []
     for name, ranking, enc, sec in modes:
         metrics = rank_metrics(ranking, ds.qrels)
@@ -359,6 +297,109 @@ def _cascade_rows(
         )
         log(f"  {name}: nDCG@10 {metrics['ndcg@10']:.2f}")
     return rows
+
+
+class _DatasetSearch:
+    """One dataset's documents (full-width vectors per layer) and its queries, searched one at a time: a flat index
+    per document cell, made once; the time to encode the queries and to search, each per query."""
+
+    def __init__(self, encoder, ds: BeirSet, docs: dict[int, np.ndarray], batch_size: int):
+        self.encoder, self.ds, self.docs, self.batch_size = encoder, ds, docs, batch_size
+        position = {d: i for i, d in enumerate(ds.doc_ids)}
+        self.exclude = np.array([position.get(q, -1) for q in ds.query_ids])
+        self.indexes: dict = {}
+        self.n_queries = len(ds.query_texts)
+
+    def index(self, cell):
+        if cell not in self.indexes:
+            self.indexes[cell] = make_index(unit_rows(self.docs[cell[0]][:, : cell[1]]), "flat", "float32")
+        return self.indexes[cell]
+
+    def queries(self, layers) -> tuple[dict[int, np.ndarray], float]:
+        """The queries' vectors at `layers` and the seconds per query."""
+        t = time.perf_counter()
+        pooled = self.encoder.pooled_states(self.ds.query_texts, sorted(set(layers)), self.batch_size)
+        return pooled, (time.perf_counter() - t) / self.n_queries
+
+    def one_by_one(self, search_one) -> tuple[np.ndarray, float]:
+        """The rankings of every query, searched alone (`search_one(i)`), and the seconds per query."""
+        t = time.perf_counter()
+        parts = [search_one(i) for i in range(self.n_queries)]
+        return np.concatenate(parts), (time.perf_counter() - t) / self.n_queries
+
+    def searched(self, source):
+        """An index, or a cell's flat index, made when the first query needs it (its making is timed with the
+        search, as the first query of a fresh index pays for it)."""
+        return self.index(source) if isinstance(source, tuple) else source
+
+    def flat(self, source, q: np.ndarray) -> tuple[np.ndarray, float]:
+        exclude = self.exclude
+        return self.one_by_one(lambda i: flat_search(self.searched(source), q[i : i + 1], 10, exclude[i : i + 1])[0])
+
+    def rescored(self, shortlisting, rescoring, qs: np.ndarray, qf: np.ndarray, shortlist: int):
+        """A shortlist from `shortlisting` by the queries `qs`, rescored by `rescoring` with the queries `qf`."""
+        exclude = self.exclude
+        return self.one_by_one(
+            lambda i: cascade_search(
+                self.searched(shortlisting),
+                self.searched(rescoring),
+                qs[i : i + 1],
+                qf[i : i + 1],
+                shortlist,
+                10,
+                exclude[i : i + 1],
+            )[0]
+        )
+
+
+def _flat_modes(search: _DatasetSearch, full, storages, shortlist: int) -> list[tuple]:
+    """Flat search of the full cell, then of the same documents as an index of each storage holds them."""
+    pooled, enc = search.queries([full[0]])
+    q = unit_rows(pooled[full[0]][:, : full[1]])
+    ranking, sec = search.flat(full, q)
+    modes = [(f"flat ({full[0]},{full[1]})", ranking, enc, sec)]
+    full_docs = unit_rows(search.docs[full[0]][:, : full[1]]) if storages else None
+    for storage in storages:
+        stored = make_index(full_docs, "flat", storage)
+        if storage in RESCORED_STORAGES:
+            ranking, sec = search.rescored(stored, full_docs.astype(np.float16), q, q, shortlist)
+            how = f"{'Hamming' if storage == 'binary' else 'int8'} shortlist {shortlist}, float16 rescoring"
+            modes.append((f"flat ({full[0]},{full[1]}) stored as {storage} ({how})", ranking, enc, sec))
+        else:
+            ranking, sec = search.flat(stored, q)
+            modes.append((f"flat ({full[0]},{full[1]}) stored as {storage}", ranking, enc, sec))
+    return modes
+
+
+def _cascade_mode(search: _DatasetSearch, small, full, shortlist: int) -> tuple:
+    """A shortlist from the small cell's index, rescored by the full cell's."""
+    pooled, enc = search.queries([small[0], full[0]])
+    qs, qf = unit_rows(pooled[small[0]][:, : small[1]]), unit_rows(pooled[full[0]][:, : full[1]])
+    ranking, sec = search.rescored(small, full, qs, qf, shortlist)
+    return (f"cascade ({small[0]},{small[1]}) top {shortlist} -> ({full[0]},{full[1]})", ranking, enc, sec)
+
+
+def _query_layer_modes(search: _DatasetSearch, query_layer: int, full) -> list[tuple]:
+    """Queries at a shallow layer against the full cell's documents, and against documents at that layer too."""
+    pooled, enc = search.queries([query_layer])
+    qa = unit_rows(pooled[query_layer][:, : full[1]])
+    ranking, sec = search.flat(full, qa)
+    modes = [(f"queries at layer {query_layer} -> docs ({full[0]},{full[1]})", ranking, enc, sec)]
+    sym = (query_layer, full[1])
+    ranking, sec = search.flat(sym, qa)
+    modes.append((f"flat ({sym[0]},{sym[1]}) (queries and docs at layer {query_layer})", ranking, enc, sec))
+    return modes
+
+
+def _query_encoder_mode(search: _DatasetSearch, student, full) -> tuple:
+    """A distilled query encoder's queries (at its last layer, or its static cell) against the full cell."""
+    t = time.perf_counter()
+    top = query_encoder_layer(query_encoder_record(student), student)
+    qa = unit_rows(student.pooled_states(search.ds.query_texts, [top], search.batch_size)[top][:, : full[1]])
+    enc = (time.perf_counter() - t) / search.n_queries
+    ranking, sec = search.flat(full, qa)
+    runs = f"{top} layers" if top else "its static cell, layer 0"
+    return (f"query encoder {student.name} ({runs}) -> docs ({full[0]},{full[1]})", ranking, enc, sec)
 
 
 def cascade_markdown(result: dict) -> str:

@@ -45,13 +45,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d import outputs
+from matryoshka2d.cells import Cell
 from matryoshka2d.files import DataFormatError, file_sha256
-from matryoshka2d.models.identity import refuse_query_encoder_for_documents, vectors_identity
+from matryoshka2d.models.identity import vectors_identity
+from matryoshka2d.models.query_record import refuse_query_encoder_for_documents
 from matryoshka2d.retrieval.faiss_indexes import HNSW_EF_CONSTRUCTION, factory_string, make_index
 from matryoshka2d.retrieval.shards import (
     FORMAT,
     RESCORED_STORAGES,
-    Cell,
     IndexBuildError,
     cell_name,
     corpus_blocks,
@@ -64,21 +65,9 @@ from matryoshka2d.retrieval.shards import (
     write_json,
     write_shard,
 )
-from matryoshka2d.views import parse_cells
 
 BACKENDS = ("faiss", "qdrant")
 ENGINES = ("local", "ray")
-
-
-def parse_cell_list(text: str, what: str = "--cells") -> list[Cell]:
-    """'2:128,6:384' -> [(2, 128), (6, 384)]; the error names the option and the bad part."""
-    try:
-        cells = [(int(c[0]), int(c[1])) for c in parse_cells(text)]
-    except (ValueError, TypeError) as exc:
-        raise IndexBuildError(f"{what}: {exc}") from None
-    if not cells:
-        raise IndexBuildError(f"{what}: no cells in {text!r}; write them as layer:dim,layer:dim (e.g. 2:128,6:384)")
-    return cells
 
 
 def build_index(
@@ -111,7 +100,60 @@ def build_index(
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     refuse_query_encoder_for_documents(encoder, "--model")
-    cells = sorted({(encoder.check_layer(n), encoder.check_dim(d)) for n, d in cells})
+    cells = sorted({Cell(encoder.check_layer(n), encoder.check_dim(d)) for n, d in cells})
+    _check_options(cells, backend, engine, kind, storage, shard_size, batch_size, qdrant)
+    corpus = Path(corpus)
+    if not corpus.is_file():
+        raise FileNotFoundError(f"--corpus {corpus}: file not found")
+    out = Path(output)
+    settings = _settings(encoder, cells, backend, kind, storage, corpus, limit, shard_size)
+    replace = None
+    if backend == "qdrant":
+        replace = _check_qdrant(qdrant, settings, quantization, kind, storage, overwrite)
+    manifest = _start_or_resume(encoder, cells, settings, corpus, out, overwrite, log)
+    if manifest.get("complete"):
+        return manifest
+    _clear_folder(out, manifest, overwrite)
+    shards = _Shards(out, manifest, engine, log)
+    done = set(manifest["shards"])
+    pending = (
+        (number, block)
+        for number, block in enumerate(corpus_blocks(corpus, shard_size, limit))
+        if shard_file_name(number) not in done
+    )
+    try:
+        if progress if progress is not None else sys.stderr.isatty():
+            shards.show_bar(sum(len(block) for block in corpus_blocks(corpus, shard_size, limit)))
+        if engine == "ray":
+            from matryoshka2d.retrieval.ray_engine import encode_on_ray
+
+            encode_on_ray(
+                encoder, pending, cells, batch_size, shards.finished, address=ray_address, workers=workers, log=log
+            )
+        else:
+            for number, block in pending:
+                texts = [t for _, t in block]
+                vectors = encode_cells(encoder, texts, cells, batch_size, progress=shards.moved)
+                shards.finished(number, [i for i, _ in block], texts, vectors)
+    finally:
+        shards.close()
+    if manifest["documents"] == 0:
+        raise DataFormatError(f"{corpus}: no documents")
+    manifest["shards"] = sorted(manifest["shards"])
+    if backend == "qdrant":
+        _fill_qdrant(qdrant, out, manifest, log, replace)
+    else:
+        finalize(out, manifest, log)
+    if not keep_shards:
+        for name in manifest["shards"]:
+            outputs.remove_file(out / "shards" / name)
+        manifest["shards"] = []
+        write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+def _check_options(cells, backend, engine, kind, storage, shard_size, batch_size, qdrant) -> None:
+    """The options a build cannot run with, refused before any work, each naming its option."""
     if not cells:
         raise IndexBuildError("--cells: need at least one cell")
     if backend not in BACKENDS:
@@ -123,15 +165,13 @@ def build_index(
         raise IndexBuildError(f"--shard-size and --batch-size must be at least 1 (got {shard_size}, {batch_size})")
     if backend == "qdrant" and qdrant is None:
         raise IndexBuildError("--backend qdrant needs --url URL (a Qdrant server) or --path DIR (local mode)")
-    corpus = Path(corpus)
-    if not corpus.is_file():
-        raise FileNotFoundError(f"--corpus {corpus}: file not found")
-    out = Path(output)
-    shards_dir = out / "shards"
-    identity = model_identity(encoder)
-    settings = {
+
+
+def _settings(encoder, cells, backend, kind, storage, corpus: Path, limit, shard_size) -> dict:
+    """What the build's vectors depend on; a build in the folder with other settings is not resumed."""
+    return {
         "format": FORMAT,
-        "model": identity,
+        "model": model_identity(encoder),
         "cells": [list(c) for c in cells],
         "backend": backend,
         "index": kind,
@@ -144,49 +184,62 @@ def build_index(
         "normalized": True,
         "metric": "inner product on L2-normalised vectors (cosine)",
     }
-    store = None
-    if backend == "qdrant":
-        from matryoshka2d.retrieval.qdrant_store import QUANTIZATIONS, QdrantStore
 
-        if quantization not in QUANTIZATIONS:
-            raise IndexBuildError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-        if (kind, storage) != ("flat", "float32"):
-            raise IndexBuildError(
-                "--index and --storage choose faiss indexes; with --backend qdrant the small cells get Qdrant's "
-                "HNSW and --quantization none|scalar|binary, the full cell stays on disk without a graph"
-            )
-        settings["qdrant"] = qdrant.describe()
-        settings["quantization"] = quantization
-        if qdrant.path:  # local mode: the folder Qdrant fills, made by the one writer (checked against the inputs)
-            outputs.check_destination(qdrant.path, "--path")
-            outputs.make_folder(qdrant.path, "--path", check=False)
-        # Reach the server and check any existing collection before anything is written here.
-        store = QdrantStore(qdrant, create=True)
-        try:
-            replace = store.check_collection(settings, overwrite=overwrite)
-        finally:
-            store.close()  # reopened to fill it: local mode locks its folder while a client is open
+
+def _check_qdrant(qdrant, settings: dict, quantization: str, kind: str, storage: str, overwrite: bool) -> bool:
+    """Adds the collection to `settings`, then reaches the server and checks any existing collection before
+    anything is written; whether the collection is to be replaced."""
+    from matryoshka2d.retrieval.qdrant_store import QUANTIZATIONS, QdrantStore
+
+    if quantization not in QUANTIZATIONS:
+        raise IndexBuildError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    if (kind, storage) != ("flat", "float32"):
+        raise IndexBuildError(
+            "--index and --storage choose faiss indexes; with --backend qdrant the small cells get Qdrant's "
+            "HNSW and --quantization none|scalar|binary, the full cell stays on disk without a graph"
+        )
+    settings["qdrant"] = qdrant.describe()
+    settings["quantization"] = quantization
+    if qdrant.path:  # local mode: the folder Qdrant fills, made by the one writer (checked against the inputs)
+        outputs.check_destination(qdrant.path, "--path")
+        outputs.make_folder(qdrant.path, "--path", check=False)
+    store = QdrantStore(qdrant, create=True)
+    try:
+        return store.check_collection(settings, overwrite=overwrite)
+    finally:
+        store.close()  # reopened to fill it: local mode locks its folder while a client is open
+
+
+def _start_or_resume(encoder, cells, settings: dict, corpus: Path, out: Path, overwrite: bool, log) -> dict:
+    """A new manifest, or the unfinished (or complete) build in `out` when its settings and finished shards'
+    documents are the ones asked for now; a build with other settings is refused unless `overwrite`."""
     # What the vectors of each cell depend on (models/identity.py): a model that gives the same vectors there may
     # query the index, with its own exit heads elsewhere. Apart from the settings: an older build resumes.
     vectors = vectors_identity(encoder, [n for n, _ in cells])
-    manifest = {**settings, "vectors": vectors, "shards": [], "shard_inputs": {}, "documents": 0, "complete": False}
-    if (out / "manifest.json").is_file() and not overwrite:
-        old = read_manifest(out)
-        old.setdefault("backend", "faiss")  # builds from before the qdrant backend
-        differs = [k for k in settings if k != "format" and old.get(k) != settings[k]]
-        if differs:
-            raise IndexBuildError(
-                f"{out}: holds a build with different {', '.join(differs)}; pass --overwrite to replace it or "
-                "choose another --output"
-            )
-        _check_inputs(old, corpus, out, log)
-        if old.get("complete"):
-            log(f"{out}: already complete ({old['documents']} documents); nothing to do")
-            return old
-        manifest = old
-        manifest.setdefault("vectors", vectors)  # the same model (weights_sha256 above): its vectors' identity
-        log(f"{out}: resuming after {len(old['shards'])} finished shards ({old['documents']} documents)")
-    outputs.make_folder(shards_dir, own=True)  # a shards/ that links elsewhere is refused, never filled or emptied
+    if not (out / "manifest.json").is_file() or overwrite:
+        return {**settings, "vectors": vectors, "shards": [], "shard_inputs": {}, "documents": 0, "complete": False}
+    old = read_manifest(out)
+    old.setdefault("backend", "faiss")  # builds from before the qdrant backend
+    differs = [k for k in settings if k != "format" and old.get(k) != settings[k]]
+    if differs:
+        raise IndexBuildError(
+            f"{out}: holds a build with different {', '.join(differs)}; pass --overwrite to replace it or "
+            "choose another --output"
+        )
+    _check_inputs(old, corpus, out, log)
+    if old.get("complete"):
+        log(f"{out}: already complete ({old['documents']} documents); nothing to do")
+        return old
+    old.setdefault("vectors", vectors)  # the same model (weights_sha256 above): its vectors' identity
+    log(f"{out}: resuming after {len(old['shards'])} finished shards ({old['documents']} documents)")
+    return old
+
+
+def _clear_folder(out: Path, manifest: dict, overwrite: bool) -> None:
+    """`shards/` made (one that links elsewhere is refused, never filled or emptied), the files of a replaced
+    build and the half files of a killed one removed, and the manifest written."""
+    shards_dir = out / "shards"
+    outputs.make_folder(shards_dir, own=True)
     if overwrite and out.exists():
         for stale in itertools.chain(out.glob("cell-*.faiss"), out.glob("cell-*.npy"), shards_dir.glob("*.npz")):
             outputs.remove_file(stale)
@@ -196,66 +249,52 @@ def build_index(
             outputs.remove_file(leftover)  # half a file from a killed build: redone below, never read
     write_json(out / "manifest.json", manifest)
 
-    done = set(manifest["shards"])
-    pending = (
-        (number, block)
-        for number, block in enumerate(corpus_blocks(corpus, shard_size, limit))
-        if shard_file_name(number) not in done
-    )
-    start = time.perf_counter()
-    new_docs = 0
-    # A bar over the documents (total, rate, time left), moved by every forward pass (by every shard on Ray);
-    # shown where stderr is a terminal unless `progress` says otherwise. The total costs one read of the corpus.
-    bar = None
-    if progress if progress is not None else sys.stderr.isatty():
-        total = sum(len(block) for block in corpus_blocks(corpus, shard_size, limit))
-        bar = tqdm(total=total, initial=manifest["documents"], unit="doc", desc="index build", dynamic_ncols=True)
 
-    def finished(number: int, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
-        nonlocal new_docs
-        write_shard(shards_dir / shard_file_name(number), ids, texts, arrays)
-        manifest["shards"].append(shard_file_name(number))
-        manifest["shard_inputs"][shard_file_name(number)] = input_sha256(list(zip(ids, texts, strict=True)))
-        manifest["documents"] += len(ids)
-        write_json(out / "manifest.json", manifest)
-        new_docs += len(ids)
-        rate = new_docs / max(time.perf_counter() - start, 1e-9)
-        if bar is None:
-            log(f"  shard {number + 1}: {manifest['documents']} documents encoded ({rate:.1f} docs/s)")
-        elif engine == "ray":
-            bar.update(len(ids))
+class _Shards:
+    """Where encoded shards go: each written, then named in the manifest (written again), so a killed build
+    resumes after the last shard it named; progress as a log line per shard, or a bar over the documents."""
 
+    def __init__(self, out: Path, manifest: dict, engine: str, log: Callable[[str], None]):
+        self.out, self.manifest, self.engine, self.log = out, manifest, engine, log
+        self.start, self.new_docs = time.perf_counter(), 0
+        self.bar = None
+        self.moved = None  # what each forward pass calls with its number of texts (the bar's update)
+
+    def show_bar(self, total: int) -> None:
+        """A bar over the documents (total, rate, time left), moved by every forward pass (by every shard on
+        Ray); the total costs one read of the corpus."""
+        self.bar = tqdm(
+            total=total, initial=self.manifest["documents"], unit="doc", desc="index build", dynamic_ncols=True
+        )
+        self.moved = self.bar.update
+
+    def finished(self, number: int, ids: list[str], texts: list[str], arrays: dict[str, np.ndarray]) -> None:
+        name = shard_file_name(number)
+        write_shard(self.out / "shards" / name, ids, texts, arrays)
+        self.manifest["shards"].append(name)
+        self.manifest["shard_inputs"][name] = input_sha256(list(zip(ids, texts, strict=True)))
+        self.manifest["documents"] += len(ids)
+        write_json(self.out / "manifest.json", self.manifest)
+        self.new_docs += len(ids)
+        rate = self.new_docs / max(time.perf_counter() - self.start, 1e-9)
+        if self.bar is None:
+            self.log(f"  shard {number + 1}: {self.manifest['documents']} documents encoded ({rate:.1f} docs/s)")
+        elif self.engine == "ray":
+            self.bar.update(len(ids))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fill_qdrant(qdrant, out: Path, manifest: dict, log, replace: bool) -> None:
+    from matryoshka2d.retrieval.qdrant_store import QdrantStore
+
+    store = QdrantStore(qdrant, create=True)
     try:
-        if engine == "ray":
-            from matryoshka2d.retrieval.ray_engine import encode_on_ray
-
-            encode_on_ray(encoder, pending, cells, batch_size, finished, address=ray_address, workers=workers, log=log)
-        else:
-            moved = bar.update if bar is not None else None
-            for number, block in pending:
-                texts = [t for _, t in block]
-                vectors = encode_cells(encoder, texts, cells, batch_size, progress=moved)
-                finished(number, [i for i, _ in block], texts, vectors)
+        store.fill(out, manifest, log, replace=replace)
     finally:
-        if bar is not None:
-            bar.close()
-    if manifest["documents"] == 0:
-        raise DataFormatError(f"{corpus}: no documents")
-    manifest["shards"] = sorted(manifest["shards"])
-    if store is not None:
-        store = QdrantStore(qdrant, create=True)
-        try:
-            store.fill(out, manifest, log, replace=replace)
-        finally:
-            store.close()
-    else:
-        finalize(out, manifest, log)
-    if not keep_shards:
-        for name in manifest["shards"]:
-            outputs.remove_file(shards_dir / name)
-        manifest["shards"] = []
-        write_json(out / "manifest.json", manifest)
-    return manifest
+        store.close()
 
 
 def _check_inputs(manifest: dict, corpus: Path, out: Path, log) -> None:
@@ -295,7 +334,7 @@ def finalize(out: Path, manifest: dict, log: Callable[[str], None]) -> None:
     manifest["factory"] = {}
     # Size and sha256 of every file a search reads: a damaged or swapped file is named before faiss reads it.
     manifest["files"] = {"ids.txt": {"bytes": (out / "ids.txt").stat().st_size, "sha256": file_sha256(out / "ids.txt")}}
-    for cell in [tuple(c) for c in manifest["cells"]]:
+    for cell in [Cell(*c) for c in manifest["cells"]]:
         vectors = np.ascontiguousarray(np.concatenate([s[cell_name(cell)] for s in shards]))
         t0 = time.perf_counter()
         index = make_index(vectors, manifest["index"], manifest["storage"])

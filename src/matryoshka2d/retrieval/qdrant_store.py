@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.cells import Cell
 from matryoshka2d.retrieval.search import SearchIndex
-from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, load_shards, read_shard_texts, write_json
+from matryoshka2d.retrieval.shards import IndexBuildError, cell_name, load_shards, read_shard_texts, write_json
 
 QUANTIZATIONS = ("none", "scalar", "binary")
 METADATA_KEY = "matryoshka2d"
@@ -40,7 +41,9 @@ def require_qdrant():
     try:
         import qdrant_client
     except ImportError:
-        raise IndexBuildError("--backend qdrant needs qdrant-client: pip install 'matryoshka2d[qdrant]'") from None
+        from matryoshka2d.extras import install_line  # the package is on no index: the checkout's extra
+
+        raise IndexBuildError(f"--backend qdrant needs qdrant-client: {install_line('qdrant')}") from None
     return qdrant_client
 
 
@@ -204,7 +207,7 @@ class QdrantStore:
         first (--overwrite)."""
         from qdrant_client import models
 
-        cells = [tuple(c) for c in manifest["cells"]]
+        cells = [Cell(*c) for c in manifest["cells"]]
         recorded = {k: v for k, v in manifest.items() if k not in ("shards", "uploaded", "qdrant")}
         recorded["complete"] = False
         if replace and not manifest.get("uploaded"):
@@ -287,7 +290,7 @@ class QdrantIndex(SearchIndex):
                 "index build` command again to resume it"
             )
         self.manifest = recorded
-        self.cells: list[Cell] = [tuple(c) for c in recorded["cells"]]
+        self.cells: list[Cell] = [Cell(*c) for c in recorded["cells"]]
         # Local mode searches exactly and warns about search parameters: they are sent to servers only.
         self.ef_search = ef_search if target.url else None
         self.oversampling = oversampling if target.url else None

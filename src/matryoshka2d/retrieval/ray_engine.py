@@ -25,8 +25,9 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from matryoshka2d.cells import Cell
 from matryoshka2d.retrieval.ray_watchdog import watch
-from matryoshka2d.retrieval.shards import Cell, IndexBuildError, cell_name, encode_cells, model_identity
+from matryoshka2d.retrieval.shards import IndexBuildError, cell_name, encode_cells, model_identity
 
 CONNECT_TIMEOUT = 5.0  # seconds to wait for a Ray head to accept a connection
 
@@ -40,7 +41,9 @@ def require_ray(local: bool = False):
         import ray
         import ray.data  # the Data library is ray's [data] extra
     except ImportError:
-        raise IndexBuildError("--engine ray needs Ray Data: pip install 'matryoshka2d[ray]'") from None
+        from matryoshka2d.extras import install_line  # the package is on no index: the checkout's extra
+
+        raise IndexBuildError(f"--engine ray needs Ray Data: {install_line('ray')}") from None
     return ray
 
 
@@ -76,7 +79,7 @@ class ShardEncoder:
         torch.set_num_threads(1)  # one CPU per actor: the pool, not the threads, spreads the work
         self.encoder = ElasticEncoder(model, pooling=pooling, max_length=max_length, device="cpu")
         self.checksum = model_identity(self.encoder)["weights_sha256"]
-        self.cells, self.batch_size = [tuple(c) for c in cells], batch_size
+        self.cells, self.batch_size = [Cell(*c) for c in cells], batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out: dict[str, list] = {"shard": [], "checksum": [], "rows": []}

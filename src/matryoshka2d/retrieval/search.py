@@ -16,7 +16,7 @@
 
 Before a search, the index is checked against what `index build` recorded: the query model's weights checksum
 and pooling against the manifest's, each file's size and sha256, and each faiss index's width and count. The
-folder is read through the confined reader (files.ConfinedFolder): one holding a link that leaves it (an ids.txt
+folder is read through the confined reader (confined.ConfinedFolder): one holding a link that leaves it (an ids.txt
 or a manifest.json linked to a file elsewhere) is refused before anything in it is opened.
 """
 
@@ -29,18 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
+from matryoshka2d.cells import Cell, unit_rows
 from matryoshka2d.files import file_sha256
 from matryoshka2d.retrieval.faiss_indexes import hnsw_graph, searchable
 from matryoshka2d.retrieval.shards import (
     RESCORED_STORAGES,
-    Cell,
     IndexBuildError,
     cell_name,
     confined_index,
     index_path,
     read_manifest,
 )
-from matryoshka2d.views import unit_rows
 
 
 def _drop_excluded(ids: np.ndarray, scores: np.ndarray, exclude: np.ndarray | None, k: int):
@@ -207,7 +206,7 @@ class SearchIndex:
         top_k: int = 10,
         query_layer: int | None = None,
     ) -> Hits:
-        from matryoshka2d.models.identity import (
+        from matryoshka2d.models.query_record import (
             check_query_cells,
             check_query_encoder,
             query_encoder_layer,
@@ -254,7 +253,7 @@ class CellIndex(SearchIndex):
                 f"{self.directory}: the build is not finished ({self.manifest.get('documents', 0)} documents so far); "
                 "run the same `matryoshka2d index build` command again to resume it"
             )
-        self.cells: list[Cell] = [tuple(c) for c in self.manifest["cells"]]
+        self.cells: list[Cell] = [Cell(*c) for c in self.manifest["cells"]]
         ids_path = self._checked_file("ids.txt")
         try:
             self.ids = ids_path.read_text(encoding="utf-8").splitlines()

@@ -7,7 +7,7 @@ to the same shard writer, and the faiss and Qdrant backends read the shards back
 
 Every file here is written by the one writer (matryoshka2d.outputs: a temporary name, then a rename; a link in
 the destination's place is replaced, never written through) and read by the one confined reader
-(files.ConfinedFolder: an index folder holding a link that leaves it is refused before anything in it is opened).
+(confined.ConfinedFolder: an index folder holding a link that leaves it is refused before anything in it is opened).
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d import outputs
-from matryoshka2d.files import ConfinedFolder, OutsideFolderError, read_beir, read_json
+from matryoshka2d.beir import read_beir_file
+from matryoshka2d.cells import Cell
+from matryoshka2d.confined import ConfinedFolder, OutsideFolderError
+from matryoshka2d.files import read_json
 
 FORMAT = 1
 INDEX_KINDS = ("flat", "hnsw", "ivf")
 STORAGES = {"float32": 4, "float16": 2, "int8": 1, "int8-direct": 1, "binary": 1 / 8}  # bytes per number
 # Storages whose index only shortlists: the shortlist is rescored with the float16 vectors kept beside it.
 RESCORED_STORAGES = ("binary", "int8-direct")
-Cell = tuple[int, int]
 
 
 class IndexBuildError(ValueError):
@@ -37,12 +39,13 @@ class IndexBuildError(ValueError):
 
 
 def cell_name(cell: Cell) -> str:
-    return f"cell-{cell[0]}x{cell[1]}"
+    """A cell's name in an index (its faiss file, its Qdrant vector): `cell-3x128`, as index folders hold them."""
+    return f"cell-{Cell(*cell).label}"
 
 
 def read_corpus(path: str | Path) -> Iterator[tuple[str, str]]:
     """(id, text) per document of a JSON-lines corpus (.jsonl or .jsonl.gz); a bad line names file and line."""
-    for line, key, text in read_beir(path, titles=True):
+    for line, key, text in read_beir_file(path, titles=True):
         if len(f"{key}x".splitlines()) != 1:  # ids.txt holds one id a line: a line break in an id would shift them
             raise IndexBuildError(
                 f"{path}:{line}: _id {key!r} holds a line break (newline, CR, U+2028 or another); an index stores one "

@@ -18,7 +18,7 @@ and last on the way in.
 
 Every write, rename and delete goes through the one writer (matryoshka2d.outputs): a link in the place of a file
 is replaced, never written through, and a link in the place of a folder is refused, never followed for deletion.
-Every read goes through the one confined reader (files.ConfinedFolder): a checkpoint holding a link that leaves
+Every read goes through the one confined reader (confined.ConfinedFolder): a checkpoint holding a link that leaves
 it is refused before any of its files is opened.
 """
 
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from matryoshka2d import outputs
-from matryoshka2d.files import ConfinedFolder, OutsideFolderError, file_sha256, inside
+from matryoshka2d.confined import ConfinedFolder, OutsideFolderError, inside
+from matryoshka2d.files import file_sha256
 
 TENSORS, STATE, CONFIG, MANIFEST = "tensors.safetensors", "state.json", "config.json", "manifest.json"
 LEGACY = "state.pt"

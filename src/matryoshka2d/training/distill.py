@@ -15,7 +15,7 @@ Two shapes:
   folder is the student cut to n layers with its head as a Dense module. Its vectors live in the teacher's space, so
   documents indexed by the teacher stay valid; the folder records the teacher's weights checksum (`distill` in
   matryoshka2d.json), which search, eval retrieval and serve check where the two meet
-  (models.identity.check_query_encoder).
+  (models.query_record.check_query_encoder).
 
 The loss, per trained layer, is matryoshka2d.training.teacher.distill_term ("cos" by default: 1 - cos on nested
 prefixes of the widths the cells use, 64/128/256/384 for minilm-l6; "mse"; "relational"); layers are weighted
@@ -25,22 +25,25 @@ equally. `train --distill-from T --distill-weight W` adds the same term to any m
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from matryoshka2d.files import ConfinedFolder, DataFormatError
-from matryoshka2d.models.identity import QUERY_MODES, backbone_sha256, weights_sha256
+from matryoshka2d.confined import ConfinedFolder
+from matryoshka2d.files import DataFormatError
+from matryoshka2d.models.identity import backbone_sha256, weights_sha256
+from matryoshka2d.models.query_record import QUERY_MODES
 from matryoshka2d.training.config import eval_cells
-from matryoshka2d.training.data import TrainingData, read_sentences
+from matryoshka2d.training.data import TrainingData
 from matryoshka2d.training.distill_recipe import PASSAGE_TOKENS, RECIPE_CHOICES, recipe
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir
 from matryoshka2d.training.targets import TargetsKey, TeacherTargets
 from matryoshka2d.training.teacher import LOSSES, TEMPERATURE, default_widths, distill_term
+from matryoshka2d.training.texts import read_texts
 from matryoshka2d.training.throughput import autocast
 from matryoshka2d.training.trainer import Trainer
 
@@ -51,74 +54,6 @@ CLOSED_FORM = "closed-form"  # --mode static: the model with the cell's closed-f
 
 class DistillError(ValueError):
     """A distillation that cannot run as asked; the message names the option or file."""
-
-
-# ---- the texts: training files, plain text, BEIR corpora split into passages ---------------------------------
-
-
-def _beir_corpus(path: Path) -> Path | None:
-    """The corpus file of a BEIR folder (corpus.jsonl[.gz]), or the path itself if it is one; else None."""
-    if path.is_dir():
-        for name in ("corpus.jsonl", "corpus.jsonl.gz"):
-            if (path / name).is_file():
-                return path / name
-        return None
-    return path if path.name in ("corpus.jsonl", "corpus.jsonl.gz") else None
-
-
-def passages(text: str, tokenizer, max_tokens: int) -> list[str]:
-    """`text` cut into pieces of at most `max_tokens` tokens each, special tokens included (so each piece is
-    encoded whole), at whitespace between words where the window has any (a word longer than a window is cut inside);
-    pieces are slices of the original text, casing and spacing kept."""
-    room = max(1, max_tokens - tokenizer.num_special_tokens_to_add())
-    try:
-        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)[
-            "offset_mapping"
-        ]
-    except NotImplementedError:  # a slow tokenizer has no offsets: keep the text whole (it is truncated later)
-        return [text]
-    if len(offsets) <= room:
-        return [text]
-    out, begin = [], 0
-    while begin < len(offsets):
-        end = min(begin + room, len(offsets))  # tokens begin..end-1
-        if end < len(offsets):
-            # the last token of the window after which whitespace follows: a word is not split
-            gaps = [k for k in range(end - 1, begin, -1) if offsets[k + 1][0] > offsets[k][1]]
-            end = gaps[0] + 1 if gaps else end
-        piece = text[offsets[begin][0] : offsets[end - 1][1]].strip()
-        if piece:
-            out.append(piece)
-        begin = end
-    return out
-
-
-def read_texts(sources: Iterable[str], tokenizer=None, max_tokens: int | None = None) -> Iterator[str]:
-    """Distinct texts of every source in order: training data of any kind (TSV or JSONL of triplets, NLI or scored
-    pairs), plain text files (one sentence per line), or a BEIR corpus (a folder holding corpus.jsonl, or the file):
-    its documents' title and text, split into passages of at most `max_tokens` tokens when a tokenizer is given."""
-    from matryoshka2d.files import read_beir
-
-    seen: set[str] = set()
-    for source in sources:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"--data {source}: no such file or folder")
-        corpus = _beir_corpus(path)
-        if corpus is not None:
-            documents = (text for _, _, text in read_beir(corpus, titles=True))
-            if tokenizer is not None and max_tokens:
-                texts: Iterator[str] = (p for text in documents for p in passages(text, tokenizer, max_tokens))
-            else:
-                texts = documents
-        elif path.is_dir():
-            raise ValueError(f"--data {source}: a folder, but not a BEIR corpus (no corpus.jsonl in it)")
-        else:
-            texts = iter(read_sentences(path))
-        for text in texts:
-            if text.strip() and text not in seen:
-                seen.add(text)
-                yield text
 
 
 # ---- the objective ----------------------------------------------------------------------------------------
@@ -417,19 +352,19 @@ class DistillTrainer(Trainer):
     def complete_saved(self, folder: Path) -> None:
         """A query encoder's record gets the checksum of its own weights and the width of its vectors, read from the
         folder as saved (cut to n layers, its head a Dense module): what every command that loads it checks
-        (models.identity.check_own_weights), so that other weights under this record, or the record under other
+        (models.query_record.check_own_weights), so that other weights under this record, or the record under other
         weights, are refused."""
         if self.method.mode not in QUERY_MODES:  # both answer queries against the teacher's documents
             return
         from matryoshka2d.models.encoder import ElasticEncoder
-        from matryoshka2d.models.identity import record_own_identity
+        from matryoshka2d.models.query_record import record_own_identity
 
         record_own_identity(folder, ElasticEncoder(str(folder), device="cpu"))
 
 
 def _folder_record(encoder) -> dict:
     """The teacher folder's matryoshka2d.json, or {} (a short name, a folder without one, or one whose record is a
-    link out of the folder: read only inside it, files.ConfinedFolder)."""
+    link out of the folder: read only inside it, confined.ConfinedFolder)."""
     if not encoder.location or not (Path(encoder.location) / "matryoshka2d.json").is_file():
         return {}
     try:

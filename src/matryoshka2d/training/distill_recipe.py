@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from matryoshka2d.models.identity import QUERY_MODES
+from matryoshka2d.models.query_record import QUERY_MODES
 
 QUERY_LR, QUERY_EPOCHS = 2e-4, 3.0  # SciFact half B: 95.5% of flat nDCG@10 with 3 layers (63 minutes here)
 PASSAGE_TOKENS = 48  # query mode: BEIR documents cut into claim-sized passages (80% -> 89% of flat with 2 epochs)

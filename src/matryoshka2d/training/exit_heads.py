@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 
-from matryoshka2d.models.heads import ExitHeads, fit_heads
+from matryoshka2d.models.heads import ExitHeads
+from matryoshka2d.models.heads_fit import fit_heads
 
 STARTS = ("fit", "identity", "keep")
 # Methods whose steps train a shallow view: only they give heads a gradient (plain and mrl train layer N only).

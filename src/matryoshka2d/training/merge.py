@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.models.encoder import ElasticEncoder
 
 

@@ -7,7 +7,7 @@ OUTPUT/
 
 Everything a run writes, renames or deletes goes through the one writer (matryoshka2d.outputs); a `checkpoints/`
 that is a symbolic link (to another run's, say) is refused before any work, never followed to delete, fill or read
-that run's files. What a resume reads goes through the confined reader (files.ConfinedFolder): a run folder holding
+that run's files. What a resume reads goes through the confined reader (confined.ConfinedFolder): a run folder holding
 a link that leaves it is refused before anything in it is opened.
 """
 
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from matryoshka2d import outputs
-from matryoshka2d.files import ConfinedFolder
+from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.outputs import OutputError, check_apart
 from matryoshka2d.training import checkpoints
 

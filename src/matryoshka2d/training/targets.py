@@ -32,7 +32,8 @@ import numpy as np
 
 from matryoshka2d import outputs
 from matryoshka2d.cache_keys import cache_key, texts_sha256, tokenizer_sha256
-from matryoshka2d.files import ConfinedFolder, OutsideFolderError, file_sha256
+from matryoshka2d.confined import ConfinedFolder, OutsideFolderError
+from matryoshka2d.files import file_sha256
 from matryoshka2d.models.identity import short
 
 FOLDER = "teacher-targets"
