@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models built in code, so tests run offline and fast."""
+"""Shared fixtures: tiny random models built in code, so tests run offline and fast. What they are built from
+(the tiny models, the data builders) lives in the package tests/helpers/, which test modules import too."""
 
 import os
 
@@ -14,15 +15,18 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.data import WORDS, write_triplets
+from helpers.models import TINY, tiny_transformer
+from helpers.suite import HEAVY_FIRST
 from matryoshka2d.models.backbones import minilm_dir
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.training.config import TrainConfig
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 64}
 
-# The vocabulary of the tiny data sets: one word-piece each in the MiniLM tokenizer, but "swims" (swim ##s).
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sleeps", "eats", "big", "small", "old", "new", "happy"]
-WORDS += ["sad", "fish", "swims", "jumps"]
+def pytest_collection_modifyitems(config, items):
+    """Move the files of HEAVY_FIRST (helpers/suite.py) to the front, in its order, so that `--dist loadfile` starts
+    them first; every other file keeps its place after them, and every test its place in its file (a stable sort)."""
+    rank = {name: place for place, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))
 
 
 @pytest.fixture(scope="session")
@@ -30,34 +34,6 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(minilm_dir()))
-
-
-def tiny_transformer(arch: str, vocab_size: int):
-    """A randomly initialised 4-layer model of the given architecture (hidden 32)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if arch == "bert":
-        cfg = tf.BertConfig(vocab_size=vocab_size, **TINY)
-    elif arch == "roberta":
-        cfg = tf.RobertaConfig(vocab_size=vocab_size, pad_token_id=0, max_position_embeddings=130, **TINY)
-    elif arch == "mpnet":
-        cfg = tf.MPNetConfig(vocab_size=vocab_size, pad_token_id=0, max_position_embeddings=130, **TINY)
-    elif arch == "distilbert":
-        cfg = tf.DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=4, n_heads=4, hidden_dim=64)
-    elif arch == "llama":
-        cfg = tf.LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            pad_token_id=0,
-        )
-    else:
-        raise ValueError(arch)
-    return tf.AutoModel.from_config(cfg).eval()
 
 
 @pytest.fixture(scope="session")
@@ -96,17 +72,6 @@ def minilm():
     return ElasticEncoder("minilm-l6", device="cpu")
 
 
-SENTENCES = [
-    "A man is playing a guitar.",
-    "Someone plays an instrument on a stage in front of a very large and enthusiastic crowd.",
-    "The market fell.",
-    "",
-    "A man is playing a guitar.",
-    "Cats sleep most of the day, waking up only to eat and to look out of the window.",
-    "Rain.",
-]
-
-
 @pytest.fixture
 def one_thread():
     """Tiny models gain nothing from threads, and on busy cores torch's thread pool makes them much slower
@@ -115,17 +80,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def write_triplets(path, rows: int, seed: int = 0):
-    """anchor, positive, negative rows of WORDS: the positive shares the anchor's first three words."""
-    rng = np.random.default_rng(seed)
-    lines = ["anchor\tpositive\tnegative"]
-    for _ in range(rows):
-        a = rng.choice(WORDS, 4)
-        lines.append(f"{' '.join(a)}\t{' '.join(a[:3])} {rng.choice(WORDS)}\t{' '.join(rng.choice(WORDS, 4))}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -162,23 +116,6 @@ def corpus(files):
     return files / "corpus.txt"
 
 
-def tiny_run(model_dir, data, eval_file, out, /, **changes) -> TrainConfig:
-    """The options of a few steps on a tiny model: batch 8, lr 1e-3, no warm-up, no checkpoints; `changes`
-    override any of them."""
-    options = dict(
-        model=str(model_dir),
-        pooling="mean",
-        data=[str(data)],
-        output=str(out),
-        batch_size=8,
-        eval_file=str(eval_file),
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-    )
-    return TrainConfig(**{**options, **changes})
-
-
 @pytest.fixture(scope="module")
 def text_file(tokenizer, tmp_path_factory):
     """160 distinct short 'sentences' of real word pieces (more than a tiny head's 33 inputs)."""
@@ -208,3 +145,72 @@ def teacher_dir(tokenizer, tmp_path_factory):
     tf.AutoModel.from_config(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def model(tiny_dir, tmp_path):
+    """A copy of the tiny model: a folder the commands under test must never change."""
+    import shutil
+
+    return shutil.copytree(tiny_dir, tmp_path / "model")
+
+
+@pytest.fixture
+def texts(tmp_path):
+    """Three short lines in `in/texts.txt`, a file a command reads."""
+    path = tmp_path / "in" / "texts.txt"
+    path.parent.mkdir()
+    path.write_text("red cat\nblue dog\nold fish swims\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def other_weights_dir(tiny_dir, tmp_path_factory):
+    """tiny_dir's model with one weight changed: the same shape, other weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny-other")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("encoder.layer.0.attention.self.query.weight"))
+    tensors[name] = tensors[name] + 0.01
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def heads_folder(tokenizer, tmp_path_factory):
+    """A tiny model with closed-form exit heads, saved; tests copy it (`planted`) before they plant anything."""
+    from matryoshka2d.models.heads_fit import fit_heads
+
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[:300]
+    rng = np.random.default_rng(5)
+    texts = list(dict.fromkeys(" ".join(rng.choice(words, rng.integers(3, 8))) for _ in range(120)))
+    encoder = ElasticEncoder.from_modules(
+        tiny_transformer("bert", tokenizer.vocab_size), tokenizer, pooling="mean", device="cpu"
+    )
+    heads, _ = fit_heads(encoder, [texts])
+    encoder.set_exit_heads(heads)
+    return encoder.save(tmp_path_factory.mktemp("with-heads"))
+
+
+@pytest.fixture
+def planted(heads_folder, tmp_path):
+    """A copy of heads_folder that a test may tamper with."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(heads_folder, folder)
+    return folder
+
+
+@pytest.fixture
+def quick_timing(tmp_path, monkeypatch):
+    """pick's timings from a fixed table (ms = the layer), in a cache of the test's own: for tests of where pick
+    writes and what it reads, not of how it measures (test_pick measures for real)."""
+    from matryoshka2d.pick import cost
+
+    monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cost, "measure_latency", lambda backend, layers, repeats=3: {n: float(n) for n in layers})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_run
+from helpers.models import tiny_run
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
 from matryoshka2d.training.trainer import Trainer

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.models import distill_config
 from matryoshka2d.cache_keys import cache_key, texts_sha256
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.outputs import OutputError, command_scope
 from matryoshka2d.training.distill import DistillTrainer
 from matryoshka2d.training.targets import TargetsError, TargetsKey, TeacherTargets
-from test_distill import config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,7 +212,7 @@ def test_targets_recorded_under_another_key_or_none_are_refused(made, teacher_di
 
 def _distill(teacher, text_file, sts_dev, out, **changes):
     options = {"mode": "shared", "max_texts": 24}
-    return DistillTrainer(config(teacher, text_file, out, sts_dev, steps=1, method_options=options, **changes))
+    return DistillTrainer(distill_config(teacher, text_file, out, sts_dev, steps=1, method_options=options, **changes))
 
 
 @pytest.fixture(scope="module")
@@ -401,7 +401,7 @@ def graph_cache(tiny_dir, tmp_path_factory):
     """The fp32 graph of layer 2 of the tiny model, built once by a real export."""
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
-    from matryoshka2d.deploy.backends import OnnxBackend
+    from matryoshka2d.serve.backends import OnnxBackend
 
     root = tmp_path_factory.mktemp("graph-cache") / "graphs"
     OnnxBackend(ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu"), layers=[2], cache_folder=root)
@@ -419,12 +419,12 @@ def exports(monkeypatch, graph_cache):
         shutil.copyfile(source, path)
         return path
 
-    monkeypatch.setattr("matryoshka2d.deploy.backends.export_exit", export)
+    monkeypatch.setattr("matryoshka2d.serve.backends.export_exit", export)
     return calls
 
 
 def _serve(encoder, root):
-    from matryoshka2d.deploy.backends import OnnxBackend
+    from matryoshka2d.serve.backends import OnnxBackend
 
     lines = []
     return OnnxBackend(encoder, layers=[2], cache_folder=root, log=lines.append), lines
@@ -436,8 +436,8 @@ TEXTS = ["A Red Cat sleeps on the old mat", "the BLUE fish swims", "dog " * 40]
 def test_a_graph_is_keyed_by_what_it_computes_and_one_under_another_key_is_rebuilt(
     tiny_dir, graph_cache, tmp_path, exports
 ):
-    from matryoshka2d.deploy.backends import GraphCache, graph_key, weights_digest
     from matryoshka2d.files import file_sha256
+    from matryoshka2d.serve.backends import GraphCache, graph_key, weights_digest
 
     root = tmp_path / "graphs"
     shutil.copytree(graph_cache, root)
@@ -490,13 +490,13 @@ def test_the_graph_cache_in_a_model_folder_read_by_the_command_is_allowed_but_th
 ):
     """onnx-serve/ is kept by design inside the model folder, an input of eval: its files may be written there
     (outputs.allow_folder); a cache folder that is itself an input is refused, nothing written."""
-    from matryoshka2d.deploy.backends import CACHE_FOLDER
+    from matryoshka2d.serve.backends import CACHE_FOLDER
 
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
     before = _files(model)
     encoder = ElasticEncoder(str(model), pooling="mean", device="cpu")
-    from matryoshka2d.deploy.backends import OnnxBackend
+    from matryoshka2d.serve.backends import OnnxBackend
 
     with command_scope("--output", [("--model", model)]):
         backend = OnnxBackend(encoder, layers=[2], log=lambda _: None)

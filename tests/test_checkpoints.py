@@ -4,13 +4,18 @@ damaged latest one falls back to the previous one, and a resume refuses changed 
 """
 
 import json
+import os
 import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_run
+from helpers.models import tiny_run
 from matryoshka2d.cli import main
+from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.training import checkpoints
 from matryoshka2d.training.checkpoints import CheckpointError
 from matryoshka2d.training.trainer import Trainer
 
@@ -280,3 +285,94 @@ def test_a_second_train_into_the_same_folder_changes_nothing(tiny_dir, files, tm
     assert main(train_args(tiny_dir, files, tmp_path, "--lr", "0.01", "--overwrite")) == 0
     records = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
+
+
+class Killed(Exception):
+    pass
+
+
+def model_files(folder: Path) -> dict:
+    """Contents of the model files (what a loader reads), ignoring hidden temporary folders."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    }
+
+
+def loads(folder: Path) -> bool:
+    """Either loader takes the folder (sentence-transformers is asked only when ours refuses: the answer is the
+    same, any of the two, and a load takes a while)."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        ElasticEncoder(str(folder), device="cpu")
+        return True
+    except Exception:
+        pass
+    try:
+        SentenceTransformer(str(folder), device="cpu")
+        return True
+    except Exception:
+        return False
+
+
+def test_a_killed_final_save_leaves_the_old_model_no_model_or_the_new_one(tiny_dir, tmp_path, monkeypatch):
+    """Kill the save at every file operation in turn: whatever loads is exactly the old or the new model."""
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    old = ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu")
+    old.add_pooler(8, seed=1)  # the old model has a pooler head, the new one none: a stale head must not survive
+    old.save(old_dir, metadata={"which": "old"})
+    new = ElasticEncoder(str(tiny_dir), pooling="cls", device="cpu")
+    with torch.no_grad():
+        new.model.embeddings.word_embeddings.weight.mul_(2)
+    new.tokenizer.model_max_length = 77  # and another tokenizer config
+    new.save(new_dir, metadata={"which": "new"})
+    expected_old, expected_new = model_files(old_dir), model_files(new_dir)
+    assert expected_old != expected_new
+
+    def save(folder):
+        new.save(folder, metadata={"which": "new"})
+
+    real_replace, real_unlink, real_rmtree = os.replace, Path.unlink, shutil.rmtree
+    outcomes = []
+    for kill_at in range(40):
+        out = tmp_path / f"out-{kill_at}"
+        shutil.copytree(old_dir, out)
+        (out / "train_log.jsonl").write_text('{"step": 1}\n')
+        calls = [0]
+
+        def counted(real, kill_at=kill_at, out=out, calls=calls):
+            def wrapper(path, *args, **kwargs):
+                target = args[0] if real is real_replace else path  # os.replace(src, dst): the destination
+                inside = str(target).startswith(str(out)) and ".saving-model" not in Path(target).relative_to(out).parts
+                if inside or str(target) == str(out / ".saving-model"):
+                    if calls[0] == kill_at:
+                        raise Killed
+                    calls[0] += 1
+                return real(path, *args, **kwargs)
+
+            return wrapper
+
+        monkeypatch.setattr(os, "replace", counted(real_replace))
+        monkeypatch.setattr(Path, "unlink", counted(real_unlink))
+        monkeypatch.setattr(shutil, "rmtree", counted(real_rmtree))
+        try:
+            checkpoints.save_model_atomically(save, out)
+            finished = True
+        except Killed:
+            finished = False
+        finally:
+            monkeypatch.undo()
+        state = model_files(out)
+        state.pop("train_log.jsonl")
+        if loads(out):
+            assert state in (expected_old, expected_new), f"killed at operation {kill_at}: a mixed model loads"
+            outcomes.append("old" if state == expected_old else "new")
+        else:
+            outcomes.append("none")
+        assert (out / "train_log.jsonl").is_file()
+        if finished:
+            assert state == expected_new and not (out / ".saving-model").exists()
+            break
+    assert outcomes[0] == "old" and outcomes[-1] == "new" and "none" in outcomes

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import WORDS
+from helpers.data import WORDS
 from matryoshka2d.cli import main
 from matryoshka2d.evaluate import compression
 

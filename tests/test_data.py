@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from helpers.cli import error_line, train_args
+from matryoshka2d.cli import main
 from matryoshka2d.training.data import DataError, read_sentences, read_training_data
 
 
@@ -85,3 +87,71 @@ def test_read_sentences(tmp_path):
     assert read_sentences(pairs) == ["a", "b", "c"]
     with pytest.raises(DataError, match="no sentences"):
         read_sentences(write(tmp_path, "e.txt", "\n\n"))
+
+
+BOM = "\ufeff"
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    from matryoshka2d.evaluate.sts import load_pairs
+    from matryoshka2d.training.data import read_sentences, read_training_data
+
+    tsv = tmp_path / "t.tsv"
+    tsv.write_text(BOM + "sentence1\tsentence2\tscore\nred cat\tblue dog\t1\nbig bird\tbig bird\t5\n", encoding="utf-8")
+    assert read_training_data([str(tsv)]).kind == "scored"
+    assert read_sentences(tsv) == ["red cat", "blue dog", "big bird"]  # the pretrain / simcse reader
+    assert load_pairs(tsv).sentences1 == ["red cat", "big bird"]
+    txt = tmp_path / "s.txt"
+    txt.write_text(BOM + "first\nsecond\n", encoding="utf-8")
+    assert read_sentences(txt) == ["first", "second"]
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text(BOM + '{"anchor": "a", "positive": "b", "negative": "c"}\n', encoding="utf-8")
+    assert read_training_data([str(jsonl)]).kind == "triplets"
+
+
+def test_readers_name_the_non_utf8_line(tmp_path):
+    from matryoshka2d.training.data import DataError, read_sentences, read_training_data
+
+    tsv = tmp_path / "t.tsv"
+    tsv.write_bytes(b"anchor\tpositive\tnegative\n" + b"a\tb\tc\n" * 3000 + "caf\xe9\tb\tc\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"t.tsv:3002: not UTF-8 text \(byte 0xe9"):
+        read_training_data([str(tsv)])
+    with pytest.raises(DataError, match=r"t.tsv:3002: not UTF-8"):
+        read_sentences(tsv)
+    from matryoshka2d.evaluate.sts import load_pairs
+
+    sts = tmp_path / "dev.tsv"
+    sts.write_bytes(b"sentence1\tsentence2\tscore\na\tb\t1\n" + "caf\xe9\tb\t2\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"dev.tsv:3: not UTF-8"):
+        load_pairs(sts)
+
+
+def test_sts_training_scores_outside_0_to_5_are_refused(tiny_dir, files, tmp_path, capsys):
+    tsv = tmp_path / "scored.tsv"
+    tsv.write_text("sentence1\tsentence2\tscore\nred cat\tblue dog\t1\nbig bird\tbig bird\t50\n")
+    args = train_args(tiny_dir, files, tmp_path / "run")
+    args[args.index("--data") + 1] = str(tsv)
+    assert main(args) == 2
+    error_line(capsys, "scored.tsv:3", "score 50 is outside 0..5")
+
+
+@pytest.fixture
+def huge_field(tmp_path):
+    path = tmp_path / "huge.tsv"
+    path.write_text("anchor\tpositive\tnegative\nred cat\tred cats\tblue dog\n" + "x" * 1_000_000 + "\tb\tc\n")
+    return path
+
+
+def test_a_one_megabyte_field_is_a_clear_error_in_train_pretrain_and_two_step(tiny_dir, files, huge_field, capsys):
+    out = huge_field.parent
+    args = train_args(tiny_dir, files, out / "run")
+    args[args.index("--data") + 1] = str(huge_field)
+    pretrain = ["pretrain", "--model", str(tiny_dir), "--pooling", "mean", "--data", str(huge_field)]
+    pretrain += ["--steps", "1", "--sizes", "1:16", "--output", str(out / "smae"), "--quiet"]
+    two_step = ["two-step", "--model", str(tiny_dir), "--pooling", "mean", "--target-dim", "8", "--candidate-dims"]
+    two_step += ["8", "--data", str(huge_field), "--loss", "simcse", "--steps", "1", "--output", str(out / "two")]
+    two_step += ["--validation-file", str(files / "dev.tsv"), "--report-file", str(files / "dev.tsv"), "--quiet"]
+    commands = [args, pretrain, two_step]
+    for command in commands:
+        assert main(command) == 2, command[0]
+        error_line(capsys, "huge.tsv:3", "csv field limit")

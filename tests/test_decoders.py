@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import tiny_transformer
+from helpers.models import tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.decoders import is_bidirectional, set_bidirectional

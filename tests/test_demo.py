@@ -5,29 +5,8 @@ import json
 
 from sentence_transformers import SentenceTransformer
 
-from conftest import WORDS
+from helpers.data import data_root
 from matryoshka2d.cli import main
-from test_eval_retrieval import beir
-
-
-def data_root(root):
-    (root / "nli").mkdir(parents=True)
-    rows = ["anchor\tpositive\tnegative"]
-    for i in range(16):
-        a = [WORDS[(i + k) % len(WORDS)] for k in range(4)]
-        rows.append(f"{' '.join(a)}\t{' '.join(a[:3])}\t{' '.join(reversed(a))} {WORDS[i % 5]}")
-    (root / "nli" / "train_triplets.tsv").write_text("\n".join(rows) + "\n")
-    (root / "sts" / "raw").mkdir(parents=True)
-    pairs = ["sentence1\tsentence2\tscore"]
-    pairs += [f"{WORDS[i]} {WORDS[i + 1]}\t{WORDS[i]} {WORDS[(i * 3) % 15]}\t{i % 5}" for i in range(12)]
-    for name in ("stsb_dev", "stsb_test", "sts12_test", "sts13_test", "sts14_test", "sts15_test", "sts16_test"):
-        (root / "sts" / "raw" / f"{name}.tsv").write_text("\n".join(pairs) + "\n")
-    leaked = f"{WORDS[0]} {WORDS[1]} {WORDS[2]}\t{WORDS[4]}\t1\n"  # the positive of the first training row
-    (root / "sts" / "raw" / "sickr_test.tsv").write_text("\n".join(pairs) + "\n" + leaked)
-    corpus = [{"_id": f"d{i}", "title": "", "text": f"{WORDS[i % 15]} {WORDS[(i * 7) % 15]} {i}"} for i in range(40)]
-    queries = [{"_id": f"q{i}", "text": WORDS[i]} for i in range(6)]
-    beir(root / "retrieval" / "scifact", corpus, queries, [(f"q{i}", f"d{i}", 1) for i in range(6)], split="train")
-    return root
 
 
 def test_demo_runs_the_whole_loop_and_reuses_the_fine_tune(tiny_dir, tmp_path, monkeypatch, capsys):

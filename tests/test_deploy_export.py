@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from conftest import SENTENCES
+from helpers.data import SENTENCES
 from matryoshka2d.cli import main
-from matryoshka2d.deploy.export import ExportError, export_cell
+from matryoshka2d.export.cell import ExportError, export_cell
 from matryoshka2d.models.encoder import ElasticEncoder
 
 TEXTS = [s for s in SENTENCES if s]
@@ -67,7 +67,7 @@ def test_normalize_can_be_asked_for(tiny_bert, tmp_path):
 def test_onnx_and_int8_run_in_onnxruntime(tiny_bert, tmp_path):
     pytest.importorskip("onnxruntime", reason="the [onnx] extra (onnxruntime) is not installed")
     pytest.importorskip("onnxscript", reason="the [onnx] extra (onnxscript) is not installed")
-    from matryoshka2d.deploy.onnx_graphs import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder
+    from matryoshka2d.export.onnx_graphs import ONNX_FILE, ONNX_INT8_FILE, OnnxCellEncoder
 
     sts = tmp_path / "stsb_test.tsv"
     rows = ["sentence1\tsentence2\tscore"] + [
@@ -89,7 +89,7 @@ def test_the_traced_graph_holds_for_any_batch_and_length(tiny_bert, tmp_path):
     """The TorchScript exporter traces two short sentences once; its graph must still compute encoder.forward for
     one text, a padded batch, and texts longer than the ones it was traced on."""
     ort = pytest.importorskip("onnxruntime")
-    from matryoshka2d.deploy.onnx_graphs import export_exit, graph_exporter
+    from matryoshka2d.export.onnx_graphs import export_exit, graph_exporter
 
     path = export_exit(tiny_bert, 2, tmp_path / "exit.onnx")
     assert graph_exporter(path) == "torchscript"
@@ -103,7 +103,7 @@ def test_the_traced_graph_holds_for_any_batch_and_length(tiny_bert, tmp_path):
 
 def test_a_failing_exporter_falls_back_to_the_next_and_says_so(tiny_bert, tmp_path, monkeypatch, capsys):
     pytest.importorskip("onnxscript", reason="the [onnx] extra (onnxscript) is not installed")
-    from matryoshka2d.deploy import onnx_graphs as export
+    from matryoshka2d.export import onnx_graphs as export
 
     def cannot_trace(*_):
         raise RuntimeError("cannot trace this model")
@@ -124,7 +124,7 @@ def test_a_graph_that_does_not_hold_on_other_texts_is_not_kept(tiny_bert, tmp_pa
     pytest.importorskip("onnxscript", reason="the [onnx] extra (onnxscript) is not installed")
     import torch
 
-    from matryoshka2d.deploy import onnx_graphs as export
+    from matryoshka2d.export import onnx_graphs as export
 
     class Doubled(torch.nn.Module):
         def __init__(self, inner):

@@ -7,33 +7,15 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.data import write_targets
+from helpers.models import distill_config
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.training.config import TrainConfig
-from matryoshka2d.training.distill import DistillError, DistillTrainer, default_widths, passages, read_texts
+from matryoshka2d.training.distill import DistillError, DistillTrainer, default_widths
 from matryoshka2d.training.targets import TargetsError, TeacherTargets
+from matryoshka2d.training.texts import passages, read_texts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def config(teacher, data, out, dev, **changes) -> TrainConfig:
-    options = dict(
-        model=str(teacher),
-        pooling="mean",
-        method="distill",
-        loss="cos",
-        data=[str(data)],
-        output=str(out),
-        batch_size=16,
-        steps=6,
-        lr=1e-3,
-        warmup_ratio=0.0,
-        save_steps=0,
-        eval_file=str(dev),
-        exit_heads="identity",
-        method_options={"mode": "shared"},
-    )
-    return TrainConfig(**{**options, **changes})
 
 
 def distance_to_teacher(encoder, teacher, texts, layer) -> float:
@@ -47,7 +29,9 @@ def test_a_shared_student_moves_every_exit_towards_its_teacher(teacher_dir, text
     texts = text_file.read_text().split("\n")[:40]
     teacher = ElasticEncoder(str(teacher_dir), pooling="mean", device="cpu")
     before = {n: distance_to_teacher(teacher, teacher, texts, n) for n in (1, 2, 3)}
-    out = DistillTrainer(config(teacher_dir, text_file, tmp_path / "run", sts_dev, steps=12)).run(progress=False)
+    out = DistillTrainer(distill_config(teacher_dir, text_file, tmp_path / "run", sts_dev, steps=12)).run(
+        progress=False
+    )
     student = ElasticEncoder(str(out), device="cpu")
     assert student.exit_heads.layers == [1, 2, 3]
     after = {n: distance_to_teacher(student, teacher, texts, n) for n in (1, 2, 3)}
@@ -65,7 +49,7 @@ def test_a_shared_student_moves_every_exit_towards_its_teacher(teacher_dir, text
 
 
 def test_resume_is_bitwise_and_reuses_the_targets(teacher_dir, text_file, sts_dev, tmp_path, monkeypatch):
-    whole = DistillTrainer(config(teacher_dir, text_file, tmp_path / "whole", sts_dev, save_steps=3))
+    whole = DistillTrainer(distill_config(teacher_dir, text_file, tmp_path / "whole", sts_dev, save_steps=3))
     whole.run(progress=False)
     original = DistillTrainer.train_step
 
@@ -76,12 +60,14 @@ def test_resume_is_bitwise_and_reuses_the_targets(teacher_dir, text_file, sts_de
 
     monkeypatch.setattr(DistillTrainer, "train_step", dying)
     with pytest.raises(KeyboardInterrupt):
-        DistillTrainer(config(teacher_dir, text_file, tmp_path / "cut", sts_dev, save_steps=3)).run(progress=False)
+        DistillTrainer(distill_config(teacher_dir, text_file, tmp_path / "cut", sts_dev, save_steps=3)).run(
+            progress=False
+        )
     monkeypatch.setattr(DistillTrainer, "train_step", original)
     made = TeacherTargets(tmp_path / "cut").vectors_path.stat().st_mtime_ns
     computed = []
     monkeypatch.setattr(TeacherTargets, "compute", lambda *a, **k: computed.append(1))
-    resumed = DistillTrainer(config(teacher_dir, text_file, tmp_path / "cut", sts_dev, save_steps=3))
+    resumed = DistillTrainer(distill_config(teacher_dir, text_file, tmp_path / "cut", sts_dev, save_steps=3))
     resumed.run(resume=True, progress=False)
     assert not computed and TeacherTargets(tmp_path / "cut").vectors_path.stat().st_mtime_ns == made
     for key, value in whole.encoder.state_dict().items():
@@ -90,7 +76,7 @@ def test_resume_is_bitwise_and_reuses_the_targets(teacher_dir, text_file, sts_de
 
 def _killed_run(teacher, text_file, dev, out):
     """A run killed after its first checkpoint (step 3 of 6), as kill -9 leaves it."""
-    trainer = DistillTrainer(config(teacher, text_file, out, dev, save_steps=3))
+    trainer = DistillTrainer(distill_config(teacher, text_file, out, dev, save_steps=3))
     original = trainer.train_step
 
     def dying():
@@ -124,7 +110,9 @@ def test_resume_refuses_missing_or_damaged_targets_and_changes_nothing(
         targets.record_path.unlink()
     before = _files(out)
     with pytest.raises(TargetsError, match="teacher-targets") as err:
-        DistillTrainer(config(teacher_dir, text_file, out, sts_dev, save_steps=3)).run(resume=True, progress=False)
+        DistillTrainer(distill_config(teacher_dir, text_file, out, sts_dev, save_steps=3)).run(
+            resume=True, progress=False
+        )
     assert ("missing" if damage != "damaged" else "damaged") in str(err.value) and "--overwrite" in str(err.value)
     assert _files(out) == before
 
@@ -139,7 +127,7 @@ def test_resume_refuses_a_teacher_whose_weights_changed(tiny_dir, text_file, sts
     model.save_pretrained(teacher)
     before = _files(out)
     with pytest.raises(TargetsError, match="the teacher changed since the run started"):
-        DistillTrainer(config(teacher, text_file, out, sts_dev, save_steps=3)).run(resume=True, progress=False)
+        DistillTrainer(distill_config(teacher, text_file, out, sts_dev, save_steps=3)).run(resume=True, progress=False)
     assert _files(out) == before
 
 
@@ -149,7 +137,7 @@ def test_a_new_run_reads_back_the_targets_its_folder_holds_and_refuses_others_by
     """A second recipe on the same texts (or a run stopped before its first checkpoint, run again) must not pay the
     teacher's pass again, nor lose the targets silently: they are read back when every check holds; targets of
     other texts are refused by name with the folder untouched; --overwrite recomputes them."""
-    first = DistillTrainer(config(teacher_dir, text_file, tmp_path / "first", sts_dev)).run(progress=False)
+    first = DistillTrainer(distill_config(teacher_dir, text_file, tmp_path / "first", sts_dev)).run(progress=False)
     second = tmp_path / "second"
     shutil.copytree(first / "teacher-targets", second / "teacher-targets")
     made = TeacherTargets(second).vectors_path.stat().st_mtime_ns
@@ -157,7 +145,7 @@ def test_a_new_run_reads_back_the_targets_its_folder_holds_and_refuses_others_by
     real_compute = TeacherTargets.compute
     monkeypatch.setattr(TeacherTargets, "compute", lambda *a, **k: computed.append(1) or real_compute(*a, **k))
     capsys.readouterr()
-    DistillTrainer(config(teacher_dir, text_file, second, sts_dev, steps=2)).run(progress=False)
+    DistillTrainer(distill_config(teacher_dir, text_file, second, sts_dev, steps=2)).run(progress=False)
     assert not computed and TeacherTargets(second).vectors_path.stat().st_mtime_ns == made
     assert f"read back from {TeacherTargets(second).vectors_path}" in capsys.readouterr().out
 
@@ -167,9 +155,9 @@ def test_a_new_run_reads_back_the_targets_its_folder_holds_and_refuses_others_by
     shutil.copytree(first / "teacher-targets", other / "teacher-targets")
     before = _files(other)
     with pytest.raises(TargetsError, match="targets.json: the targets are of other texts") as err:
-        DistillTrainer(config(teacher_dir, fewer, other, sts_dev, steps=2)).run(progress=False)
+        DistillTrainer(distill_config(teacher_dir, fewer, other, sts_dev, steps=2)).run(progress=False)
     assert "--overwrite" in str(err.value) and _files(other) == before
-    DistillTrainer(config(teacher_dir, fewer, other, sts_dev, steps=2)).run(progress=False, overwrite=True)
+    DistillTrainer(distill_config(teacher_dir, fewer, other, sts_dev, steps=2)).run(progress=False, overwrite=True)
     assert computed == [1] and json.loads(TeacherTargets(other).record_path.read_text())["rows"] == 80
 
 
@@ -177,7 +165,7 @@ def test_a_query_encoder_keeps_n_layers_and_a_head_and_meets_only_its_teachers_i
     teacher_dir, tiny_dir, text_file, sts_dev, tmp_path, capsys
 ):
     options = {"mode": "query", "layer": 2}
-    run = config(teacher_dir, text_file, tmp_path / "q2", sts_dev, method_options=options, exit_heads="fit")
+    run = distill_config(teacher_dir, text_file, tmp_path / "q2", sts_dev, method_options=options, exit_heads="fit")
     out = DistillTrainer(run).run(progress=False)
     student = ElasticEncoder(str(out), device="cpu")
     assert student.num_layers == 2 and student.head is not None and student.exit_heads is None
@@ -205,7 +193,7 @@ def test_eval_retrieval_scores_a_query_encoder_next_to_its_teacher(teacher_dir, 
     from matryoshka2d.retrieval.cascade import evaluate_cascade
 
     options = {"mode": "query", "layer": 1}
-    run = config(teacher_dir, text_file, tmp_path / "q1", sts_dev, method_options=options, steps=2)
+    run = distill_config(teacher_dir, text_file, tmp_path / "q1", sts_dev, method_options=options, steps=2)
     student = ElasticEncoder(str(DistillTrainer(run).run(progress=False)), device="cpu")
     beir = tmp_path / "beir"
     (beir / "qrels").mkdir(parents=True)
@@ -317,7 +305,7 @@ def test_beir_documents_become_passages_of_at_most_max_length_tokens(tokenizer, 
 
 def test_the_relational_and_mse_losses_train_too(teacher_dir, text_file, sts_dev, tmp_path):
     for loss in ("relational", "mse"):
-        trainer = DistillTrainer(config(teacher_dir, text_file, tmp_path / loss, sts_dev, loss=loss, steps=2))
+        trainer = DistillTrainer(distill_config(teacher_dir, text_file, tmp_path / loss, sts_dev, loss=loss, steps=2))
         trainer.run(progress=False)
         assert np.isfinite(trainer.history[-1]["loss"]) and trainer.history[-1]["loss"] > 0
 
@@ -325,7 +313,7 @@ def test_the_relational_and_mse_losses_train_too(teacher_dir, text_file, sts_dev
 def test_train_distill_from_adds_the_term_to_any_method(teacher_dir, triplets, sts_dev, tmp_path):
     from matryoshka2d.training.trainer import Trainer
 
-    run = config(teacher_dir, triplets, tmp_path / "t", sts_dev, method="2dmse", loss=None, exit_heads=None)
+    run = distill_config(teacher_dir, triplets, tmp_path / "t", sts_dev, method="2dmse", loss=None, exit_heads=None)
     run.method_options, run.distill_from, run.distill_weight, run.steps = {}, str(teacher_dir), 2.0, 3
     trainer = Trainer(run)
     assert trainer.teacher_term.widths == sorted(trainer.method.widths() | {32})
@@ -341,15 +329,15 @@ def test_train_distill_from_adds_the_term_to_any_method(teacher_dir, triplets, s
 def test_serve_runs_a_query_encoder_next_to_its_teacher(teacher_dir, tiny_dir, text_file, sts_dev, tmp_path, capsys):
     from fastapi.testclient import TestClient
 
-    from matryoshka2d.deploy.server import create_app
+    from helpers.server import app_of
 
     options = {"mode": "query", "layer": 2}
-    out = DistillTrainer(config(teacher_dir, text_file, tmp_path / "q", sts_dev, method_options=options, steps=2)).run(
-        progress=False
-    )
+    out = DistillTrainer(
+        distill_config(teacher_dir, text_file, tmp_path / "q", sts_dev, method_options=options, steps=2)
+    ).run(progress=False)
     teacher = ElasticEncoder(str(teacher_dir), pooling="mean", device="cpu")
     student = ElasticEncoder(str(out), device="cpu")
-    app = create_app(teacher, "teacher", query_models={"teacher-query": student})
+    app = app_of(teacher, "teacher", queries={"teacher-query": student})
     with TestClient(app) as client:
         listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert listed["teacher-query"]["query_encoder_of"] == "teacher" and listed["teacher-query"]["layers"] == [2]
@@ -430,3 +418,25 @@ def test_a_bare_distill_runs_the_recipe_and_says_so_and_a_given_option_wins(
 
 def record_texts(folder) -> int:
     return json.loads((folder / "matryoshka2d.json").read_text())["distill"]["texts"]
+
+
+@pytest.mark.parametrize("kind", ["zeros", "nan", "halved"])
+def test_teacher_targets_that_are_not_unit_vectors_are_refused_naming_file_and_row(tmp_path, kind):
+    """Was: an all-zero targets file, its checksum re-signed, was trained on."""
+    from matryoshka2d.training.targets import TargetsError, TeacherTargets
+
+    rng = np.random.default_rng(1)
+    vectors = rng.normal(size=(6, 8))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    good = write_targets(tmp_path / "good", vectors)
+    assert TeacherTargets(tmp_path / "good").load(good, "t" * 64, 8).shape == (6, 8)
+    if kind == "zeros":
+        vectors[:] = 0
+    elif kind == "nan":
+        vectors[3, 2] = np.nan
+    else:
+        vectors[3:] /= 2
+    texts = write_targets(tmp_path / "bad", vectors)
+    row = 1 if kind == "zeros" else 4
+    with pytest.raises(TargetsError, match=rf"targets.f16: row {row} has length .*not 1"):
+        TeacherTargets(tmp_path / "bad").load(texts, "t" * 64, 8)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SENTENCES, tiny_transformer
+from helpers.data import SENTENCES
+from helpers.models import tiny_transformer
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.pooler import pool
 

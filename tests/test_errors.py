@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import tiny_transformer
+from helpers.models import tiny_transformer
 from matryoshka2d.models import backbones
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.encoder import ElasticEncoder

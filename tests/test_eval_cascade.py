@@ -2,15 +2,14 @@
 
 import json
 
+from helpers.cli import error_line
+from helpers.data import LETTER_CORPUS, beir
 from matryoshka2d.cli import main
-from test_eval_retrieval import beir
-
-CORPUS = [{"_id": f"d{i}", "title": "", "text": f"text {i} about {w}"} for i, w in enumerate("abcdefghijklmnop")]
 
 
 def test_cascade_and_query_layer_rows(tiny_dir, tmp_path, capsys):
     queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
-    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    root = beir(tmp_path / "toy", LETTER_CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
     out = tmp_path / "out"
     args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
     code = main([*args, "--cascade", "1:8,4:32", "--shortlist", "16", "--query-layer", "2", "--output", str(out)])
@@ -32,7 +31,7 @@ def test_cascade_and_query_layer_rows(tiny_dir, tmp_path, capsys):
 
 
 def test_cascade_errors(tiny_dir, tmp_path, capsys):
-    root = beir(tmp_path / "toy", CORPUS, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
+    root = beir(tmp_path / "toy", LETTER_CORPUS, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
     args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
     assert main([*args, "--cascade", "1:8,9:32", "--output", str(tmp_path / "o")]) == 2
     assert "layer 9 is out of range" in capsys.readouterr().err
@@ -42,7 +41,7 @@ def test_cascade_errors(tiny_dir, tmp_path, capsys):
 
 def test_several_query_layers_give_their_rows_from_one_document_pass(tiny_dir, tmp_path):
     queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
-    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    root = beir(tmp_path / "toy", LETTER_CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
     args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
     assert main([*args, "--query-layer", "3,1", "--output", str(tmp_path / "both")]) == 0
     both = json.loads((tmp_path / "both" / "cascade.json").read_text())
@@ -60,7 +59,7 @@ def test_several_query_layers_give_their_rows_from_one_document_pass(tiny_dir, t
 
 
 def test_query_layer_out_of_range_is_refused(tiny_dir, tmp_path, capsys):
-    root = beir(tmp_path / "toy", CORPUS, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
+    root = beir(tmp_path / "toy", LETTER_CORPUS, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
     args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
     assert main([*args, "--query-layer", "1,7", "--output", str(tmp_path / "o")]) == 2
     assert "layer 7 is out of range" in capsys.readouterr().err
@@ -70,7 +69,7 @@ def test_query_layer_out_of_range_is_refused(tiny_dir, tmp_path, capsys):
 def test_eval_retrieval_reads_corpus_queries_and_qrels_files_wherever_they_are(tiny_dir, tmp_path, capsys):
     """Issue 32, case 17: three files instead of one BEIR folder; the same numbers as the folder gives."""
     queries = [{"_id": f"q{i}", "text": f"about {w}"} for i, w in enumerate("abcdefghijkl")]
-    root = beir(tmp_path / "toy", CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
+    root = beir(tmp_path / "toy", LETTER_CORPUS, queries, [(f"q{i}", f"d{i}", 1) for i in range(12)], split="train")
     (tmp_path / "apart").mkdir()
     qrels = tmp_path / "apart" / "judged.tsv"
     qrels.write_text((root / "qrels" / "train.tsv").read_text())
@@ -82,3 +81,14 @@ def test_eval_retrieval_reads_corpus_queries_and_qrels_files_wherever_they_are(t
     assert a["average"] == b["average"] and b["settings"]["split"] == "judged"
     assert main([*args, *files[:4], "--output", str(tmp_path / "c")]) == 2
     assert "--qrels missing" in capsys.readouterr().err
+
+
+def test_eval_retrieval_refuses_a_query_layer_deeper_than_the_documents(tiny_dir, tmp_path, capsys):
+    from helpers.data import beir
+
+    corpus = [{"_id": f"d{i}", "title": "", "text": f"text {i} about {w}"} for i, w in enumerate("abcdefghijklmnop")]
+    root = beir(tmp_path / "toy", corpus, [{"_id": "q1", "text": "a"}], [("q1", "d1", 1)])
+    args = ["eval", "retrieval", "--model", str(tiny_dir), "--pooling", "mean", "--dataset-dir", str(root)]
+    assert main([*args, "--cascade", "1:8,3:32", "--query-layer", "4", "--output", str(tmp_path / "o")]) == 2
+    error_line(capsys, "--query-layer 4 is deeper than the documents of the full cell 3:32")
+    assert not (tmp_path / "o").exists()

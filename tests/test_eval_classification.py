@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import tiny_transformer
+from helpers.models import tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.evaluate.classification import (
     SEED,
@@ -230,3 +230,19 @@ def test_c_search_stops_after_the_peak_and_chooses_the_same_c(monkeypatch):
     assert best == 3 and len(scores) == 5  # one dip is not the end: 55 < 60 then 70 beats it
     best, scores = cl._search([1, 2, 3, 4, 5], lambda i, c: [50, 60, 55, 54, 90][i], patience=2)
     assert best == 1 and len(scores) == 4
+
+
+def test_classification_warns_about_test_labels_absent_from_train(tmp_path):
+    from matryoshka2d.evaluate.classification import load_dataset, unseen_labels
+
+    rows = "sentence\tlabel\n" + "".join(f"text {i}\t{'pos' if i % 2 else 'neg'}\n" for i in range(6))
+    (tmp_path / "x_train.tsv").write_text(rows)
+    (tmp_path / "x_test.tsv").write_text("sentence\tlabel\na\tPos\nb\tneg\nc\tother\n")
+    ds = load_dataset("x", {"train": tmp_path / "x_train.tsv", "test": tmp_path / "x_test.tsv"})
+    warning = unseen_labels(ds)
+    assert "2 of 3 rows" in warning and "'Pos'" in warning and "'other'" in warning
+    assert "differ only in case: 'Pos' vs train 'pos'" in warning
+    (tmp_path / "x_test.tsv").write_text("sentence\tlabel\na\tpos\nb\tneg\n")
+    assert (
+        unseen_labels(load_dataset("x", {"train": tmp_path / "x_train.tsv", "test": tmp_path / "x_test.tsv"})) is None
+    )

@@ -1,15 +1,16 @@
 """Retrieval: toy corpora with known rankings, metric arithmetic, BEIR reading and its errors."""
 
-import gzip
 import json
 import math
 
 import numpy as np
 import pytest
 
-from conftest import tiny_transformer
+from helpers.data import beir
+from helpers.models import tiny_transformer
+from matryoshka2d.beir import load_beir
 from matryoshka2d.cli import main
-from matryoshka2d.evaluate.retrieval import evaluate_retrieval, load_beir, rank_metrics, search
+from matryoshka2d.evaluate.retrieval import evaluate_retrieval, rank_metrics, search
 from matryoshka2d.files import DataFormatError
 
 
@@ -31,21 +32,6 @@ class KeywordEmbedder:
 
     def info(self):
         return {"model": "keywords", "layers": 1, "hidden_size": 4}
-
-
-def beir(root, corpus, queries, qrels, split="test", gz=False):
-    root.mkdir(parents=True, exist_ok=True)
-    lines = "\n".join(json.dumps(d) for d in corpus) + "\n"
-    if gz:
-        with gzip.open(root / "corpus.jsonl.gz", "wt", encoding="utf-8") as f:
-            f.write(lines)
-    else:
-        (root / "corpus.jsonl").write_text(lines, encoding="utf-8")
-    (root / "queries.jsonl").write_text("\n".join(json.dumps(q) for q in queries) + "\n", encoding="utf-8")
-    (root / "qrels").mkdir(exist_ok=True)
-    rows = ["query-id\tcorpus-id\tscore", *("\t".join(map(str, r)) for r in qrels)]
-    (root / "qrels" / f"{split}.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
-    return root
 
 
 CORPUS = [

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from conftest import tiny_transformer
+from helpers.data import sts_tree, write_tsv
+from helpers.models import tiny_transformer
+from matryoshka2d.cells import parse_numbers
 from matryoshka2d.cli import main
-from matryoshka2d.evaluate.grid import EncoderCells, default_dims, parse_ints
+from matryoshka2d.evaluate.grid import EncoderCells, default_dims
 from matryoshka2d.evaluate.sts import STS_SETS, evaluate_sts, load_pairs, sts_file
 from matryoshka2d.files import DataFormatError
 
@@ -30,34 +32,6 @@ class TableEmbedder:
 
     def info(self):
         return {"model": "table", "layers": max(self.by_layer), "hidden_size": max(self.dims)}
-
-
-def write_tsv(path, header, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join("\t".join(map(str, r)) for r in [header, *rows]) + "\n", encoding="utf-8")
-    return path
-
-
-PAIRS = [
-    ("A man plays a guitar.", "A man is playing guitar."),
-    ("A dog runs in the park.", "The stock market fell sharply."),
-    ("Two kids ride bikes.", "Children are cycling."),
-    ("She is cooking pasta.", "A woman cooks noodles."),
-    ("The train was late.", "It rained all day in the city."),
-    ("A cat sleeps on a sofa.", "A kitten naps on the couch."),
-]
-GOLD = [4.8, 0.2, 3.9, 3.5, 1.0, 4.6]
-
-
-def sts_tree(root, variant="raw", names=STS_SETS):
-    for i, name in enumerate(names):
-        rows = [(a, b, g) for (a, b), g in zip(PAIRS[i % 2 :] + PAIRS[: i % 2], GOLD, strict=True)]
-        write_tsv(
-            root / "sts" / variant / f"{name}_test.tsv",
-            ["sentence1", "sentence2", "score", "subset"],
-            [(*r, "x") for r in rows],
-        )
-    return root
 
 
 def test_hand_computed_spearman_on_four_rows(tmp_path):
@@ -180,10 +154,9 @@ def test_default_dims_and_cell_parsing():
     assert default_dims(384) == [8, 16, 32, 64, 128, 256, 384]
     assert default_dims(768) == [8, 16, 32, 64, 128, 256, 512, 768]
     assert default_dims(32) == [8, 16, 32]
-    assert parse_ints(["1-3", "6", "4,5"], "layers") == [1, 2, 3, 6, 4, 5]
-    assert parse_ints(None, "layers") is None
-    with pytest.raises(ValueError, match="--dims: 'x' is not an integer"):
-        parse_ints(["8,x"], "dims")
+    assert parse_numbers("1-3,6,4,5", "--layers") == [1, 2, 3, 6, 4, 5]
+    with pytest.raises(ValueError, match="--dims: 'x' is not a whole number"):
+        parse_numbers("8,x", "--dims")
 
 
 def test_cells_out_of_range(tiny_bert):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import WORDS
+from helpers.data import WORDS
 from matryoshka2d.training import gradcache
 from matryoshka2d.training.config import TrainConfig
 from matryoshka2d.training.trainer import Trainer

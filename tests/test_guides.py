@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.data import data_root
 from matryoshka2d.cli import main
-from test_demo import data_root
 
 GUIDES = Path(__file__).resolve().parents[1] / "docs" / "guide"
 RUNNABLE = re.compile(r"<!-- runnable -->\n```bash\n(.*?)```", re.S)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_transformer
+from helpers.models import tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.models.heads import HEADS_FILE, ExitHeads, HeadsError, NormalEquations, fit_heads
+from matryoshka2d.models.heads import HEADS_FILE, ExitHeads, HeadsError
+from matryoshka2d.models.heads_fit import NormalEquations, fit_heads
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def _dev_pairs(encoder, sentences):
 
 
 def test_the_ridge_strength_is_given_or_chosen_on_sts_dev(encoder, sentences):
-    from matryoshka2d.models.heads import RIDGE_GRID
+    from matryoshka2d.models.heads_fit import RIDGE_GRID
 
     given, report = fit_heads(encoder, [sentences], ridge=0.5)
     assert report.strengths == {1: 0.5, 2: 0.5, 3: 0.5} and given.record["ridge_chosen_by"] == "given (--ridge)"
@@ -189,7 +190,7 @@ def test_heads_of_another_shape_are_refused(encoder):
 def test_an_exported_cell_keeps_its_head(encoder, sentences, tmp_path):
     from sentence_transformers import SentenceTransformer
 
-    from matryoshka2d.deploy.export import export_cell
+    from matryoshka2d.export.cell import export_cell
 
     _saved_with_heads(encoder, sentences, tmp_path / "m")
     model = ElasticEncoder(str(tmp_path / "m"), device="cpu")
@@ -329,7 +330,7 @@ def test_a_frozen_backbone_trains_only_the_query_head_on_query_document_pairs(ti
 def test_a_document_cache_serves_every_model_of_one_backbone(tiny_dir, text_file, tmp_path, monkeypatch):
     """eval retrieval --doc-cache: the corpus is encoded once for the backbone; a model with heads reuses the
     pooled states and scores exactly as without the cache."""
-    from test_eval_retrieval import beir
+    from helpers.data import beir
 
     corpus = [{"_id": f"d{i}", "title": "", "text": t} for i, t in enumerate(text_file.read_text().split("\n")[:40])]
     queries = [{"_id": f"q{i}", "text": d["text"].split()[0]} for i, d in enumerate(corpus[:12])]
@@ -445,7 +446,7 @@ def test_an_exit_graph_with_a_stacked_head_runs_in_onnxruntime(encoder, sentence
     """serve --backend onnx builds one graph per exit from encoder.forward: the stacked head's extra layers (the
     embedding output among them) must be in the graph, at any batch and length."""
     ort = pytest.importorskip("onnxruntime")
-    from matryoshka2d.deploy.onnx_graphs import export_exit
+    from matryoshka2d.export.onnx_graphs import export_exit
 
     heads, _ = fit_heads(encoder, [sentences], inputs="stack")
     encoder.set_exit_heads(heads)
@@ -470,8 +471,8 @@ def test_an_mlp_fit_is_the_same_for_the_same_seed(encoder, sentences):
 
 def test_a_stacked_cell_exports_as_an_onnx_graph_only(encoder, sentences, tmp_path):
     pytest.importorskip("onnxruntime")
-    from matryoshka2d.deploy.export import export_cell
-    from matryoshka2d.deploy.onnx_graphs import ExportError, OnnxCellEncoder
+    from matryoshka2d.export.cell import export_cell
+    from matryoshka2d.export.onnx_graphs import ExportError, OnnxCellEncoder
 
     heads, _ = fit_heads(encoder, [sentences], inputs="stack")
     encoder.set_exit_heads(heads)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, tiny_transformer
+from helpers.models import TINY, tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.models.heads import fit_heads
+from matryoshka2d.models.heads_fit import fit_heads
 from matryoshka2d.training.merge import MergeError, merge_encoders, merge_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

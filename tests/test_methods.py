@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from matryoshka2d.cells import nested_dims, parse_cells
 from matryoshka2d.losses import make_task_loss
 from matryoshka2d.losses.align import feature_kl
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import make_method
+from matryoshka2d.methods.base import View
 from matryoshka2d.methods.ese import fixed_signs, pca_target, pca_targets
 from matryoshka2d.methods.starbucks import default_sizes
-from matryoshka2d.views import View, nested_dims, parse_cells
 
 
 def views(method, seed=0):

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SENTENCES
+from helpers.data import SENTENCES
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.training.config import TrainConfig
@@ -42,12 +42,24 @@ def export(*args) -> int:
     return main(["export", "--pooling", "mean", *map(str, args)])
 
 
-def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def teacher_pair(teacher_dir, student_dir, tmp_path_factory):
+    """`export --model TEACHER --query-model STUDENT`, made once for the tests that read it: (the pair's folder, what
+    the export printed)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("teacher-pair") / "pair"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert export("--model", teacher_dir, "--query-model", student_dir, "--output", out) == 0
+    return out, printed.getvalue()
+
+
+def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir, teacher_pair):
     from sentence_transformers import SentenceTransformer
 
-    out = tmp_path / "pair"
-    assert export("--model", teacher_dir, "--query-model", student_dir, "--output", out) == 0
-    printed = capsys.readouterr().out
+    out, printed = teacher_pair
     assert "encode_query: query encoder" in printed and "check, sentence-transformers encode_query" in printed
     pair = SentenceTransformer(str(out), device="cpu")
     student = SentenceTransformer(str(student_dir), device="cpu")
@@ -61,10 +73,11 @@ def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir,
     loaded = ElasticEncoder(str(out), device="cpu")
     assert loaded.num_layers == 4 and loaded.query_encoder.num_layers == 2 and loaded.route == "document"
     np.testing.assert_allclose(loaded.query_encoder.encode(TEXTS), student.encode(TEXTS), atol=1e-5)
-    from matryoshka2d.models.identity import query_encoder_record, weights_sha256
+    from matryoshka2d.models.identity import weights_sha256
+    from matryoshka2d.models.query_record import query_encoder_record
 
     assert weights_sha256(loaded) == weights_sha256(teacher)  # an index of the teacher is an index of the pair
-    from matryoshka2d.deploy.backends import weights_digest, weights_folder
+    from matryoshka2d.serve.backends import weights_digest, weights_folder
 
     # the ONNX backend's graphs of each route in a subfolder of their own (both are layer-N.onnx): the graph cache
     # names a subfolder by the weights the graphs compute (rule 3), and the routes' weights differ
@@ -73,15 +86,14 @@ def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir,
 
 
 def test_search_takes_the_pairs_query_route_for_an_index_of_its_teacher(
-    teacher_dir, student_dir, text_file, tmp_path, capsys
+    teacher_dir, student_dir, teacher_pair, text_file, tmp_path, capsys
 ):
     lines = text_file.read_text().split("\n")[:30]
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"_id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(lines)))
-    index, out = tmp_path / "idx", tmp_path / "pair"
+    index, (out, _) = tmp_path / "idx", teacher_pair
     build = ["index", "build", "--model", str(teacher_dir), "--pooling", "mean", "--corpus", str(corpus)]
     assert main([*build, "--cells", "4:32", "--output", str(index)]) == 0
-    assert export("--model", teacher_dir, "--query-model", student_dir, "--output", out) == 0
     capsys.readouterr()
     search = ["search", "--index", str(index), "--query", lines[3], "--top-k", "3", "--cell", "4:32"]
     assert main([*search, "--query-model", str(student_dir)]) == 0
@@ -155,12 +167,11 @@ def test_onnx_writes_each_routes_transformer_where_sentence_transformers_onnx_ba
         np.testing.assert_allclose(session.run(None, feed)[0], expected.detach().numpy(), atol=1e-4)
 
 
-def test_langchain_huggingface_embeddings_reach_the_query_route(teacher_dir, student_dir, tmp_path):
+def test_langchain_huggingface_embeddings_reach_the_query_route(teacher_dir, student_dir, teacher_pair):
     from langchain_huggingface import HuggingFaceEmbeddings
     from sentence_transformers import SentenceTransformer
 
-    out = tmp_path / "pair"
-    assert export("--model", teacher_dir, "--query-model", student_dir, "--output", out) == 0
+    out, _ = teacher_pair
     embeddings = HuggingFaceEmbeddings(
         model_name=str(out), encode_kwargs={"task": "document"}, query_encode_kwargs={"task": "query"}
     )

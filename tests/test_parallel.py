@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import write_triplets
+from helpers.data import write_triplets
 from matryoshka2d.cli import main
 from matryoshka2d.compress.smae import pretrain_trainer
 from matryoshka2d.training.config import TrainConfig

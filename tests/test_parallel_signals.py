@@ -2,7 +2,7 @@
 worker, a SIGKILL'd launcher takes its workers with it, and a worker that dies is named with its cause.
 
 These start real processes and send real signals. The end-to-end case trains a tiny model; the others run a
-stand-in command (`idle` below) in the workers, which needs no model and starts in seconds."""
+stand-in command (`idle`, in helpers/processes.py) in the workers, which needs no model and starts in seconds."""
 
 import os
 import signal
@@ -13,29 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers.processes import alive
 from matryoshka2d.retrieval.ray_watchdog import descendants  # pid -> start time of every process under a pid
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
-
-
-def idle(argv: list[str]) -> int:
-    """A stand-in for the command in a worker: write this process's pid, then wait to be stopped."""
-    folder = Path(argv[0])
-    (folder / f"rank-{os.environ['RANK']}.pid").write_text(str(os.getpid()))
-    while True:
-        time.sleep(0.1)
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by whoever adopted it, counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def wait_for(condition, seconds: float, what: str) -> None:
@@ -55,7 +39,7 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen:
 
 def start_idle_launcher(folder: Path) -> subprocess.Popen:
     code = (
-        "import sys; from matryoshka2d.training.parallel import launch; from test_parallel_signals import idle; "
+        "import sys; from matryoshka2d.training.parallel import launch; from helpers.processes import idle; "
         f"sys.exit(launch(idle, [{str(folder)!r}], 2))"
     )
     return start(["-c", code], folder)

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from helpers.data import result_file
 from matryoshka2d.cli import main
-from matryoshka2d.deploy.pick import Point, mark_frontier, recommend
+from matryoshka2d.pick.picker import Point, mark_frontier, recommend
 
 
 def points():
@@ -54,23 +55,6 @@ def test_impossible_budgets_say_what_the_cheapest_needs():
         recommend(points(), max_latency_ms=0.5)
     with pytest.raises(ValueError, match="no cell reaches the score 99: the best is 71.00"):
         recommend(points(), min_score=99)
-
-
-def result_file(path, model):
-    rows = [{"layer": n, "dim": d, "spearman": 40 + 5 * n + d / 8} for n in (1, 2, 4) for d in (8, 32)]
-    result = {
-        "task": "sts",
-        "metric": "spearman",
-        "metrics": ["spearman"],
-        "datasets": ["stsb"],
-        "layers": [1, 2, 4],
-        "dims": [8, 32],
-        "average": rows,
-        "model": {"model": "tiny", "location": str(model), "layers": 4, "hidden_size": 32, "pooling": "mean"},
-    }
-    path.mkdir()
-    (path / "results.json").write_text(json.dumps(result))
-    return path
 
 
 def test_pick_command_measures_once_then_uses_the_cache(tiny_dir, tmp_path, monkeypatch, capsys):

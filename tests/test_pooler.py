@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_run, tiny_transformer
+from helpers.models import tiny_run, tiny_transformer
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.pooler import PoolerHead, pool

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_run
+from helpers.models import tiny_run
 from matryoshka2d.cli import main
 from matryoshka2d.training.throughput import PrecisionError, autocast, resolve_precision
 from matryoshka2d.training.trainer import Trainer

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import pdist
 
-from conftest import WORDS
+from helpers.data import WORDS
 from matryoshka2d.cli import main
 from matryoshka2d.compress.reducers import REDUCERS, ReducedCells, corpus_sample, fit_reducer
 from matryoshka2d.evaluate.sts import evaluate_sts

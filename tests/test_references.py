@@ -103,7 +103,7 @@ def test_2dmse_python_draws_are_sentence_transformers_draws_step_for_step(tiny_d
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import Matryoshka2dLoss, MultipleNegativesRankingLoss
 
-    from matryoshka2d.views import nested_dims
+    from matryoshka2d.cells import nested_dims
 
     model = SentenceTransformer(str(tiny_dir), device="cpu")
     layers, hidden = model[0].auto_model.config.num_hidden_layers, model.get_embedding_dimension()

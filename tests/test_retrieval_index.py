@@ -1,32 +1,18 @@
 """Index build (one pass, resumable), flat / cascade / asymmetric search, on a tiny random model."""
 
-import gzip
 import json
 
 import numpy as np
 import pytest
 
+from helpers.cli import exit_code
+from helpers.data import DOCS, write_corpus
+from matryoshka2d.cells import unit_rows
 from matryoshka2d.cli import main
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.retrieval.faiss_indexes import ScaledQueryIndex, factory_string, hnsw_graph, make_index, searchable
 from matryoshka2d.retrieval.index import IndexBuildError, build_index
 from matryoshka2d.retrieval.search import CellIndex, cascade_search, flat_search, stored_vectors
-from matryoshka2d.views import unit_rows
-
-DOCS = [
-    {"_id": f"d{i}", "title": f"Title {i}", "text": f"document number {i} talks about {w}"}
-    for i, w in enumerate(["cats", "dogs", "rain", "guitars", "banks", "snow", "bikes", "music", "code", "tea"] * 3)
-]
-
-
-def write_corpus(path, docs=DOCS, gz=False):
-    lines = "".join(json.dumps(d) + "\n" for d in docs)
-    if gz:
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(lines)
-    else:
-        path.write_text(lines, encoding="utf-8")
-    return path
 
 
 def test_build_stores_each_cell_from_one_pass(tiny_bert, tmp_path, monkeypatch):
@@ -221,8 +207,8 @@ def test_errors_name_what_was_wrong(tiny_dir, tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     common = ["--model", str(tiny_dir), "--pooling", "mean"]
     build = ["index", "build", *common, "--corpus", str(corpus), "--output", str(tmp_path / "idx")]
-    assert main([*build, "--cells", "2:x"]) == 2
-    assert "--cells" in capsys.readouterr().err
+    assert exit_code([*build, "--cells", "2:x"]) == 2  # refused where it is parsed
+    assert "argument --cells: cannot read cell '2:x'" in capsys.readouterr().err
     assert main([*build, "--cells", "9:16"]) == 2
     assert "layer 9 is out of range" in capsys.readouterr().err
     assert main([*build[:-4], "--corpus", str(tmp_path / "none.jsonl"), "--output", "x", "--cells", "1:8"]) == 2
@@ -236,8 +222,8 @@ def test_errors_name_what_was_wrong(tiny_dir, tmp_path, capsys):
     search = ["search", "--index", str(tmp_path / "idx"), *common, "--query", "cats"]
     assert main([*search, "--cell", "3:16"]) == 2
     assert "no index for cell 3:16 (cells here: 1:8, 2:16)" in capsys.readouterr().err
-    assert main([*search, "--cascade", "1:8"]) == 2
-    assert "exactly two cells" in capsys.readouterr().err
+    assert exit_code([*search, "--cascade", "1:8"]) == 2  # refused where it is parsed
+    assert "argument --cascade: '1:8': give exactly two cells" in capsys.readouterr().err
     assert main(["search", "--index", str(tmp_path), "--query", "x"]) == 2
     assert "no manifest.json" in capsys.readouterr().err
 

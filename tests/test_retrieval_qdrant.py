@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.data import DOCS, write_corpus
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.index import IndexBuildError, build_index
 from matryoshka2d.retrieval.shards import cell_name, load_shards
-from test_retrieval_index import DOCS, write_corpus
 
 pytest.importorskip("qdrant_client", reason="qdrant-client (the [qdrant] extra, in dev) is not installed")
 

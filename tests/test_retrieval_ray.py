@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.data import write_corpus
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.retrieval.index import build_index
 from matryoshka2d.retrieval.search import CellIndex
-from test_retrieval_index import write_corpus
 
 # The module's Ray listens on 127.0.0.1 only (ray reads this when it is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_run
+from helpers.models import tiny_run
 from matryoshka2d.losses import EmbeddedBatch, SimCSELoss, make_task_loss
 from matryoshka2d.training.data import DataError, read_sentences, read_training_data
 from matryoshka2d.training.trainer import Trainer

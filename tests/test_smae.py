@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import WORDS, tiny_run, tiny_transformer
+from helpers.data import WORDS
+from helpers.models import tiny_run, tiny_transformer
 from matryoshka2d.cli import main
 from matryoshka2d.compress.masking import IGNORE, mask_batch
 from matryoshka2d.compress.smae import (

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SENTENCES
+from helpers.data import SENTENCES
 from matryoshka2d.cli import main
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.encoder import ElasticEncoder

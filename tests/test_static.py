@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, WORDS
+from helpers.data import WORDS
+from helpers.models import TINY
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.static import StaticCellError
@@ -144,8 +145,8 @@ def test_plain_sentence_transformers_gives_encode_layer_0_from_the_model_folder_
 
 
 def test_layer_0_goes_where_a_cell_goes_grids_backends_and_pick(student, tmp_path, monkeypatch, capsys):
-    from matryoshka2d.deploy.backends import OnnxBackend, TorchBackend
     from matryoshka2d.evaluate.grid import EncoderCells
+    from matryoshka2d.serve.backends import OnnxBackend, TorchBackend
 
     model = ElasticEncoder(str(student), device="cpu")
     texts = ["red cat runs", "old dog sleeps"]
@@ -317,18 +318,18 @@ def test_a_bare_distill_mode_static_runs_the_static_recipe_and_says_so(teacher, 
 
 def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_adaptive_depth(student, teacher):
     """Layer 0 is served where a cell is: `layer: 0` (and MODEL@0xD), a static cell folder as the query side of its
-    teacher (`serve --query-model`, input_type "query"), and a rung of the teacher's ladder (deploy/ladder.py)."""
+    teacher (`serve --query-model`, input_type "query"), and a rung of the teacher's ladder (serve/ladder.py)."""
     from fastapi.testclient import TestClient
 
-    from matryoshka2d.deploy.depth import LayerCost, aligned_layers
-    from matryoshka2d.deploy.ladder import Ladder, Rung
-    from matryoshka2d.deploy.server import create_app
+    from helpers.server import app_of
+    from matryoshka2d.serve.depth import LayerCost, aligned_layers
+    from matryoshka2d.serve.ladder import Ladder, Rung
 
     model = ElasticEncoder(str(student), device="cpu")
     texts = ["red cat sleeps", "blue dog"]
     expected = model.encode(texts, layer=0, normalize=True)
     assert aligned_layers(model)[0] == 0  # the static cell's head maps into the last layer's space
-    with TestClient(create_app(model, "m")) as client:
+    with TestClient(app_of(model, "m")) as client:
         by_layer = client.post("/v1/embeddings", json={"model": "m", "input": texts, "layer": 0}).json()
         by_name = client.post("/v1/embeddings", json={"model": "m@0x16", "input": texts}).json()
         assert by_layer["layer"] == 0 and by_name["layer"] == 0
@@ -340,7 +341,7 @@ def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_
         )
     documents = ElasticEncoder(str(teacher), device="cpu")
     full = documents.encode(texts, normalize=True)
-    app = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0})
+    app = app_of(documents, "t", queries={"t-static": model}, query_layers={"t-static": 0})
     with TestClient(app) as client:
         queries = client.post("/v1/embeddings", json={"model": "t", "input": texts, "input_type": "query"}).json()
         assert {(d["layer"], d["encoder"]) for d in queries["data"]} == {(0, "t-static")}
@@ -354,8 +355,8 @@ def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_
     slow = LayerCost({4: [(0.0, 1e6), (100.0, 1e6)]})
     cheap = LayerCost({0: [(0.0, 0.01), (100.0, 0.01)]})
     rungs = [Rung("t", 4, 1.0, cost=slow), Rung("t-static", 0, 0.8, cost=cheap)]
-    idle = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0},
-                      ladder=Ladder(rungs, 50.0, cores=1.0))  # fmt: skip
+    idle = app_of(documents, "t", queries={"t-static": model}, query_layers={"t-static": 0},
+                  ladder=Ladder(rungs, 50.0, cores=1.0))  # fmt: skip
     with TestClient(idle) as client:
         alone = client.post("/v1/embeddings", json={"model": "t", "input": texts}).json()
         assert {(d["layer"], d["encoder"]) for d in alone["data"]} == {(4, "t")}
@@ -365,7 +366,7 @@ def test_the_server_answers_layer_0_by_name_as_a_query_encoder_and_as_a_rung_of_
             return super().choose(now, texts, idle=False)
 
     ladder = Busy([Rung("t", 4, 1.0, cost=slow), Rung("t-static", 0, 0.8, cost=cheap)], 50.0, cores=1.0)
-    app = create_app(documents, "t", query_models={"t-static": model}, query_layers={"t-static": 0}, ladder=ladder)
+    app = app_of(documents, "t", queries={"t-static": model}, query_layers={"t-static": 0}, ladder=ladder)
     with TestClient(app) as client:
         for body in ({}, {"layer": "auto"}):
             answer = client.post("/v1/embeddings", json={"model": "t", "input": texts, **body})
@@ -400,9 +401,9 @@ def test_a_rung_of_another_models_space_is_refused_at_start(student, teacher, ot
 
 
 def test_the_ladder_measures_each_rungs_quality_on_the_texts_its_distill_record_names(student, teacher, sentences):
-    from matryoshka2d.deploy.backends import TorchBackend
-    from matryoshka2d.deploy.ladder import build_ladder, calibration_texts
-    from matryoshka2d.models.identity import query_encoder_record
+    from matryoshka2d.models.query_record import query_encoder_record
+    from matryoshka2d.serve.backends import TorchBackend
+    from matryoshka2d.serve.ladder import build_ladder, calibration_texts
 
     model = ElasticEncoder(str(student), device="cpu")
     documents = ElasticEncoder(str(teacher), device="cpu")

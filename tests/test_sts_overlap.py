@@ -7,26 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from conftest import tiny_run
+from helpers.cli import error_line
+from helpers.data import write_sts
+from helpers.models import tiny_run
 from matryoshka2d.cli import main
-from matryoshka2d.evaluate.sts import STS_SETS, sentence_key, sts_test_sentence_keys
+from matryoshka2d.evaluate.sts import sentence_key, sts_test_sentence_keys
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.training.data import DataError, read_training_data, without_rows_holding
 from matryoshka2d.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def write_sts(root, sentences: dict[str, list[tuple[str, str]]], variant="raw"):
-    """A data folder whose STS test sets hold the given pairs (a set not given gets one pair of its own)."""
-    for name in STS_SETS:
-        pairs = sentences.get(name, [(f"{name} left", f"{name} right"), (f"{name} one", f"{name} two")])
-        rows = [f"{a}\t{b}\t{i % 5}" for i, (a, b) in enumerate(pairs)]
-        path = root / "sts" / variant / f"{name}_test.tsv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("sentence1\tsentence2\tscore\n" + "\n".join(rows) + "\n", encoding="utf-8")
-    return root
 
 
 def test_a_sentence_and_its_tokenised_copy_meet():
@@ -118,3 +109,20 @@ def test_heads_fit_asked_to_exclude_without_sts_data_refuses_and_writes_nothing(
     assert main([*args, "--output", str(tmp_path / "d"), "--quiet"]) == 0  # the default goes on, and says so
     assert "STS test sentences are not left out" in capsys.readouterr().err
     assert np.isfinite(ElasticEncoder(str(tmp_path / "d"), device="cpu").encode(["a b c"], layer=1)).all()
+
+
+def test_a_file_of_only_sts_test_sentences_says_they_were_left_out(teacher_dir, sts_dev, tmp_path, monkeypatch, capsys):
+    write_sts(tmp_path / "data", {"stsb": [("red cat sleeps", "blue dog runs")]})
+    monkeypatch.setenv("MATRYOSHKA2D_DATA", str(tmp_path / "data"))
+    data = tmp_path / "only-test.txt"
+    data.write_text("Red cat sleeps.\nblue dog runs\n")
+    args = ["distill", "--teacher", str(teacher_dir), "--pooling", "mean", "--data", str(data), "--steps", "1"]
+    assert main([*args, "--eval-file", str(sts_dev), "--quiet", "--output", str(tmp_path / "s")]) == 2
+    line = error_line(capsys)
+    assert "all 2 of its texts are sentences of the STS test sets" in line and "--no-exclude-sts-test" in line
+    triplets = tmp_path / "only-test.tsv"
+    triplets.write_text("anchor\tpositive\tnegative\nred cat sleeps\tgreen bird\tsad fish\n")
+    args = ["train", "--model", str(teacher_dir), "--pooling", "mean", "--data", str(triplets), "--steps", "1"]
+    assert main([*args, "--exclude-sts-test", "--eval-file", str(sts_dev), "--output", str(tmp_path / "t")]) == 2
+    line = error_line(capsys)
+    assert "all 1 rows hold a sentence of the STS test sets (--exclude-sts-test); leave that flag out" in line

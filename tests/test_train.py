@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_run
+from helpers.models import tiny_run
 from matryoshka2d.cli import main
 from matryoshka2d.models.backbones import layer_stack
 from matryoshka2d.models.encoder import ElasticEncoder

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import WORDS, tiny_transformer
-from matryoshka2d.cli import main
-from matryoshka2d.cli.compress import parse_dims
+from helpers.data import WORDS
+from helpers.models import tiny_transformer
+from matryoshka2d.cli import build_parser, main
 from matryoshka2d.compress.two_step import TwoStepConfig, run_two_step
 from matryoshka2d.models.encoder import ElasticEncoder
 
@@ -111,9 +111,12 @@ def test_two_step_errors_before_any_training(setup, tmp_path, options, message):
     assert not (tmp_path / "o" / "runs").exists()
 
 
-def test_dims_parsing():
-    assert parse_dims("384, 256,128", "--candidate-dims") == [384, 256, 128]
-    with pytest.raises(ValueError, match="--target-dim: 'x' is not an integer"):
-        parse_dims("16,x", "--target-dim")
-    with pytest.raises(ValueError, match="--target-dim: no dims"):
-        parse_dims(",", "--target-dim")
+def test_dims_are_read_where_they_are_parsed(capsys):
+    """--target-dim and --candidate-dims go through cli.args.width_list (matryoshka2d.cells.parse_numbers)."""
+    common = ["two-step", "--data", "d", "--output", "o", "--target-dim"]
+    args = build_parser().parse_args([*common, "8", "--candidate-dims", "384, 256,128"])
+    assert args.target_dim == [8] and args.candidate_dims == [384, 256, 128]
+    for value, said in (("16,x", "'x' is not a whole number"), (",", "',' holds an empty item")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*common, value])
+        assert f"argument --target-dim: {said}" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The one writer and the one confined reader on run folders, checkpoints and indexes (issue 52, items 1-3).
+"""Run folders, checkpoints and indexes: the one writer and the one confined reader on them (issue 52, items 1-3).
 
 Writes: every file a run or an index build leaves was written under a temporary name of the writer and renamed
 (checked with an audit hook on `open`); a `checkpoints/` or `shards/` that is a link to another run's or build's is
@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from audit import opened_for_writing, opened_under, recording
+from helpers.audit import opened_for_writing, opened_under, recording
+from helpers.cli import folder_entries, sole_line
+from helpers.data import write_corpus
 from matryoshka2d.cli import main
-from matryoshka2d.files import OutsideFolderError
+from matryoshka2d.confined import OutsideFolderError
 from matryoshka2d.outputs import TEMPORARY_MARK, OutputError, is_writer_temporary
 from matryoshka2d.retrieval.index import IndexBuildError, build_index
 from matryoshka2d.retrieval.search import CellIndex
@@ -25,29 +27,8 @@ from matryoshka2d.training.rundir import RunDir
 
 DOCS = [{"_id": f"d{i}", "text": f"document {i} about {w}"} for i, w in enumerate(["cats", "dogs", "rain"] * 4)]
 
-# ---- helpers: what was opened (tests/audit.py's hook), and a folder's exact contents ---------------------------
 
-
-def snapshot(folder: Path) -> dict:
-    """Every entry of a folder: a file's bytes, a link's target (links are not followed)."""
-    state = {}
-    for root, dirs, names in os.walk(folder):
-        for name in sorted(dirs + names):
-            path = Path(root) / name
-            key = str(path.relative_to(folder))
-            state[key] = (
-                ("link", os.readlink(path)) if path.is_symlink() else path.read_bytes() if path.is_file() else "dir"
-            )
-    return state
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
-
-
-# ---- run folders and checkpoints ----------------------------------------------------------------------------
+# ---- run folders and checkpoints -------------------------------------------------------------------------------------
 
 
 def other_run(tmp_path: Path) -> Path:
@@ -77,14 +58,14 @@ def test_a_run_whose_checkpoints_link_to_another_runs_is_refused_and_that_run_ke
 ):
     """Was: --overwrite deleted the other run's checkpoints through the link, --resume read and replaced them."""
     other = other_run(tmp_path)
-    before = snapshot(other)
+    before = folder_entries(other)
     run = run_linked_to(tmp_path, other)
     args = [command, "--model", str(tiny_dir), "--pooling", "mean", "--data", str(files / "triplets.tsv")]
     args += ["--eval-file", str(files / "dev.tsv"), "--batch-size", "8", "--steps", "1", "--output", str(run), how]
     assert main(args) == 2
-    err = one_line_error(capsys)
+    err = sole_line(capsys)
     assert f"{run / 'checkpoints'} is a symbolic link" in err and "--output" in err
-    assert snapshot(other) == before
+    assert folder_entries(other) == before
     assert (run / "checkpoints").is_symlink() and (run / "train_log.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
@@ -106,7 +87,7 @@ def save(run: RunDir, step: int, keep: int = 2) -> Path:
 def test_the_run_folder_library_refuses_a_linked_checkpoints_folder(tmp_path):
     """Without a command around it too: clear_run, save_checkpoint and load_latest never follow the link."""
     other = other_run(tmp_path)
-    before = snapshot(other)
+    before = folder_entries(other)
     run = RunDir(run_linked_to(tmp_path, other))
     with pytest.raises(OutputError, match="symbolic link"):
         run.clear_run()
@@ -116,14 +97,14 @@ def test_the_run_folder_library_refuses_a_linked_checkpoints_folder(tmp_path):
         checkpoints.load_latest(run.checkpoints, "cpu")
     with pytest.raises(OutputError, match="symbolic link"):
         run.check(resume=True, overwrite=False)
-    assert snapshot(other) == before
+    assert folder_entries(other) == before
 
 
 def test_checkpoints_are_written_under_temporary_names_and_old_ones_pruned_without_following_links(tmp_path):
     """Every checkpoint file is written under the writer's temporary name and renamed (was: state.json and the
     manifest written in place in .tmp-step-N); pruning removes a link named like a checkpoint as a link."""
     other = other_run(tmp_path)
-    before = snapshot(other)
+    before = folder_entries(other)
     run = RunDir(tmp_path / "run")
     (run.checkpoints).mkdir(parents=True)
     (run.checkpoints / "step-0000000").symlink_to(other / "checkpoints" / "step-0000003", target_is_directory=True)
@@ -134,7 +115,7 @@ def test_checkpoints_are_written_under_temporary_names_and_old_ones_pruned_witho
     written = opened_for_writing(opens)
     assert written and all(is_writer_temporary(p) for p in written), written
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-0000001", "step-0000002"]
-    assert snapshot(other) == before
+    assert folder_entries(other) == before
     folder, state = checkpoints.load_latest(run.checkpoints, "cpu")
     assert folder.name == "step-0000002" and state["step"] == 2
 
@@ -164,7 +145,7 @@ def test_a_resume_of_a_run_whose_log_links_out_is_refused_before_it_is_read(tiny
     args += ["--eval-file", str(files / "dev.tsv"), "--steps", "1", "--output", str(run), "--resume"]
     with recording() as opens:
         assert main(args) == 2
-    assert "leaves the run folder" in one_line_error(capsys)
+    assert "leaves the run folder" in sole_line(capsys)
     assert not opened_under(opens, secret) and secret.read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
@@ -175,7 +156,7 @@ def test_the_final_save_replaces_links_in_the_output_and_never_writes_through_th
     (other / "2_Dense").mkdir(parents=True)
     (other / "2_Dense" / "model.safetensors").write_bytes(b"the other model's head")
     (other / "config.json").write_text('{"the other": "model"}')
-    before = snapshot(other)
+    before = folder_entries(other)
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").symlink_to(other / "config.json")
@@ -184,7 +165,7 @@ def test_the_final_save_replaces_links_in_the_output_and_never_writes_through_th
     (out / ".saving-model" / "config.json").write_text("{}")
     with recording() as opens:
         checkpoints.save_model_atomically(lambda folder: tiny_bert.save(folder, metadata={"new": True}), out)
-    assert snapshot(other) == before
+    assert folder_entries(other) == before
     assert not (out / "config.json").is_symlink() and json.loads((out / "config.json").read_text()) != {
         "the other": "model"
     }
@@ -194,19 +175,14 @@ def test_the_final_save_replaces_links_in_the_output_and_never_writes_through_th
     assert written and all(is_writer_temporary(p) for p in written), written
 
 
-# ---- indexes: what a build writes, what a search reads and where it writes --------------------------------------
-
-
-def write_corpus(path: Path) -> Path:
-    path.write_text("".join(json.dumps(d) + "\n" for d in DOCS), encoding="utf-8")
-    return path
+# ---- indexes: what a build writes, what a search reads and where it writes -------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def built(tiny_dir, tmp_path_factory):
     """An index of DOCS at cell 4:32, built by the command (the tiny model's folder as --model)."""
     root = tmp_path_factory.mktemp("built-index")
-    corpus = write_corpus(root / "corpus.jsonl")
+    corpus = write_corpus(root / "corpus.jsonl", DOCS)
     out = root / "idx"
     args = ["index", "build", "--model", str(tiny_dir), "--pooling", "mean", "--corpus", str(corpus)]
     assert main([*args, "--cells", "4:32", "--output", str(out)]) == 0
@@ -224,7 +200,7 @@ def test_search_output_onto_a_file_of_its_index_is_refused_and_the_index_survive
     """Was: `search --index IDX --output IDX/ids.txt` exited 0 and the index was gone."""
     index = tmp_path / "idx"
     shutil.copytree(built, index)
-    before = snapshot(index)
+    before = folder_entries(index)
     if how == "inside":
         output = index / "ids.txt"
     elif how == "symlink":
@@ -234,9 +210,9 @@ def test_search_output_onto_a_file_of_its_index_is_refused_and_the_index_survive
         output = tmp_path / "results.jsonl"
         os.link(index / "manifest.json", output)
     assert main(search_args(index, tiny_dir, "--output", str(output))) == 2
-    err = one_line_error(capsys)
+    err = sole_line(capsys)
     assert f"--output {output}" in err and "choose another --output" in err
-    assert snapshot(index) == before
+    assert folder_entries(index) == before
     assert main(search_args(index, tiny_dir, "--output", str(tmp_path / "hits.jsonl"))) == 0  # still searchable
     rows = [json.loads(line) for line in (tmp_path / "hits.jsonl").read_text().splitlines()]
     assert rows[0]["query"] == "cats" and rows[0]["ids"]
@@ -272,19 +248,19 @@ def test_an_index_holding_a_link_out_is_refused_before_anything_in_it_is_opened(
 
 
 def test_index_build_never_writes_through_links_and_refuses_a_linked_shards_folder(tiny_bert, tmp_path, capsys):
-    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    corpus = write_corpus(tmp_path / "corpus.jsonl", DOCS)
     # Another build's shards, behind a shards/ link: refused, with --overwrite too (was: its .npz files deleted).
     other = tmp_path / "other"
     (other / "shards").mkdir(parents=True)
     (other / "shards" / "shard-00000.npz").write_bytes(b"the other build's shard")
-    before = snapshot(other)
+    before = folder_entries(other)
     out = tmp_path / "linked"
     out.mkdir()
     (out / "shards").symlink_to(other / "shards", target_is_directory=True)
     for overwrite in (False, True):
         with pytest.raises(OutputError, match="symbolic link"):
             build_index(tiny_bert, corpus, [(4, 32)], out, overwrite=overwrite, log=lambda m: None)
-    assert snapshot(other) == before
+    assert folder_entries(other) == before
     # ids.txt and a faiss file that are links to files elsewhere: replaced by the build's own, never written into.
     out = tmp_path / "idx"
     out.mkdir()

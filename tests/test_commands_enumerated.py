@@ -1,5 +1,5 @@
-"""Issue 52, item 4: the rules of docs/reliability.md hold by construction, shown by tests that enumerate what
-exists rather than a list of cases:
+"""The rules of docs/reliability.md hold by construction (issue 52, item 4), shown by tests that enumerate what exists
+rather than a list of cases:
 
 (a) every command of `matryoshka2d --help` (the parsers walked) has an invocation here, or the test fails; for
     every output option a command declares, the output pointed at each of the command's input files (every file of
@@ -15,8 +15,6 @@ exists rather than a list of cases:
 A throw-away command that writes with plain `open()` makes (a) fail: the tests bite.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os
@@ -27,17 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from audit import announced, opened_for_writing, opened_under, recording
-from conftest import write_triplets
+from helpers.audit import announced, opened_for_writing, opened_under, recording
+from helpers.cli import every_command, exit_code
+from helpers.data import beir, sts_tree, write_triplets
 from matryoshka2d import cli
 from matryoshka2d.cli import build_parser
 from matryoshka2d.cli.args import input_paths, reads_and_writes
 from matryoshka2d.outputs import is_writer_temporary
-from test_eval_retrieval import beir
-from test_eval_sts import sts_tree
-from test_rules_outputs_options_results import every_command, exit_code
-
-# ---- what a command did: tests/audit.py's hook records opens and the writer's commits -----------------------
 
 
 def state(root: Path) -> dict[str, tuple]:
@@ -72,9 +66,6 @@ def writes_outside_the_writer(events, before: dict, after: dict, root: Path) -> 
         if not any(Path(path) == c or Path(path).is_relative_to(c) for c in committed):
             problems.append(f"left by no commit of the writer: {path}")
     return problems
-
-
-# ---- the workspace every command runs in: inputs under in/, outputs under out/ -----------------------------------
 
 
 class Work:
@@ -314,9 +305,6 @@ def test_a_clean_run_writes_only_through_the_one_writer(work, words, monkeypatch
     assert not problems, f"{' '.join(words)}:\n" + "\n".join(problems)
 
 
-# ---- the tests bite: a command that writes with plain open() ----------------------------------------------------
-
-
 def scribble(args):
     Path(args.output).write_text(Path(args.input).read_text())  # a write that bypasses the one writer
     return 0
@@ -341,44 +329,6 @@ def test_a_command_writing_with_plain_open_fails_the_enumerating_tests(work, mon
     problems = check_clean_run(work, ["scribble", "--input", work.texts, "--output", "OUT"])
     assert problems and all("outside the writer" in p or "no commit of the writer" in p for p in problems)
     assert any("opened for writing outside the writer" in p for p in problems), problems
-
-
-def test_the_writer_replaces_a_link_in_its_place_and_never_writes_through_it(tmp_path):
-    from matryoshka2d.outputs import write_text
-
-    victim = tmp_path / "config.json"
-    victim.write_text("{}")
-    link = tmp_path / "out.json"
-    link.symlink_to(victim)
-    hard = tmp_path / "hard.json"
-    os.link(victim, hard)
-    write_text(link, "new")
-    write_text(hard, "new")
-    assert victim.read_text() == "{}" and not link.is_symlink() and link.read_text() == "new"
-    assert hard.stat().st_ino != victim.stat().st_ino
-
-
-def test_folders_the_command_owns_are_never_followed_through_a_link(tmp_path):
-    from matryoshka2d.outputs import OutputError, command_scope, make_folder, remove_tree, write_text
-
-    other = tmp_path / "other-run" / "checkpoints"
-    other.mkdir(parents=True)
-    (other / "step-1").write_text("the other run's")
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "checkpoints").symlink_to(other, target_is_directory=True)
-    with command_scope("--output", [], output=run):
-        for act in (
-            lambda: remove_tree(run / "checkpoints"),
-            lambda: make_folder(run / "checkpoints", own=True),
-            lambda: write_text(run / "checkpoints" / "step-2", "x"),
-        ):
-            with pytest.raises(OutputError, match="symbolic link"):
-                act()
-    assert (other / "step-1").read_text() == "the other run's" and sorted(os.listdir(other)) == ["step-1"]
-
-
-# ---- (b) every folder kind, tampered, read under the audit hook ----------------------------------------------------
 
 
 def json_names(folder: Path):

@@ -1,9 +1,9 @@
-"""Issue 52, items 2 and 6 for model-like folders: every file read from a model folder (plain, with exit heads or a
-static cell, a query encoder, a query/document pair) goes through the one confined reader (files.ConfinedFolder):
-its links and every name its files give (modules.json, router_config.json, matryoshka2d.json records) are checked
-before anything is opened; a Hugging Face cache snapshot is a model folder; a pair folder is checked as one model;
-a static cell is never carried over to weights it was not aligned to; and the model folder's writes go through the
-one writer (matryoshka2d.outputs).
+"""Model folders (plain, with exit heads or a static cell, a query encoder, a query/document pair) are read through the
+one confined reader (confined.ConfinedFolder, issue 52, items 2 and 6): its links and every name its files give
+(modules.json, router_config.json, matryoshka2d.json records) are checked before anything is opened; a Hugging Face
+cache snapshot is a model folder; a pair folder is checked as one model; a static cell is never carried over to
+weights it was not aligned to; exit heads holding NaN, inf or integers are refused; and the model folder's writes go
+through the one writer (matryoshka2d.outputs).
 
 The opens are watched with a Python audit hook (event "open"), which records while `watching_opens` is active.
 Files that Rust code opens (safetensors, tokenizers) raise no audit event; they are covered by the link check that
@@ -19,21 +19,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from audit import opens, recording, writes
+from helpers.audit import opens, recording, writes
+from helpers.models import set_heads_record
 from matryoshka2d.cli import main
 from matryoshka2d.models.backbones import BackboneError
 from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.heads import HEADS_FILE, HeadsError
 from matryoshka2d.outputs import is_writer_temporary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TEXTS = ["a red cat", "the old dog sleeps in the sun"]
 
-# ---- what was opened while a test watches (tests/audit.py's hook) ---------------------------------------------
+
+TEXTS = ["a red cat", "the old dog sleeps in the sun"]
 
 
 @contextlib.contextmanager
 def watching_opens():
-    """Every file opened through Python while the block runs: (absolute path, mode, flags) (tests/audit.py)."""
+    """Every file opened through Python while the block runs: (absolute path, mode, flags) (tests/helpers/audit.py)."""
     with recording() as events:
         opened: list = []
         yield opened
@@ -44,9 +46,6 @@ def opened_inside(opened, place: Path) -> list[str]:
     """The opened paths that, links followed, lie in `place`."""
     place = place.resolve()
     return [path for path, _, _ in opened if Path(path).resolve().is_relative_to(place)]
-
-
-# ---- fixtures: a tiny model folder, a pair, an outside model -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +88,7 @@ def route_to(folder: Path, route: str, target: str) -> None:
 
 def refused(model: str, capsys, monkeypatch) -> tuple[str, str, str]:
     """(ElasticEncoder's error, `encode`'s and `serve`'s stderr) for a folder that must be refused at load."""
-    from matryoshka2d.deploy import server
+    from matryoshka2d.serve import process
 
     with pytest.raises(ValueError) as library:
         ElasticEncoder(model, device="cpu")
@@ -98,13 +97,10 @@ def refused(model: str, capsys, monkeypatch) -> tuple[str, str, str]:
     texts.write_text("a red cat\n")
     assert main(["encode", "--model", model, "--input", str(texts), "--output", str(texts) + ".npy"]) == 2
     encode = capsys.readouterr().err
-    monkeypatch.setattr(server, "serve", lambda *a, **k: pytest.fail("a refused model was served"))
+    monkeypatch.setattr(process, "serve_app", lambda *a, **k: pytest.fail("a refused model was served"))
     assert main(["serve", "--model", model, "--port", "0"]) == 2
     serve = capsys.readouterr().err
     return str(library.value), encode, serve
-
-
-# ---- 1. nothing outside a model folder is opened ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("way", ["..", "absolute", "link"])
@@ -134,7 +130,7 @@ def test_a_pair_route_out_of_the_folder_is_refused_before_anything_outside_is_op
 def test_a_file_linked_out_of_a_model_folder_is_refused_before_anything_is_opened(st_model, tmp_path, capsys, name):
     """Was: a tokenizer.json or model.safetensors linked to a file anywhere was read by transformers (their names
     are fixed, so no record names them), and a matryoshka2d.json link was read for a query encoder's record."""
-    from matryoshka2d.models.identity import query_encoder_record_at
+    from matryoshka2d.models.query_record import query_encoder_record_at
 
     folder, outside = tmp_path / "model", tmp_path / "outside"
     shutil.copytree(st_model, folder)
@@ -173,9 +169,6 @@ def test_every_file_a_pair_opens_through_python_is_inside_it(pair):
     assert loaded.query_encoder is not None
     mine = [p for p, _, _ in opened if Path(p).resolve().is_relative_to(pair.parent.parent.resolve())]
     assert mine and all(Path(p).resolve().is_relative_to(pair.resolve()) for p in mine)
-
-
-# ---- 2. a Hugging Face cache snapshot is a model folder --------------------------------------------------------
 
 
 def as_hub_snapshot(folder: Path, cache: Path) -> Path:
@@ -222,9 +215,6 @@ def test_a_hugging_face_cache_snapshot_loads_with_its_exit_heads_and_static_cell
     (snapshot / "tokenizer.json").symlink_to(saved / "tokenizer.json")
     with pytest.raises(BackboneError, match="leaves"):
         ElasticEncoder(str(snapshot), device="cpu")
-
-
-# ---- 3. a pair folder is checked as one model --------------------------------------------------------------------
 
 
 def pair_meta(folder: Path) -> dict:
@@ -279,7 +269,7 @@ def test_a_pair_whose_query_side_was_distilled_from_another_teacher_is_refused(p
         "teacher_weights_sha256": "f" * 64,
         "teacher_pooling": "mean",
         "teacher_layers": document["layer"],
-        "weights_sha256": query["route_sha256"],  # the query route's own weights (models.identity.check_own_weights)
+        "weights_sha256": query["route_sha256"],  # the query route's own weights (query_record.check_own_weights)
         "width": query["dim"],
     }
     query.update(kind="query encoder", distill=record)
@@ -305,9 +295,6 @@ def test_a_pair_record_without_route_checksums_is_refused_naming_the_folder(pair
     with pytest.raises(ValueError, match="export the pair again") as refused_old:
         ElasticEncoder(str(folder), device="cpu")
     assert str(folder) in str(refused_old.value)
-
-
-# ---- 4. a static cell is checked, and never carried to other weights ------------------------------------------
 
 
 def with_static_cell(model_dir: Path) -> ElasticEncoder:
@@ -358,9 +345,6 @@ def test_a_static_cell_whose_table_or_tokenizer_was_replaced_is_refused_naming_t
     assert str(saved / "static" / name) in str(refused_cell.value)
 
 
-# ---- 5. the model folder's writes go through the one writer ---------------------------------------------------
-
-
 def test_a_model_save_and_a_pair_export_write_only_through_the_writers_temporary_names(st_model, tiny_dir, tmp_path):
     """Every file opened for writing while a model folder (with exit heads and a static cell) is saved, and while
     a pair is exported, has a temporary name of the one writer (moved into place when whole)."""
@@ -389,3 +373,22 @@ def test_a_model_save_and_a_pair_export_write_only_through_the_writers_temporary
     assert {"README.md", "matryoshka2d.json", "config.json"} <= {p.name for p in (tmp_path / "saved").iterdir()}
     assert not [p for p in tmp_path.rglob("*") if is_writer_temporary(p)]  # nothing temporary left behind
     assert ElasticEncoder(str(tmp_path / "pair"), device="cpu").query_encoder.num_layers == 2
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "int"])
+def test_heads_holding_nan_inf_or_integers_are_refused_even_with_the_checksum_rerecorded(planted, kind):
+    from safetensors.torch import load_file, save_file
+
+    from matryoshka2d.files import file_sha256
+
+    path = planted / HEADS_FILE
+    tensors = load_file(str(path))
+    key = sorted(tensors)[0]
+    if kind == "int":
+        tensors[key] = tensors[key].round().to(torch.int32)
+    else:
+        tensors[key].view(-1)[0] = float("nan") if kind == "nan" else float("inf")
+    save_file(tensors, str(path))
+    set_heads_record(planted, sha256=file_sha256(path))
+    with pytest.raises(HeadsError, match="not a float tensor" if kind == "int" else "NaN or inf"):
+        ElasticEncoder(str(planted), device="cpu")
