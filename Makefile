@@ -23,7 +23,7 @@ demo: $(BIN)/.installed  ## the main job: fine-tune, grid, pick a cell, export i
 test: $(BIN)/.installed  ## lint, the import layers, the docs site, then every test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports  # the layers contract in pyproject.toml: imports only run down the pipeline
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site  # a broken link or page fails
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site  # any warning (a broken link, page or anchor) fails
 	$(BIN)/pytest
 
 docs: $(BIN)/.installed  ## the documentation site (guides, results, Python API) into site/, offline
