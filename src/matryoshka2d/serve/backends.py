@@ -179,6 +179,7 @@ def graph_key(source: str, pooling: str | None, layer: int, quantize: str | None
     return cache_key(
         GRAPH_KIND,
         weights_sha256=source,
+        config_sha256=None,  # in `source`: weights_digest covers the configuration with the tensors
         tokenizer_sha256=None,
         max_length=None,
         pooling=pooling,
@@ -315,12 +316,13 @@ def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize
         )
     fp32 = trusted(encoder, cache, layer, None, log) if quantize else None
     features, expected = reference(encoder, layer)
+    graph = f"{'int8 ' if quantize else ''}layer {layer} of {encoder.name}"  # what an error names
     if quantize is None:  # exported straight into the cache: a temporary file beside, renamed when checked
         with outputs.writing(cache.path_of(layer, None)) as tmp:
             made = graph_metadata(export_exit(encoder, layer, tmp))
-            moved = graph_check.batch_record(tmp, features, run_reference(tmp, features), f"layer {layer}")
-        agreement = {"max_abs_difference_vs_torch": float(made["max_abs_difference_vs_torch"]), **moved}
-        return cache.add(layer, None, {"exporter": made["exporter"], **agreement})
+            moved = graph_check.batch_record(tmp, features, run_reference(tmp, features), graph)
+        made = {"exporter": made["exporter"], "max_abs_difference_vs_torch": float(made["max_abs_difference_vs_torch"])}
+        return cache.add(layer, None, made | moved)
     with outputs.writing(cache.path_of(layer, quantize)) as tmp:  # renamed into the cache once it is checked
         scratch = None
         try:
@@ -342,7 +344,7 @@ def build_graph(encoder: ElasticEncoder, cache: GraphCache, layer: int, quantize
                 f"cosine of {agreement['min_cosine_vs_torch']:.4f} on the check sentences (at least "
                 f"{INT8_MIN_COSINE} is served): serve it in fp32 (no --quantize)"
             )
-        agreement |= graph_check.batch_record(built, features, got, f"int8 layer {layer} of {encoder.name}")
+        agreement |= graph_check.batch_record(built, features, got, graph)
     return cache.add(layer, quantize, agreement)
 
 
@@ -389,8 +391,7 @@ class OnnxBackend:
                 self.log(f"building the ONNX graph of layer {n}{' (int8)' if quantize else ''} in {self.cache.folder}")
                 path = build_graph(encoder, self.cache, n, quantize, self.log)
             self.paths[n] = path
-        self.sessions: dict[int, object] = {}
-        self.session_mb: dict[int, float] = {}
+        self.sessions, self.session_mb = {}, {}  # by layer: its onnxruntime session, the MB it took at load
 
     def load(self) -> None:
         """Load the sessions of the layers given up front (none without `layers`: each loads at its first
@@ -413,8 +414,7 @@ class OnnxBackend:
 
     def _run(self, session, texts: list[str], encoded=None) -> np.ndarray:
         names = [i.name for i in session.get_inputs()]
-        if encoded is None:
-            encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length) if encoded is None else encoded
         lengths = [len(x) for x in encoded["input_ids"]]
         out = np.zeros((len(texts), self.hidden_size), dtype=np.float32)
         for idx in inference_batches(lengths, self.batch_size, ONNX_CALL_OVERHEAD_TOKENS[self.quantize]):
