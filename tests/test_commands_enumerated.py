@@ -28,10 +28,11 @@ import pytest
 from helpers.audit import announced, opened_for_writing, opened_under, recording
 from helpers.cli import every_command, exit_code
 from helpers.data import beir, sts_tree, write_triplets
+from helpers.mounts import bind_mount
 from matryoshka2d import cli
 from matryoshka2d.cli import build_parser
 from matryoshka2d.cli.args import input_paths, reads_and_writes
-from matryoshka2d.outputs import is_writer_temporary
+from matryoshka2d.outputs import TEMPORARY_MARK, is_writer_temporary
 
 
 def state(root: Path) -> dict[str, tuple]:
@@ -280,7 +281,98 @@ def test_an_output_over_any_input_is_refused_with_every_input_intact(work, words
         err = capsys.readouterr().err
         assert code == 2, f"{' '.join(words)}: {label}: exit {code}\n{err}"
         assert "Traceback" not in err and option in err, (label, err)
+        assert TEMPORARY_MARK not in err, (label, err)  # the user's path, never the writer's temporary one
         assert contents(files) == before, f"{' '.join(words)}: {label} changed an input"
+
+
+def second_name_cases(alias: Path, inputs: Path, argv):
+    """(label, option, output by its own path, output by a second name) for every output option, the second name
+    through `alias`, a second name of the folder `inputs` that holds every input (a bind mount: no link anywhere,
+    another path): each input folder, a new folder inside it, and the folder holding every input."""
+    _, folders = input_files(argv)
+    for option in output_options(argv):
+        for folder in folders:
+            other = alias / folder.relative_to(inputs)
+            yield f"{option} = input folder {folder.name}", option, folder, other
+            yield f"{option} = a new folder inside input folder {folder.name}", option, folder / "x", other / "x"
+        yield f"{option} = the folder holding every input", option, inputs, alias
+
+
+@pytest.fixture
+def runs_recorded(monkeypatch):
+    """Every command's function replaced by one that records that it ran (and does nothing)."""
+    ran: list[str] = []
+    real = cli.build_parser
+
+    def stubbed():
+        parser = real()
+        for words, sub in commands_of(parser):
+            sub.set_defaults(func=lambda args, words=words: ran.append(" ".join(words)) or 0)
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", stubbed)
+    return ran
+
+
+@pytest.mark.parametrize("words", [w for w in commands()], ids=" ".join)
+def test_an_output_seen_under_a_second_name_is_judged_as_under_its_own(work, words, tmp_path, runs_recorded, capsys):
+    """Was: a bind mount of the model's folder (or of its parent) is neither the same resolved path nor a file's
+    inode, so `export --overwrite` through it deleted the model. Folders are compared by device and inode along the
+    whole chain (is, holds, lies inside): every output and cache option of every command, pointed at an input
+    folder, inside one and at the folder holding them by a second name, is refused exactly when it is by its own
+    path, naming the option and the second name."""
+    argv = dict(refusal_argvs(work)).get(words)
+    if argv is None or not output_options(argv):
+        pytest.skip(f"{' '.join(words)} writes nothing: no output option")
+    files, _ = input_files(argv)
+    before = contents(files)
+    with bind_mount(work.inputs, tmp_path / "alias") as alias:
+        for label, option, own, second in second_name_cases(alias, work.inputs, argv):
+            expected = exit_code(with_output(argv, option, own))
+            capsys.readouterr()
+            code = exit_code(with_output(argv, option, second))
+            err = capsys.readouterr().err
+            assert code == expected, (
+                f"{' '.join(words)}: {label}: exit {code} by a second name, {expected} by its own\n{err}"
+            )
+            if code == 2:
+                assert "Traceback" not in err and option in err and "another name" in err, (label, err)
+            assert contents(files) == before, f"{' '.join(words)}: {label} changed an input"
+
+
+def no_file_cases(place: Path):
+    """Destinations that are neither a file nor a folder, as a user may give them: a FIFO, the system's /dev/null
+    (which the command must never run to reach: `never_run`), a link to /dev/stdout (standard output, whatever it
+    leads to under the test's capture)."""
+    fifo = place / "fifo"
+    os.mkfifo(fifo)
+    stdout = place / "stdout"
+    stdout.symlink_to("/dev/stdout")
+    return [("a FIFO", fifo), ("/dev/null", Path("/dev/null")), ("a link to /dev/stdout", stdout)]
+
+
+def what_stands_at(path: Path):
+    st = os.lstat(path)
+    return (st.st_mode, st.st_rdev, st.st_ino, os.readlink(path) if path.is_symlink() else None)
+
+
+@pytest.mark.parametrize("words", [w for w in commands()], ids=" ".join)
+def test_an_output_that_is_no_file_or_folder_is_refused_and_left_as_it_is(work, words, tmp_path, never_run, capsys):
+    """Was: a character device, a FIFO or a link to /dev/stdout given as an output was replaced by a regular file
+    (as root, `--output /dev/null` would have replaced the system's). Every output and cache option of every
+    command: exit 2 naming the option and what stands there, and it stands there unchanged."""
+    argv = dict(refusal_argvs(work)).get(words)
+    if argv is None or not output_options(argv):
+        pytest.skip(f"{' '.join(words)} writes nothing: no output option")
+    cases = no_file_cases(tmp_path)
+    before = {str(path): what_stands_at(path) for _, path in cases}
+    for option in output_options(argv):
+        for label, target in cases:
+            code = exit_code(with_output(argv, option, target))
+            err = capsys.readouterr().err
+            assert code == 2, f"{' '.join(words)}: {option} = {label}: exit {code}\n{err}"
+            assert "Traceback" not in err and f"{option} {target}" in err and "not a file or folder" in err, err
+    assert {str(path): what_stands_at(path) for _, path in cases} == before
 
 
 def check_clean_run(work, argv) -> list[str]:
@@ -400,6 +492,14 @@ def tampered_copies(folder: Path, decoy: Path, scratch: Path):
             set_at(record, where, named)
             (copy / rel).write_text(json.dumps(record), encoding="utf-8")
             yield f"{rel}:{'.'.join(map(str, where))} by {how}", copy
+    # the folder as a Hugging Face cache snapshot (each file a link into ../../blobs) whose blobs/ is itself a link
+    # to the decoy: a snapshot is read as a folder, its links only into its repository's own blobs (issue 61)
+    snapshot = Path(shutil.copytree(folder, scratch / "hub" / "models--org--kind" / "snapshots" / "rev"))
+    for file in sorted(p for p in snapshot.rglob("*") if p.is_file() and not p.is_symlink()):
+        file.unlink()
+        file.symlink_to(os.path.relpath(snapshot.parent.parent / "blobs" / file.relative_to(snapshot), file.parent))
+    (snapshot.parent.parent / "blobs").symlink_to(decoy, target_is_directory=True)
+    yield "a snapshot whose blobs/ is a link out", snapshot
 
 
 def read_model(folder):

@@ -1,21 +1,19 @@
 """Where a command will write is checked before any work: never over one of its inputs, directly or through a
-link (docs/reliability.md, rule 2: cli.args.check_outputs, and training.rundir.RunDir.check for a --config
+link (docs/reliability.md, rule 1: cli.args.check_outputs, and training.rundir.RunDir.check for a --config
 file's output), never the current folder by an empty name, and never a folder it cannot write."""
 
-import contextlib
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from helpers.cli import error_line, every_command, exit_code, folder_bytes
+from helpers.mounts import HOW_A_FOLDER_REFUSES, refusing
 from matryoshka2d import cli
 from matryoshka2d.cli import build_parser, main
 from matryoshka2d.cli.args import check_outputs
+from matryoshka2d.outputs import TEMPORARY_MARK
 
-# ---- never over an input (rule 2) ------------------------------------------------------------------------------------
+# ---- never over an input (rule 1) ------------------------------------------------------------------------------------
 
 
 def test_distill_never_replaces_its_teacher_directly_or_through_a_link(model, text_file, tmp_path, capsys):
@@ -92,7 +90,7 @@ def test_export_never_replaces_the_model_it_reads(planted, capsys):
     for output in (planted, planted / "cell", planted.parent):
         args = ["export", "--model", str(planted), "--layer", "2", "--dim", "16", "--output", str(output)]
         assert main([*args, "--overwrite"]) == 2
-        assert f"--model {planted}" in capsys.readouterr().err  # rule 2: is, is inside, holds
+        assert f"--model {planted}" in capsys.readouterr().err  # rule 1: is, is inside, holds
     assert {p.name: p.read_bytes() for p in planted.iterdir() if p.is_file()} == before
     assert not (planted / "cell").exists()
 
@@ -139,7 +137,7 @@ def test_results_may_be_written_inside_the_model_folder_they_describe(model, tmp
 
 
 def test_every_command_with_an_output_says_what_it_reads():
-    """A new command with --output cannot skip rule 2: each declares its inputs (cli.args.reads_and_writes)."""
+    """A new command with --output cannot skip rule 1: each declares its inputs (cli.args.reads_and_writes)."""
 
     undeclared = [
         " ".join(path)
@@ -175,31 +173,6 @@ OUTPUT_UNDER_RO = {
 }
 
 
-@contextlib.contextmanager
-def read_only(folder: Path):
-    """`folder` as a user finds a folder they cannot write: chattr +i as root (whom permission bits do not stop),
-    mode 555 otherwise; skipped where neither stops a write."""
-    as_root = os.geteuid() == 0
-    if as_root:
-        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
-            pytest.skip("cannot make a folder read-only here (chattr +i)")
-    else:
-        folder.chmod(0o555)
-    try:
-        try:
-            os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT, 0o644))
-            os.unlink(folder / "probe")
-            pytest.skip("the folder could still be written")
-        except OSError:
-            pass
-        yield folder
-    finally:
-        if as_root:
-            subprocess.run(["chattr", "-i", str(folder)])
-        else:
-            folder.chmod(0o755)
-
-
 def writing_commands():
     return [(words, p) for words, p in every_command(build_parser()) if p.get_default("output_option")]
 
@@ -229,8 +202,15 @@ def test_every_writing_command_has_arguments_for_the_read_only_test():
     assert not undeclared, f"caches declared (reads_and_writes) that are no option of the command: {undeclared}"
 
 
-def test_an_output_that_cannot_be_written_is_refused_before_any_work(tiny_dir, texts, tmp_path, capsys, monkeypatch):
-    """Was: nine commands did their work and then printed a raw "[Errno 1] Operation not permitted"."""
+@pytest.mark.parametrize("how", HOW_A_FOLDER_REFUSES)
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+    tiny_dir, texts, tmp_path, capsys, monkeypatch, how
+):
+    """Was: nine commands did their work and then printed a raw "[Errno 1] Operation not permitted" (an immutable
+    folder); an append-only folder got that error naming the probe file `.probe.m2d-tmp-...`, left behind; a full
+    file system failed at the first write after the work with "[Errno 28] No space left on device" naming no file.
+    Every output and cache option of every command, in a folder that is immutable, append-only or full: refused
+    before any work, one line naming the option, and the folder left as it was (no probe file)."""
     ran = []
     real_parser = cli.build_parser
 
@@ -246,17 +226,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tiny_dir, t
     results.mkdir()
     (tmp_path / "rw").mkdir()
     ro = tmp_path / "ro"
-    ro.mkdir()
     cases = list(cases_under_ro())
     assert all(option is not None for _, option, _ in cases), "a writing command has no OUTPUT_UNDER_RO entry"
     assert len(cases) >= len(OUTPUT_UNDER_RO) + 2  # index build --path and eval --doc-cache
     values = {"model": tiny_dir, "texts": texts, "results": results, "ro": ro, "rw": tmp_path / "rw"}
-    with read_only(ro):
+    with refusing(ro, how) as left:
         for words, option, template in cases:
             argv = [a.format(**values) for a in template]
             assert exit_code(argv) == 2, argv
             line = error_line(capsys)
             assert line.startswith(f"matryoshka2d {words[0]}: error: {option} "), line
             assert "cannot be written" in line and "nothing was done" in line and "Errno" not in line, line
-            assert os.listdir(ro) == []
+            assert TEMPORARY_MARK not in line, line
+            assert sorted(os.listdir(ro)) == left, (argv, os.listdir(ro))
     assert ran == []

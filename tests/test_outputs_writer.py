@@ -15,7 +15,7 @@ from helpers.audit import opened_for_writing, recording
 from helpers.cli import error_line, exit_code, folder_bytes
 from helpers.data import WORDS, beir, grid, result_file, sts_tree
 from matryoshka2d.cli import main
-from matryoshka2d.outputs import is_writer_temporary
+from matryoshka2d.outputs import TEMPORARY_MARK, is_writer_temporary
 
 # ---- the writer itself -----------------------------------------------------------------------------------------------
 
@@ -345,3 +345,217 @@ def test_export_beside_its_model_replaces_an_earlier_export_whole(model, tmp_pat
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert json.loads((out / "matryoshka2d.json").read_text())["exported_cell"]["dim"] == 8
     assert not [p for p in tmp_path.iterdir() if ".m2d-tmp-" in p.name]
+
+
+# ---- a folder seen under a second name -------------------------------------------------------------------------------
+
+
+def second_name(monkeypatch, alias: Path, real: Path) -> None:
+    """Make every path under `alias` report the identity (device, inode) of the same path under `real`, as a bind
+    mount does: the paths stay apart (no link anywhere), so only the identity can tell they are one folder."""
+    from matryoshka2d import outputs
+    from matryoshka2d.outputs import disk, scope
+
+    true_identity = disk.identity
+
+    def identity(path):
+        path = Path(path).absolute()
+        return true_identity(real / path.relative_to(alias) if path.is_relative_to(alias) else path)
+
+    for module in (disk, scope, outputs):
+        monkeypatch.setattr(module, "identity", identity)
+
+
+def test_a_folder_under_a_second_name_is_compared_by_identity_along_the_whole_chain(tmp_path, monkeypatch):
+    """Was: only resolved paths (and files' inodes) were compared, so an output through a second name of the model's
+    folder or of a folder above it passed, and `export --overwrite` deleted the model."""
+    from matryoshka2d.outputs import OutputError, command_scope, make_folder, remove_tree
+
+    runs = tmp_path / "runs"
+    model = runs / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    alias = tmp_path / "alias"
+    (alias / "model").mkdir(parents=True)
+    second_name(monkeypatch, alias, runs)
+    with command_scope("--output", [("--model", model)]):
+        for output, how in ((alias / "model", " is "), (alias, " holds "), (alias / "model" / "cell", " is inside ")):
+            with pytest.raises(OutputError, match="another name") as refused:
+                make_folder(output, "--output")
+            assert how in str(refused.value) and f"--output {output}" in str(refused.value)
+        out = tmp_path / "out"
+        (out / "mounted").mkdir(parents=True)
+        second_name(monkeypatch, out / "mounted", model)  # the model bound inside an output being replaced
+        with pytest.raises(OutputError, match="under another name"):
+            remove_tree(out)
+    assert (model / "config.json").read_text() == "{}" and (out / "mounted").is_dir()
+
+
+def test_export_overwrite_through_a_bind_mount_never_deletes_the_model(model, tmp_path, capsys):
+    """The case of the issue, with a real bind mount: the model's parent and the model itself under a second name,
+    and a bind of the model inside an export being replaced."""
+    import shutil
+
+    from helpers.mounts import bind_mount
+
+    model = Path(shutil.copytree(model, tmp_path / "runs" / "model"))
+    before = folder_bytes(model)
+    export = ["export", "--model", str(model), "--pooling", "mean", "--layer", "2", "--dim", "8", "--overwrite"]
+    with bind_mount(model.parent, tmp_path / "alias") as alias:
+        for output in (alias / model.name, alias):
+            assert main([*export, "--output", str(output)]) == 2
+            assert f"--output {output}" in error_line(capsys, "another name")
+    cell = tmp_path / "cell"
+    with bind_mount(model, cell / "inside"):
+        assert main([*export, "--output", str(cell)]) == 2
+        assert "mount point" in error_line(capsys, f"--output {cell}")
+    assert folder_bytes(model) == before and loads(model)
+
+
+# ---- outputs that are no file or folder, or that the storage refuses -------------------------------------------------
+
+
+def test_the_writer_never_replaces_a_device_a_pipe_or_standard_output(tmp_path):
+    """Was: a FIFO, a character device or a link to /dev/stdout given as a destination was replaced by a regular
+    file (and `/dev/stdout`, a link in /dev, would be replaced system-wide)."""
+    from matryoshka2d.outputs import OutputError, make_folder, write_text
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    stdout = tmp_path / "stdout"
+    stdout.symlink_to("/dev/stdout")
+    cases = {fifo: "a pipe (FIFO)", null: "a character device", stdout: "standard output", Path("/dev/fd/1"): "(1"}
+    for path, what in cases.items():
+        for act in (lambda p=path: write_text(p, "x"), lambda p=path: make_folder(p)):
+            with pytest.raises(OutputError, match="not a file or folder") as refused:
+                act()
+            assert str(path) in str(refused.value) and what in str(refused.value)
+    assert fifo.is_fifo() and os.readlink(null) == "/dev/null" and os.readlink(stdout) == "/dev/stdout"
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "null", "stdout"]
+
+
+def test_a_full_disk_while_writing_names_the_destination_and_leaves_what_was_there(tmp_path):
+    """Was: `[Errno 28] No space left on device` naming no file (or the writer's temporary name). The write fails
+    as one OutputError naming the destination as given; the earlier file is whole and no temporary file remains,
+    inside a staging folder too (named by what it stands for)."""
+    from helpers.mounts import small_file_system
+    from matryoshka2d.outputs import OutputError, command_scope, remove_tree, temporary_folder, write_bytes
+
+    with small_file_system(tmp_path / "disk", "256k") as disk:
+        (disk / "vectors.npy").write_bytes(b"the earlier vectors")
+        with pytest.raises(OutputError, match="No space left on device") as refused:
+            write_bytes(disk / "vectors.npy", bytes(1 << 20), "--output")
+        assert f"--output {disk / 'vectors.npy'}: writing failed" in str(refused.value)
+        assert TEMPORARY_MARK not in str(refused.value)
+        assert (disk / "vectors.npy").read_bytes() == b"the earlier vectors"
+        with command_scope("--output", [], output=disk / "cell"):
+            staging = temporary_folder(disk, "cell")
+            try:
+                with pytest.raises(OutputError, match="No space left on device") as refused:
+                    write_bytes(staging / "model.safetensors", bytes(1 << 20))
+            finally:
+                remove_tree(staging)
+        assert f"--output {disk / 'cell' / 'model.safetensors'}" in str(refused.value)
+        assert TEMPORARY_MARK not in str(refused.value)
+        assert sorted(os.listdir(disk)) == ["vectors.npy"]
+
+
+def test_export_to_a_disk_too_small_is_one_line_naming_the_output_and_leaves_the_old_export(model, tmp_path, capsys):
+    """Was: a traceback ending in safetensors' `SafetensorError: ... No space left on device (os error 28)`. Now one
+    line naming --output as given; the staging folder is gone and the earlier export is whole."""
+    from helpers.mounts import small_file_system
+
+    export = ["export", "--model", str(model), "--pooling", "mean", "--layer", "2", "--dim", "8"]
+    with small_file_system(tmp_path / "disk", "1m") as disk:
+        (disk / "cell").mkdir()
+        (disk / "cell" / "earlier.txt").write_text("the earlier export\n")
+        for output, more in ((disk / "new", []), (disk / "cell", ["--overwrite"])):
+            assert main([*export, *more, "--output", str(output)]) == 2
+            line = error_line(capsys, f"--output {output}: writing failed (No space left on device)")
+            assert TEMPORARY_MARK not in line and "Safetensor" not in line, line
+            assert sorted(os.listdir(disk)) == ["cell"], os.listdir(disk)
+        assert (disk / "cell" / "earlier.txt").read_text() == "the earlier export\n"
+
+
+def test_a_command_failing_after_part_of_its_result_set_puts_the_set_back(model, tmp_path, capsys, monkeypatch):
+    """Was: the disk filling at eval's heatmap left new results.json, .md and .csv beside the earlier heatmap (or,
+    in a new folder, a set without its heatmap). Now the set is as it was: the earlier files, or nothing."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    data = sts_tree(tmp_path / "data")
+    out = tmp_path / "out"
+    assert eval_sts(model, data, out) == 0
+    earlier = folder_bytes(out)
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    for output in (out, tmp_path / "new"):
+        assert eval_sts(model, data, output, "--dims", "16") == 2
+        line = error_line(capsys, f"--output {output / 'heatmap.png'}: writing failed (No space left on device)")
+        assert TEMPORARY_MARK not in line
+    assert folder_bytes(out) == earlier and sorted(os.listdir(out)) == sorted(earlier)
+    assert not (tmp_path / "new").exists()
+
+
+# ---- staging folders: the user's path in messages, and what a killed command left ------------------------------------
+
+
+def test_a_refusal_inside_a_staging_folder_names_the_users_path(tmp_path):
+    """Was: a check failing on a file being built named the hidden staging folder (`.cell.m2d-tmp-XXXX/...`)."""
+    from matryoshka2d.outputs import (
+        OutputError,
+        command_scope,
+        failure_message,
+        remove_tree,
+        temporary_folder,
+        write_text,
+    )
+
+    data = tmp_path / "data.tsv"
+    data.write_text("rows\n")
+    with command_scope("--output", [("--data", data)], output=tmp_path / "cell") as scope:
+        staging = temporary_folder(tmp_path, "cell")
+        try:
+            os.link(data, staging / "config.json")  # a file in the build that is an input under another name
+            with pytest.raises(OutputError) as refused:
+                write_text(staging / "config.json", "{}")
+            raised = OSError(5, "Input/output error", str(staging / "tokenizer.json"))
+        finally:
+            remove_tree(staging)
+    message = str(refused.value)
+    assert f"--output {tmp_path / 'cell' / 'config.json'}" in message and TEMPORARY_MARK not in message
+    said = failure_message(raised, scope)  # an error a library raised while writing into the staging folder
+    assert str(tmp_path / "cell" / "tokenizer.json") in said and TEMPORARY_MARK not in said
+    assert data.read_text() == "rows\n"
+
+
+def test_a_staging_folder_left_by_a_killed_command_is_removed_by_the_next_and_nothing_else_is(model, tmp_path):
+    """Was: a killed export left its hidden staging folder (a whole model) beside the output, and every re-run left
+    it too. A staging folder has an owner file naming its process; the next staging in the same place removes those
+    whose process is gone, never a folder without one, nor a living process's."""
+    import signal
+
+    from matryoshka2d.outputs import temporary_folder
+
+    child = os.fork()
+    if child == 0:  # a command killed while building: its staging folder and owner file stay behind
+        killed = temporary_folder(tmp_path, "cell")
+        (killed / "model.safetensors").write_bytes(b"a whole model")
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(child, 0)
+    left = [p for p in tmp_path.iterdir() if TEMPORARY_MARK in p.name and p.is_dir()]
+    assert len(left) == 1 and (left[0] / "model.safetensors").is_file()
+    look_alike = tmp_path / f".cell{TEMPORARY_MARK}users"  # the writer's name, but no owner file: not the writer's
+    look_alike.mkdir()
+    alive = temporary_folder(tmp_path, "other")  # this process's, still building
+    args = ["export", "--model", str(model), "--pooling", "mean", "--layer", "2", "--dim", "8"]
+    assert main([*args, "--output", str(tmp_path / "cell")]) == 0
+    assert not left[0].exists() and look_alike.is_dir() and alive.is_dir()
+    hidden = sorted(p.name for p in tmp_path.iterdir() if TEMPORARY_MARK in p.name)
+    assert hidden == sorted([look_alike.name, alive.name, alive.name + ".owner"])

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
-from matryoshka2d.cli.args import check_outputs, command_scope_of, model_args
+from matryoshka2d.cli.args import check_outputs, command_scope_of, model_args, output_of
+from matryoshka2d.cli.failures import failure_line
 from matryoshka2d.cli.help import Parser
+from matryoshka2d.outputs import failure_message
 
 # In the order `matryoshka2d --help` lists them.
 COMMAND_MODULES = (
@@ -50,12 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         print("matryoshka2d: interrupted (Ctrl-C) while starting; nothing was written", file=sys.stderr)
         return 130
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --processes` starts it again
+    scope = None
     try:
-        with command_scope_of(args):  # the one writer checks every write against the command's inputs
-            check_outputs(args)  # rule 2: before the command deletes or writes anything
+        with command_scope_of(args) as scope:  # the one writer checks every write against the command's inputs
+            scope.keep_whole(result_files(args))  # a failure puts back the result files it had written
+            check_outputs(args)  # rule 1: before the command deletes or writes anything
             return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
-        print(f"matryoshka2d {args.command}: error: {exc}", file=sys.stderr)
+    except (MemoryError, OverflowError, UnicodeError) as exc:  # what no reader named: said here (cli/failures.py)
+        print(f"matryoshka2d {args.command}: error: {failure_line(exc, args.argv)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback; what was written is whole (the writer renames finished files only)
@@ -65,6 +70,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except Exception as exc:  # the storage failing (a full disk, from any writer), or an error the toolkit raised
+        line = failure_message(exc, scope)  # in the user's paths, never the writer's temporary ones
+        if line is None:
+            raise  # a fault of the toolkit: its traceback
+        print(f"matryoshka2d {args.command}: error: {line}", file=sys.stderr)
+        return 2
+
+
+def result_files(args) -> list[Path]:
+    """The named result files the command writes (cli.args.reads_and_writes): one set, put back as it was when the
+    command fails after writing some of them."""
+    _, output, _ = output_of(args)
+    names = getattr(args, "output_files", None)
+    if output is None or not names:
+        return []
+    return [Path(output) / name if name else Path(output) for name in names]
 
 
 __all__ = ["build_parser", "main"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from matryoshka2d.confined import ConfinedFolder
-from matryoshka2d.export.graph_check import BATCH_RTOL, moved_by_call, run_reference
+from matryoshka2d.export.graph_check import batch_problem, moved_by_call, run_reference
 from matryoshka2d.export.onnx_graphs import (
     CHECK_SENTENCES,
     ONNX_ATOL,
@@ -48,9 +48,11 @@ from matryoshka2d.outputs import (
     make_folder,
     move_into_place,
     remove_tree,
+    staged_for,
     temporary_folder,
     write_json,
 )
+from matryoshka2d.outputs.disk import kind_of, mounts_at_or_below
 
 FORMATS = ("st", "onnx")
 QUANTIZE = ("int8",)
@@ -92,21 +94,27 @@ def folder_size(path: Path, exclude: str | None = None) -> int:
 
 def check_output(output: Path, overwrite: bool) -> None:
     """Before any work: the export replaces `output` as a whole, so it must be a folder (or nothing yet), empty
-    unless `overwrite`, and not a link (which the export would have to follow to delete what it points at)."""
+    unless `overwrite`, not a link (which the export would have to follow to delete what it points at), and
+    neither a mount point nor holding one (what is mounted there is another place's)."""
     if output.is_symlink():
         raise ExportError(
             f"--output {output} is a symbolic link (-> {output.readlink()}): export replaces its folder as a whole "
             "and never deletes or fills through a link; give a folder path that is not a link"
         )
     if output.exists() and not output.is_dir():
-        raise ExportError(f"--output {output} is a file; give a folder")
+        raise ExportError(f"--output {output} is {kind_of(output) or 'a file'}; give a folder")
+    if output.is_dir() and mounts_at_or_below(output):
+        raise ExportError(
+            f"--output {output} is, or holds, a mount point ({mounts_at_or_below(output)[0]}): export replaces its "
+            "folder as a whole and never deletes across a mount; give a folder that is not mounted, inside it"
+        )
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise ExportError(f"--output {output} is not empty; pass --overwrite to replace its contents")
 
 
 def check_not_overlapping(output: Path, reads: ElasticEncoder | list[tuple[str, str | None]]) -> None:
     """The export must not replace what it reads (a model, the heads and the rest of its folder, a pair's query
-    encoder), nor be written inside it, nor around it (rule 2, files.check_apart; the command checks it too, before
+    encoder), nor be written inside it, nor around it (rule 1, outputs.check_apart; the command checks it too, before
     loading). `reads`: the encoder, or (option, folder) pairs."""
     if isinstance(reads, ElasticEncoder):
         reads = [("--model", reads.location)]
@@ -114,6 +122,22 @@ def check_not_overlapping(output: Path, reads: ElasticEncoder | list[tuple[str, 
         check_apart(output, "--output", reads)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
+
+
+def check_format(layer: int, fmt: str, quantize: str | None) -> None:
+    """The format options of a cell's export, which need no model: export_cell checks them first, and `pick` builds
+    its export commands through them, so that it never recommends one that export refuses."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ExportError(f"--quantize {quantize!r} is not supported; choose {', '.join(QUANTIZE)}")
+    if quantize and fmt != "onnx":
+        raise ExportError("--quantize int8 quantizes the ONNX graph; add --format onnx")
+    if layer == 0 and fmt != "st":
+        raise ExportError(
+            "--layer 0 is the static cell: a table lookup and one matrix, which exports as a sentence-transformers "
+            "folder (StaticEmbedding and Dense) only; leave out --format onnx"
+        )
 
 
 def export_cell(
@@ -128,12 +152,7 @@ def export_cell(
     sts_file: str | Path | None = None,
 ) -> ExportReport:
     """Write the cell to `output` (atomically: a temporary folder beside it, renamed at the end) and check it."""
-    if fmt not in FORMATS:
-        raise ExportError(f"--format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
-    if quantize is not None and quantize not in QUANTIZE:
-        raise ExportError(f"--quantize {quantize!r} is not supported; choose {', '.join(QUANTIZE)}")
-    if quantize and fmt != "onnx":
-        raise ExportError("--quantize int8 quantizes the ONNX graph; add --format onnx")
+    check_format(layer, fmt, quantize)
     if fmt == "onnx":
         require_onnx()
     output = Path(output)
@@ -264,11 +283,8 @@ def _check_onnx(encoder, staging: Path, expected: np.ndarray, quantize, sts_file
     features = {k: v.cpu().numpy().astype(np.int64) for k, v in encoder.tokenize(CHECK_SENTENCES).items()}
     for precision, file in graphs:  # a text's vector must not move with what shares its call (issue 61)
         moved = moved_by_call(staging / file, features, run_reference(staging / file, features))
-        if not moved <= BATCH_RTOL:
-            raise ExportError(
-                f"the exported ONNX {precision} graph gives a text another vector alone than inside a call of other "
-                f"texts (|alone - together| / |alone| up to {moved:.1e}, more than {BATCH_RTOL:g})"
-            )
+        if batch_problem(moved) is not None:
+            raise ExportError(f"the exported ONNX {precision} graph {batch_problem(moved)}")
         report.checks[f"onnxruntime {precision}, a text alone vs in a call, relative"] = moved
     if quantize == "int8":
         _score_int8(encoder, staging, report.layer, report.dim, report.normalize, sts_file, report)
@@ -278,7 +294,8 @@ def _check_onnx(encoder, staging: Path, expected: np.ndarray, quantize, sts_file
 def _staging(output: Path) -> Iterator[Path]:
     """A folder to build the cell in: `cell` inside a new hidden folder beside `output` (the same file system, so
     the final rename is atomic), removed with whatever is left in it when the export fails or is interrupted."""
-    holder = temporary_folder(output.parent, output.name)
+    holder = temporary_folder(output.parent, output.name, stands_for=output)
+    staged_for(holder / "cell", output)  # a message about a file being built names the output, never the staging
     try:
         yield holder / "cell"
     finally:

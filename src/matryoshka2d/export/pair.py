@@ -41,7 +41,7 @@ from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.models.identity import PAIR_KEY, weights_sha256
 from matryoshka2d.models.query_record import DISTILL_KEY, check_query_encoder, query_encoder_record_at
 from matryoshka2d.models.st_folder import PAIR_ROUTES, ROUTER_CONFIG
-from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder, write_text
+from matryoshka2d.outputs import move_into_place, remove_tree, staged_for, temporary_folder, write_text
 
 
 @dataclass
@@ -130,9 +130,10 @@ def export_pair(
     normalize = encoder.normalize_output
     document = {"from": str(encoder.name), "layer": top, "dim": dim, "normalize": normalize}
     document["weights_sha256"] = weights_sha256(encoder)
-    tmp = temporary_folder(output.parent, output.name[:40])
+    tmp = temporary_folder(output.parent, output.name[:40], stands_for=output)
     try:
         staging, parts = tmp / "pair", tmp
+        staged_for(staging, output)  # a message about a file being built names the output, never the staging
         encoder.save(parts / "document", dim=dim if dim < encoder.hidden_size else None, normalize=normalize)
         if student is not None:
             student.save(parts / "query")

@@ -1,208 +1,72 @@
-"""The one writer (docs/reliability.md, rule 2): every file or folder any command writes, replaces or deletes goes
-through this module.
+"""The one writer (docs/reliability.md, rule 1): every file or folder any command writes, replaces or deletes goes
+through this package.
 
-Three guarantees follow from writing only here:
+Its guarantees follow from writing only here:
 
 * **Nothing read is written over.** `main` opens a `command_scope` with the command's inputs (every option that
   names what it reads; a folder stands for every file in it). Each write resolves its destination through every
   link and is refused (`OutputError`, exit 2 naming the output option) when the destination *is* an input (the same
-  path, or the same file by device and inode: a hard link counts), *holds* one, or, for an output filled as a
-  whole or a single output file, *lies inside* an input folder. A folder of named result files may lie inside a
-  folder the command reads (`eval --output RUN/sts` is the documented layout), never be or hold an input.
+  path, or the same file or folder by device and inode: a hard link, a bind mount), *holds* one, or, for an output
+  filled as a whole or a single output file, *lies inside* an input folder, under any name of either (the whole
+  chain of folders is compared by identity). A folder of named result files may lie inside a folder the command
+  reads (`eval --output RUN/sts` is the documented layout), never be or hold an input. A tree is removed only when
+  nothing in it is an input and no file system is mounted in it.
+* **Only files and folders are written.** A destination that is a device, a pipe, a socket or standard output
+  (`/dev/null`, a FIFO, `/dev/stdout`) is refused, never replaced.
 * **Links are replaced, never written through.** A file is written to a hidden temporary file beside its
   destination and moved into place with `os.replace`, so a symbolic link (or a hard link) standing in the
   destination's place is replaced by the new file and what it pointed at is untouched. A folder that is a link is
   refused, never followed for deletion or filled.
-* **A kill leaves the old file or the new one**, never a half (the rename is atomic).
+* **A kill leaves the old file or the new one**, never a half (the rename is atomic); a staging folder a killed
+  command left is removed by the next staging in the same place (`staging.stale`).
+* **A failure leaves what was there**: a full disk, a size limit or a folder that refuses renames is one
+  `OutputError` naming the output (never a temporary name, `staging.user_path`); the temporary file or folder goes,
+  and a command's result set is put back as it was (`CommandScope.keep_whole`). An output folder that cannot be
+  written (read-only, immutable, append-only, full) is refused before any work (`check_writable`).
 
-Library callers outside a command get the last two; `command_scope` adds the first. Tests enumerate every
-command and check that each file it leaves came from here (`committed`, and no write-mode `open` outside the
-temporary names this module makes: `is_writer_temporary`).
+Library callers outside a command get all but the comparison with inputs and the result set. Tests enumerate
+every command and check that each file it leaves came from here (`committed`, and no write-mode `open` outside the
+temporary names this package makes: `is_writer_temporary`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
-TEMPORARY_MARK = ".m2d-tmp-"  # every temporary name this module makes holds it (tests look for it)
-MAX_WALKED = 50_000  # files of an input folder compared by inode (a data folder of more is compared by path)
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read once: temporary files get the mode a plain open() would have given the file
-
-
-class OutputError(ValueError):
-    """A destination that overlaps an input, is a link where a folder must be, or cannot be written."""
-
-
-@dataclass
-class _Input:
-    option: str
-    given: Path
-    resolved: Path
-    is_dir: bool
-
-
-@dataclass
-class CommandScope:
-    """The inputs of the command running now and where it writes (see `command_scope`)."""
-
-    output_option: str
-    output: Path | None = None  # the output as given (absolute, links not followed): folders below it are its own
-    inputs: list[_Input] = field(default_factory=list)
-    own_folders: list[Path] = field(default_factory=list)  # may lie inside an input (see allow_folder)
-    identities: dict[tuple[int, int], list[tuple[str, Path]]] = field(default_factory=dict)
-    committed: list[Path] = field(default_factory=list)
-
-    def add_input(self, option: str, path: str | os.PathLike) -> None:
-        given = Path(path).expanduser()
-        resolved = given.resolve()
-        item = _Input(option, given, resolved, resolved.is_dir())
-        self.inputs.append(item)
-        for file in _files_of(resolved):
-            with contextlib.suppress(OSError):
-                st = file.stat()
-                self.identities.setdefault((st.st_dev, st.st_ino), []).append((option, file))
-
-
-_scope: contextvars.ContextVar[CommandScope | None] = contextvars.ContextVar("matryoshka2d_output_scope", default=None)
-
-
-def _files_of(path: Path) -> Iterator[Path]:
-    """`path` itself when it is a file, else the files in it (links not followed), at most MAX_WALKED."""
-    if path.is_file():
-        yield path
-        return
-    if not path.is_dir():
-        return
-    seen = 0
-    for root, _dirs, files in os.walk(path, followlinks=False):
-        here = Path(root)
-        for name in files:
-            seen += 1
-            if seen > MAX_WALKED:
-                return
-            yield here / name
-
-
-@contextlib.contextmanager
-def command_scope(
-    output_option: str, inputs: Iterable[tuple[str, str | os.PathLike | None]], output=None, own_folders=()
-):
-    """While the block runs, every write is checked against `inputs` ((option, path) pairs; None is skipped).
-    `output`: where the command writes (a folder below it that is a link is refused); `own_folders`: folders of
-    named result files or caches the command keeps, which may lie inside a folder it reads (their own earlier
-    files are not inputs)."""
-    scope = CommandScope(output_option, output=Path(output).expanduser().absolute() if output else None)
-    scope.own_folders = [Path(f).expanduser().resolve() for f in own_folders if f]
-    for option, path in inputs:
-        if path is not None and str(path) != "":
-            scope.add_input(option, path)
-    token = _scope.set(scope)
-    try:
-        yield scope
-    finally:
-        _scope.reset(token)
-
-
-def current_scope() -> CommandScope | None:
-    return _scope.get()
-
-
-def allow_folder(folder: str | os.PathLike) -> None:
-    """A cache the command keeps by design inside a folder it reads (the ONNX graphs in a model's `onnx-serve/`):
-    files may be written inside it; it still may not be, or hold, an input. No-op outside a command."""
-    scope = _scope.get()
-    if scope is not None:
-        scope.own_folders.append(Path(folder).expanduser().resolve())
-
-
-def check_apart(output, flag: str, inputs, whole_folder: bool = True) -> None:
-    """Rule 2 for one output and its inputs ((option, path) pairs), outside or inside a command: refused when the
-    output is, holds or (`whole_folder`) lies inside an input, links followed and hard links counted."""
-    with command_scope(flag, inputs, own_folders=() if whole_folder else [Path(output).expanduser().parent]):
-        check_destination(output, flag, whole_folder=whole_folder)
-
-
-def _shown(option: str | None, given: Path, resolved: Path) -> str:
-    link = f" (-> {resolved})" if given.absolute() != resolved else ""
-    return f"{option + ' ' if option else ''}{given}{link}"
-
-
-def check_destination(
-    dest: str | os.PathLike, option: str | None = None, whole_folder: bool = False, results_folder: bool = False
-) -> Path:
-    """Refuse `dest` (OutputError) when, links followed, it is an input of the running command (by path, or by
-    device and inode), holds one, or lies inside an input folder (a file of one of the command's own folders, a
-    results folder or a cache, may: `eval --output RUN/sts`). `results_folder`: `dest` is a folder the command
-    writes named result files into, which may hold what it reads (pick writes beside its results) but may not be
-    an input folder itself. Returns `dest` as given."""
-    dest = Path(dest)
-    scope = _scope.get()
-    if scope is None:
-        return dest
-    option = option or scope.output_option
-    target = dest.expanduser().resolve()
-    identity = None
-    with contextlib.suppress(OSError):
-        st = target.stat()
-        identity = (st.st_dev, st.st_ino)
-    inside_allowed = any(target.is_relative_to(f) for f in scope.own_folders)
-    for item in scope.inputs:
-        how = None
-        if results_folder and not item.is_dir:
-            continue  # a results folder may hold the result files it reads (pick writes beside them)
-        if target == item.resolved:
-            how = "is"
-        elif results_folder:
-            continue
-        elif item.resolved.is_relative_to(target):
-            how = "holds"
-        elif item.is_dir and target.is_relative_to(item.resolved) and not inside_allowed:
-            how = "is inside"
-        if how:
-            _refuse(option, dest, target, how, item.option, item.given, item.resolved)
-    # The same file by device and inode: a hard link, or a link to a file inside an input folder. A file of the
-    # command's own folder written again under its own name (eval's results.json in RUN/sts) is not refused.
-    own_again = inside_allowed and not dest.is_symlink()
-    if results_folder and target.is_dir():
-        return dest
-    for source_option, source in scope.identities.get(identity, []) if identity is not None else []:
-        if _identity(source) != identity:
-            continue  # the input file was replaced since the command started, and its inode number reused
-        if not (own_again and source.absolute() == target):
-            _refuse(option, dest, target, "is", source_option, source, source.resolve())
-    return dest
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _refuse(option, dest, target, how, source_option, source, source_resolved):
-    why = {
-        "is": "writing there would replace what the command reads",
-        "holds": "writing there (or --overwrite) could delete or replace what the command reads",
-        "is inside": "the output would be written into the folder the command reads",
-    }[how]
-    same_file = how == "is" and source_resolved != target
-    what = " (the same file under another name: a hard link)" if same_file else ""
-    raise OutputError(
-        f"{_shown(option, dest, target)} {how} {_shown(source_option, source, source_resolved)}{what}: {why}; "
-        f"nothing was written: choose another {option}"
-    )
+from matryoshka2d.outputs.disk import folder_flags, identity, mounts_at_or_below, space_problem
+from matryoshka2d.outputs.failures import failure_message, storage
+from matryoshka2d.outputs.scope import (
+    CommandScope,
+    OutputError,
+    allow_folder,
+    check_apart,
+    check_destination,
+    command_scope,
+    current_scope,
+    made_folder,
+    names_now,
+    naming,
+    user_path,
+    user_text,
+)
+from matryoshka2d.outputs.staging import (
+    _UMASK,
+    OUTSIDE_COMMANDS,
+    TEMPORARY_MARK,
+    forget,
+    is_writer_temporary,
+    new_staging_folder,
+    owner_file,
+    stale,
+    stand_for,
+)
 
 
 def _temporary_beside(dest: Path, suffix: str = "") -> Path:
@@ -211,14 +75,21 @@ def _temporary_beside(dest: Path, suffix: str = "") -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{dest.name[:40]}{TEMPORARY_MARK}", suffix=suffix, dir=dest.parent)
     os.close(fd)
     os.chmod(name, 0o666 & ~_UMASK)
+    stand_for(name, dest, names_now())
     return Path(name)
+
+
+def _gone(temporary: Path) -> None:
+    """A temporary path is gone: a library caller's name is forgotten (a command's stays until it ends)."""
+    if current_scope() is None:
+        forget(temporary, OUTSIDE_COMMANDS)
 
 
 def _links_below_output(path: Path) -> None:
     """A folder strictly below the command's output that is a link (a `checkpoints/` or `teacher-targets/` made a
     link to another run's) is refused: writing or deleting through it would reach the other run. Folders at or
     above the output (a `runs/` link of the user's) are the user's layout and are followed."""
-    scope = _scope.get()
+    scope = current_scope()
     if scope is None or scope.output is None:
         return
     path = path.expanduser().absolute()
@@ -236,9 +107,11 @@ def _parent_ready(dest: Path, option: str | None) -> None:
 
 
 def _commit(tmp: Path, dest: Path) -> None:
+    scope = current_scope()
+    if scope is not None:
+        scope.before_replacing(dest)
     os.replace(tmp, dest)
     sys.audit("matryoshka2d.write", str(dest.absolute()))  # tests check that every file a command leaves came here
-    scope = _scope.get()
     if scope is not None:
         scope.committed.append(dest.absolute())
 
@@ -246,15 +119,23 @@ def _commit(tmp: Path, dest: Path) -> None:
 @contextlib.contextmanager
 def writing(dest: str | os.PathLike, option: str | None = None, suffix: str | None = None) -> Iterator[Path]:
     """For a writer that takes a path (np.save, faiss.write_index, safetensors, savefig, onnx.save): yields a
-    temporary path beside `dest` to write, then moves it into place; nothing is left when the block fails."""
+    temporary path beside `dest` to write, then moves it into place; nothing is left when the block fails, and a
+    failure of the storage (a full disk, a size limit) is one OutputError naming `dest`."""
     dest = check_destination(dest, option)
+    if dest.is_dir() and not dest.is_symlink():
+        raise OutputError(f"{naming(dest, option)} is a folder, where a file is written: give a file's path")
     _parent_ready(dest, option)
-    tmp = _temporary_beside(dest, dest.suffix if suffix is None else suffix)
+    with storage(dest, option, "making a temporary file to write"):
+        tmp = _temporary_beside(dest, dest.suffix if suffix is None else suffix)
+    ours = lambda path: is_writer_temporary(path) or Path(path).absolute() == dest.absolute()  # noqa: E731
     try:
-        yield tmp
-        _commit(tmp, dest)
+        with storage(dest, option, "writing", ours):
+            yield tmp
+            _commit(tmp, dest)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        _gone(tmp)
 
 
 @contextlib.contextmanager
@@ -295,15 +176,16 @@ def open_for_append(dest: str | os.PathLike, option: str | None = None):
         )
     _parent_ready(dest, option)
     sys.audit("matryoshka2d.append", str(dest.absolute()))  # announced, like a commit (tests watch both)
-    fd = os.open(dest, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with storage(dest, option, "opening the log"):
+        fd = os.open(dest, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def _refuse_link(path: Path, what: str) -> None:
     if path.is_symlink():
         raise OutputError(
-            f"{path} is a symbolic link (-> {os.readlink(path)}): matryoshka2d never {what} through a link, which "
-            "could reach another run's or model's files; remove the link (or choose another output)"
+            f"{user_path(path)} is a symbolic link (-> {os.readlink(path)}): matryoshka2d never {what} through a "
+            "link, which could reach another run's or model's files; remove the link (or choose another output)"
         )
 
 
@@ -316,35 +198,85 @@ def make_folder(path: str | os.PathLike, option: str | None = None, check: bool 
     if own:
         _refuse_link(path, "fills a folder")
     _links_below_output(path)
+    missing = [p for p in (path, *path.parents) if not os.path.lexists(p)]
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise OutputError(f"{path} is a file, not a folder; choose another output") from None
+        with storage(path, option, "making the folder"):
+            path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise OutputError(
+            f"{naming(blocking, option)} is a file, not a folder; choose another output"
+            if blocking.is_file()
+            else f"{naming(blocking, option)} is not a folder; choose another output"
+        ) from None
+    for folder in reversed(missing):
+        made_folder(folder)
     return path
+
+
+def _removable_tree(path: Path, option: str | None) -> None:
+    """Refuse to delete a tree that holds a file system mounted in it (or is one: what lies there is another
+    place's), or, in a command, an input folder under any name (a bind mount of the model inside the output). A
+    file is only unlinked, so a hard link to an input leaves the input whole."""
+    mounted = mounts_at_or_below(path)
+    if mounted:
+        where = " inside it" if mounted[0] != path.resolve() else ""
+        raise OutputError(
+            f"{naming(path, option)}: {mounted[0]} is a mount point{where}; matryoshka2d never deletes across a "
+            "mount (what is mounted there belongs elsewhere, and may be a folder the command reads under a second "
+            "name): unmount it or choose another output"
+        )
+    scope = current_scope()
+    if scope is None or not scope.inputs:
+        return
+    folders = {item.identity: item for item in scope.inputs if item.is_dir and item.identity is not None}
+    for root, dirs, _files in os.walk(path, followlinks=False):
+        for name in dirs:
+            here = Path(root) / name
+            item = folders.get(identity(here)) if not here.is_symlink() else None
+            if item is not None:
+                raise OutputError(
+                    f"{naming(path, option)} holds {user_path(here)}, which is {item.option} {item.given} under "
+                    "another name; deleting it would delete what the command reads: nothing was deleted, choose "
+                    "another output"
+                )
 
 
 def remove_tree(path: str | os.PathLike, option: str | None = None) -> None:
     """Delete a folder the command owns (old checkpoints, a temporary build). A link is refused, never followed;
-    links inside the folder are removed as links (shutil.rmtree does not follow them)."""
+    links inside the folder are removed as links (shutil.rmtree does not follow them); a tree holding an input
+    under any name, or a mount point, is refused. A staging folder's owner file goes with it."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
+        _owner_gone(path)
         return
     _refuse_link(path, "deletes")
     _links_below_output(path)
     check_destination(path, option, whole_folder=True)
-    shutil.rmtree(path)
+    _removable_tree(path, option)
+    with storage(path, option, "removing the folder", removing=True):
+        shutil.rmtree(path)
+    _owner_gone(path)
+
+
+def _owner_gone(folder: Path) -> None:
+    if is_writer_temporary(folder.name):
+        with contextlib.suppress(OSError):
+            owner_file(folder).unlink(missing_ok=True)
+        _gone(folder)
 
 
 def remove_file(path: str | os.PathLike, option: str | None = None) -> None:
     """Delete a file the command owns; a link in its place is removed, never what it points at."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
-        raise OutputError(f"{path} is a folder, not a file the command wrote")
+        raise OutputError(f"{naming(path, option)} is a folder, not a file the command wrote")
     if path.is_symlink():
         path.unlink()
         return
     check_destination(path, option)
-    path.unlink(missing_ok=True)
+    with storage(path, option, "removing the file", removing=True):
+        path.unlink(missing_ok=True)
 
 
 def move_into_place(source: str | os.PathLike, dest: str | os.PathLike, option: str | None = None) -> Path:
@@ -354,23 +286,42 @@ def move_into_place(source: str | os.PathLike, dest: str | os.PathLike, option: 
     check_destination(dest, option, whole_folder=source.is_dir())
     if source.is_dir() and dest.is_symlink():
         _refuse_link(dest, "replaces a folder")
-    _commit(source, dest)
+    if source.is_dir() and dest.is_dir() and mounts_at_or_below(dest):
+        raise OutputError(f"{naming(dest, option)} is a mount point: a folder cannot be renamed onto it")
+    with storage(dest, option, "moving the finished files into place"):
+        _commit(source, dest)
+    _owner_gone(source)
     return dest
 
 
-def temporary_folder(parent: str | os.PathLike, name: str) -> Path:
+def temporary_folder(parent: str | os.PathLike, name: str, stands_for: str | os.PathLike | None = None) -> Path:
     """A new, empty folder `parent/.NAME.m2d-tmp-XXXX` to build into before `move_into_place` (which checks the
-    destination: the parent may well hold an input, as `runs/` holds the model an export reads)."""
+    destination: the parent may well hold an input, as `runs/` holds the model an export reads). Messages name
+    `stands_for` (by default `parent/NAME`) where they would name it. Staging folders left in `parent` by a killed
+    command (their owner process gone) are removed first; nothing else is."""
+    parent = Path(parent)
     make_folder(parent, check=False)
-    folder = tempfile.mkdtemp(prefix=f".{name}{TEMPORARY_MARK}", dir=parent)
-    os.chmod(folder, 0o777 & ~_UMASK)
-    return Path(folder)
+    for folder, owner in stale(parent):
+        with contextlib.suppress(OutputError, OSError):  # what cannot be removed is left as it was
+            remove_tree(folder)
+            with contextlib.suppress(OSError):
+                owner.unlink(missing_ok=True)
+    with storage(parent / name, None, "making a staging folder"):
+        folder = new_staging_folder(parent, name)
+    stand_for(folder, stands_for if stands_for is not None else parent / name, names_now())
+    return folder
+
+
+def staged_for(temporary: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Messages name `dest` where they would name `temporary` (a folder inside a staging folder that will become
+    `dest`), as `temporary_folder`'s `stands_for` does for the staging folder itself."""
+    stand_for(temporary, dest, names_now())
 
 
 def check_writable(folder: str | os.PathLike, option: str) -> None:
     """Refuse, before any work, an output folder that cannot be written: the folder, or the nearest folder above
-    it that exists, must take a new file (tried, since permission bits do not stop root; a read-only mount or an
-    immutable folder does)."""
+    it that exists, must take a new file that can be renamed and removed (its flags, its file system's state and a
+    try: permission bits do not stop root, a read-only mount, an immutable, append-only or full folder do)."""
     path = Path(folder).expanduser()
     probe = path
     while not probe.exists():
@@ -389,21 +340,25 @@ def check_writable(folder: str | os.PathLike, option: str) -> None:
 
 
 def writing_problem(folder: str | os.PathLike) -> str | None:
-    """Why nothing can be written into the existing `folder`, or None: found by trying (a permission check does
-    not see a read-only mount or an immutable folder, and root passes it everywhere). The probe is a new empty file
-    under this module's temporary name, removed at once."""
+    """Why nothing can be written into the existing `folder`, or None: its flags (append-only: a file made there
+    could never be renamed into place nor removed), its file system (read-only, full), then a try (a permission
+    check does not see everything, and root passes it everywhere): a new empty file under a temporary name,
+    removed at once."""
+    flags = folder_flags(folder)
+    if flags:
+        return f"the folder is {' and '.join(flags)}: files are written under a temporary name and renamed"
+    if (problem := space_problem(folder)) is not None:
+        return problem
     try:
         fd, name = tempfile.mkstemp(prefix=f".probe{TEMPORARY_MARK}", dir=folder)
     except OSError as exc:
         return exc.strerror or str(exc)
     os.close(fd)
-    os.unlink(name)
+    try:
+        os.unlink(name)
+    except OSError as exc:
+        return f"a file made there cannot be removed ({exc.strerror})"
     return None
-
-
-def is_writer_temporary(path: str | os.PathLike) -> bool:
-    """Whether `path` is, or lies inside, a temporary name this module made."""
-    return any(TEMPORARY_MARK in part for part in Path(path).parts)
 
 
 __all__ = [
@@ -416,14 +371,19 @@ __all__ = [
     "check_writable",
     "command_scope",
     "current_scope",
+    "failure_message",
     "is_writer_temporary",
     "make_folder",
     "move_into_place",
+    "naming",
     "open_for_append",
     "open_for_writing",
     "remove_file",
     "remove_tree",
+    "staged_for",
     "temporary_folder",
+    "user_path",
+    "user_text",
     "write_bytes",
     "write_json",
     "write_text",
