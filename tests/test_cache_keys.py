@@ -1,10 +1,15 @@
-"""Issue 52, items 3 and 4 (c): one cache key (matryoshka2d.cache_keys) names every cached artefact, over everything
-that changes what it holds, and each cache refuses or misses what was made under other settings:
+"""Issue 52, items 3 and 4 (c), and issue 61, item 5: one cache key (matryoshka2d.cache_keys) names every cached
+artefact, over everything that changes what it holds, and each cache refuses or misses what was made under other
+settings, or edited since:
 
 - `cache_key`: every parameter of its signature (enumerated, so one added later is covered) changes the key;
 - `texts_sha256`: texts are hashed with their lengths, so no text (a NUL, an empty one) makes two lists one;
-- distill's teacher targets: made with another --max-length, pooling, tokenizer or texts are refused by name;
-- the retrieval document cache (`eval retrieval --doc-cache`): a file of other settings is a miss, never read;
+- what a key reads from a model: every field of its configuration and every setting of its tokenizer (enumerated
+  from the model, so one added later is covered) changes the key, or is shown to change no vector;
+- distill's teacher targets: made with another --max-length, pooling, tokenizer (its truncation side included),
+  configuration (its layer_norm_eps included) or texts are refused by name; rows or a record edited by hand, their
+  checksum recorded again, are refused by their signature;
+- the retrieval document cache (`eval retrieval --doc-cache`): a file of other settings, or one edited, is a miss;
 - the ONNX graph cache: a graph under another key (pooling, recipe) is rebuilt; the tokenizer and the max length
   are not in a graph (the backend tokenizes before it), which serves them exactly;
 - the one writer (matryoshka2d.outputs): a run whose `teacher-targets/` is a link to another run's is refused, the
@@ -22,7 +27,15 @@ import numpy as np
 import pytest
 
 from helpers.models import distill_config
-from matryoshka2d.cache_keys import cache_key, texts_sha256
+from matryoshka2d.cache_keys import (
+    CONFIG_NAMES,
+    cache_key,
+    config_sha256,
+    encoder_config_sha256,
+    texts_sha256,
+    tokenizer_settings,
+    tokenizer_sha256,
+)
 from matryoshka2d.cli import main
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.outputs import OutputError, command_scope
@@ -36,6 +49,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KNOWN = {
     "kind": "teacher-targets",
     "weights_sha256": "a" * 64,
+    "config_sha256": "d" * 64,
     "tokenizer_sha256": "b" * 64,
     "max_length": 128,
     "pooling": "mean",
@@ -106,6 +120,91 @@ def test_every_parameter_of_cache_key_must_be_given_and_extras_count():
     )
 
 
+# ---- what a key reads from a model: every field of its configuration, every setting of its tokenizer ----------
+
+TEXTS_TO_TOKENIZE = ["A Red Cat sleeps on the old mat while the BLUE fish swims", "dog"]
+
+
+def _other(value):
+    """A value of the same kind as `value` and other than it (a special token: another token of the vocabulary)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 2 if value else 0.5
+    if isinstance(value, str):
+        return {"right": "left", "left": "right"}.get(value, f"{value}-other")
+    if isinstance(value, list):
+        return [*value, value[-1] if value else 1]
+    if isinstance(value, dict):  # one more entry, its key of the kind of the others (id2label's are numbers)
+        first = next(iter(value), "other")
+        return {**value, first + len(value) if isinstance(first, int) else f"{first}-other": 1}
+    if hasattr(value, "content"):
+        return "[unused1]"
+    return True  # None: a value where there was none
+
+
+def _rebuilt(encoder, **changes) -> ElasticEncoder:
+    """The encoder's tensors in a transformer built from its configuration with `changes`."""
+    import copy
+
+    import transformers
+
+    config = copy.deepcopy(encoder.model.config)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    model = transformers.AutoModel.from_config(config)
+    model.load_state_dict(encoder.model.state_dict())
+    return ElasticEncoder.from_modules(model.eval(), encoder.tokenizer, pooling=encoder.pooling, device="cpu")
+
+
+def test_every_config_field_that_changes_the_vectors_changes_the_key(tiny_dir):
+    """Enumerated from the model's own configuration (a field transformers adds later is covered): each field
+    changes the key, or is one of CONFIG_NAMES (named, not computed) and leaves every vector as it was."""
+    encoder = ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu")
+    fields, inputs = encoder.model.config.to_dict(), list(encoder._input_names)
+    reference, vectors = config_sha256(fields, inputs), encoder.pooled_states(TEXTS_TO_TOKENIZE, [2, 4])
+    assert "layer_norm_eps" in fields and encoder_config_sha256(encoder) == reference
+    for name in sorted(set(fields) | CONFIG_NAMES):
+        other = _other(fields.get(name))
+        if name not in CONFIG_NAMES:
+            assert config_sha256({**fields, name: other}, inputs) != reference, f"{name} is not in the key"
+            continue
+        assert config_sha256({**fields, name: other}, inputs) == reference
+        again = _rebuilt(encoder, **{name: other}).pooled_states(TEXTS_TO_TOKENIZE, [2, 4])
+        assert all(np.array_equal(again[n], vectors[n]) for n in (2, 4)), f"{name} changes the vectors"
+    # what the model is fed and its pooler head's activation are in it too, and a real change reaches the key
+    assert config_sha256(fields, inputs[:-1]) != reference != config_sha256(fields, inputs, "Tanh")
+    changed = _rebuilt(encoder, layer_norm_eps=1e-3)
+    assert not np.allclose(changed.pooled_states(TEXTS_TO_TOKENIZE, [4])[4], vectors[4])
+    assert encoder_config_sha256(changed) != reference
+
+
+def _tokens(tokenizer) -> dict:
+    return dict(tokenizer(TEXTS_TO_TOKENIZE, truncation=True, max_length=6, padding=True))
+
+
+def test_every_tokenizer_setting_that_changes_the_tokens_changes_the_key(tiny_dir):
+    """Enumerated from the tokenizer's own settings (those its files give and those it holds: one added later is
+    covered): loaded with any one of them changed, it tokenizes as before or has another key. The truncation side
+    was in no key (issue 61); it and the padding side are among the settings the test sees change the tokens."""
+    from transformers import AutoTokenizer
+
+    base = AutoTokenizer.from_pretrained(tiny_dir)
+    reference, tokens, changes_tokens = tokenizer_sha256(base), _tokens(base), []
+    for name, value in sorted(tokenizer_settings(base).items()):
+        try:
+            changed = AutoTokenizer.from_pretrained(tiny_dir, **{name: _other(value)})
+            now = _tokens(changed)
+        except (ValueError, TypeError, AttributeError, KeyError):
+            continue  # a value this setting cannot take: no tokenizer to compare
+        if now != tokens:
+            changes_tokens.append(name)
+            assert tokenizer_sha256(changed) != reference, f"{name} changes the tokens but not the key"
+    assert {"truncation_side", "padding_side", "do_lower_case"} <= set(changes_tokens), changes_tokens
+
+
 @pytest.mark.parametrize(
     "one, other",
     [
@@ -156,23 +255,41 @@ def made(teacher_dir, tmp_path_factory):
     return run, weights_sha256(teacher), teacher.hidden_size
 
 
-@pytest.mark.parametrize(
-    "change, named",
-    [
-        ({"max_length": 16}, "--max-length"),
-        ({"pooling": "cls"}, "--pooling"),
-        ({"tokenizer": True}, "the teacher's tokenizer"),
-    ],
-)
-def test_targets_made_with_another_max_length_pooling_or_tokenizer_are_refused_by_name(
-    made, teacher_dir, tokenizer_twin, tmp_path, change, named
+def _edited(folder: Path, to: Path, config: dict | None = None, tokenizer: dict | None = None) -> Path:
+    """A copy of model folder `folder` at `to` whose config.json and tokenizer_config.json have `config` and
+    `tokenizer` written over them: the same tensors and vocabulary, another setting."""
+    shutil.copytree(folder, to)
+    for name, changes in (("config.json", config), ("tokenizer_config.json", tokenizer)):
+        settings = json.loads((to / name).read_text())
+        (to / name).write_text(json.dumps({**settings, **(changes or {})}))
+    return to
+
+
+# What a teacher can change with the same tensors, and how a refusal names it. The configuration and the truncation
+# side were in no key (issue 61): a teacher whose layer_norm_eps was edited hit the cache of the old one.
+SETTING_CHANGES = [
+    ({"max_length": 16}, "--max-length"),
+    ({"pooling": "cls"}, "--pooling"),
+    ({"tokenizer": {"do_lower_case": False}}, "the teacher's tokenizer"),
+    ({"tokenizer": {"truncation_side": "left"}}, "the teacher's tokenizer"),
+    ({"config": {"layer_norm_eps": 1e-3}}, "the teacher's configuration"),
+    ({"config": {"hidden_act": "relu"}}, "the teacher's configuration"),
+]
+
+
+@pytest.mark.parametrize("change, named", SETTING_CHANGES)
+def test_targets_made_with_another_setting_of_the_teacher_are_refused_by_name(
+    made, teacher_dir, tmp_path, change, named
 ):
-    """Was: targets made with another --max-length or pooling were read back as the run's own."""
+    """Was: targets made with another --max-length or pooling, and then with another configuration or truncation
+    side of the teacher's, were read back as the run's own."""
     run, sha, dim = made
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     before = _files(copy)
-    folder = tokenizer_twin if change.get("tokenizer") else teacher_dir
+    folder = teacher_dir
+    if "config" in change or "tokenizer" in change:
+        folder = _edited(teacher_dir, tmp_path / "teacher", change.get("config"), change.get("tokenizer"))
     teacher = ElasticEncoder(
         str(folder), pooling=change.get("pooling", "mean"), max_length=change.get("max_length"), device="cpu"
     )
@@ -208,6 +325,41 @@ def test_targets_recorded_under_another_key_or_none_are_refused(made, teacher_di
         match = "is not the key of this run" if value else "records no cache key"
         with pytest.raises(TargetsError, match=match):
             TeacherTargets(copy).load(NUL_TWINS[0], sha, dim, settings)
+
+
+@pytest.mark.parametrize("edit", ["rows swapped", "a row negated", "the record", "no signature", "another key"])
+def test_targets_edited_by_hand_are_refused_even_with_their_checksum_recorded_again(
+    made, teacher_dir, tmp_path, monkeypatch, edit
+):
+    """Was: rows replaced by other unit vectors (they pass the unit-length check), the file's sha256 written into
+    the record again as anyone can compute it, were trained on as the teacher's. The signature needs this machine's
+    key: an edit of the rows or of the record, a record without one, or one made under another key is refused."""
+    from matryoshka2d.files import file_sha256
+
+    run, sha, dim = made
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    targets, settings = TeacherTargets(copy), TargetsKey.of(ElasticEncoder(str(teacher_dir), pooling="mean"))
+    assert targets.load(NUL_TWINS[0], sha, dim, settings).shape == (2, dim)
+    rows = np.fromfile(targets.vectors_path, dtype=np.float16).reshape(-1, dim)
+    record = json.loads(targets.record_path.read_text())
+    if edit == "rows swapped":
+        rows = rows[::-1].copy()
+    elif edit == "a row negated":
+        rows[1] = -rows[1]
+    elif edit == "the record":
+        record["teacher"] = "a teacher of the editor's choosing"
+    elif edit == "no signature":
+        del record["signature"]
+    else:
+        monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path / "another-machine"))
+    targets.vectors_path.write_bytes(rows.tobytes())
+    record["sha256"] = file_sha256(targets.vectors_path)
+    targets.record_path.write_text(json.dumps(record))
+    match = "records no signature" if edit == "no signature" else "its signature does not hold"
+    with pytest.raises(TargetsError, match=match) as refused:
+        TeacherTargets(copy).load(NUL_TWINS[0], sha, dim, settings)
+    assert "targets.json" in str(refused.value) and "--overwrite" in str(refused.value)
 
 
 def _distill(teacher, text_file, sts_dev, out, **changes):
@@ -318,26 +470,30 @@ def _documents(encoder, texts, cache):
     return document_states(encoder, texts, [2, 4], 16, False, cache)
 
 
-@pytest.mark.parametrize("change", ["max_length", "pooling", "tokenizer", "texts"])
-def test_the_document_cache_misses_what_was_made_with_other_settings(
-    tiny_dir, tokenizer_twin, tmp_path, counted, change
-):
-    """Was: documents checksummed joined by NUL shared a cache file; the key now covers the tokenizer as well."""
+DOCUMENT_CHANGES = [
+    {"max_length": 4},
+    {"pooling": "cls"},
+    *(c for c, _ in SETTING_CHANGES if c.keys() & {"config", "tokenizer"}),
+]
+
+
+@pytest.mark.parametrize("change", [*DOCUMENT_CHANGES, "texts"], ids=str)
+def test_the_document_cache_misses_what_was_made_with_other_settings(tiny_dir, tmp_path, counted, change):
+    """Was: documents checksummed joined by NUL shared a cache file; a model of another configuration or truncation
+    side hit the cache of the old one. The key now covers the tokenizer (every setting) and the configuration."""
     cache = tmp_path / "cache"
     texts = list(NUL_TWINS[0])
     made = ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu")
     _documents(made, texts, cache)
     _, path = _documents(made, texts, cache)
     assert counted == [len(texts)] and path.is_file()  # the same settings: a hit
-    if change == "tokenizer":  # the same weights, the tokenizer of the cased twin
-        folder = tmp_path / "cased"
-        shutil.copytree(tiny_dir, folder)
-        shutil.copyfile(tokenizer_twin / "tokenizer_config.json", folder / "tokenizer_config.json")
-        encoder = ElasticEncoder(str(folder), pooling="mean", device="cpu")
-    else:
-        options = {"max_length": {"max_length": 4}, "pooling": {"pooling": "cls"}}.get(change, {})
-        encoder = ElasticEncoder(str(tiny_dir), **{"pooling": "mean", **options}, device="cpu")
-    texts = list(NUL_TWINS[1]) if change == "texts" else texts
+    change = {} if change == "texts" else change
+    folder = tiny_dir
+    if change.keys() & {"config", "tokenizer"}:  # the same weights
+        folder = _edited(tiny_dir, tmp_path / "model", change.get("config"), change.get("tokenizer"))
+    options = {k: v for k, v in change.items() if k in ("max_length", "pooling")}
+    encoder = ElasticEncoder(str(folder), **{"pooling": "mean", **options}, device="cpu")
+    texts = list(NUL_TWINS[1]) if not change else texts
     counted.clear()
     got, other = _documents(encoder, texts, cache)
     assert counted == [len(texts)] and other != path  # computed, not read back
@@ -393,6 +549,26 @@ def test_a_document_cache_file_under_another_name_or_damaged_or_linked_out_is_a_
     assert counted == [2] and not second.is_symlink() and outside.read_bytes() == kept
 
 
+def test_a_document_cache_file_whose_rows_were_edited_is_a_miss(tiny_dir, tmp_path, counted):
+    """Was: the file's key was compared, its states were not: another document's states written into a row (the
+    key kept) were read as this one's. The signature over the key and every array is compared on each read."""
+    cache = tmp_path / "cache"
+    encoder = ElasticEncoder(str(tiny_dir), pooling="mean", device="cpu")
+    expected, path = _documents(encoder, NUL_TWINS[0], cache)
+    for edit in ("a row", "no signature"):
+        with np.load(path) as stored:
+            arrays = dict(stored)
+        if edit == "a row":
+            arrays["layer2"][0] = arrays["layer2"][1]
+        else:
+            del arrays["signature"]
+        np.savez(path, **arrays)
+        counted.clear()
+        got, again = _documents(encoder, NUL_TWINS[0], cache)
+        assert counted == [2] and again == path, edit  # computed again, and the file replaced by a signed one
+        assert all(np.allclose(got[n], expected[n], atol=1e-6) for n in (2, 4))
+
+
 # ---- the ONNX graph cache -------------------------------------------------------------------------------------
 
 
@@ -419,7 +595,7 @@ def exports(monkeypatch, graph_cache):
         shutil.copyfile(source, path)
         return path
 
-    monkeypatch.setattr("matryoshka2d.serve.backends.export_exit", export)
+    monkeypatch.setattr("matryoshka2d.serve.graph_cache.export_exit", export)
     return calls
 
 
@@ -437,7 +613,7 @@ def test_a_graph_is_keyed_by_what_it_computes_and_one_under_another_key_is_rebui
     tiny_dir, graph_cache, tmp_path, exports
 ):
     from matryoshka2d.files import file_sha256
-    from matryoshka2d.serve.backends import GraphCache, graph_key, weights_digest
+    from matryoshka2d.serve.graph_cache import GraphCache, graph_key, weights_digest
 
     root = tmp_path / "graphs"
     shutil.copytree(graph_cache, root)
@@ -490,7 +666,7 @@ def test_the_graph_cache_in_a_model_folder_read_by_the_command_is_allowed_but_th
 ):
     """onnx-serve/ is kept by design inside the model folder, an input of eval: its files may be written there
     (outputs.allow_folder); a cache folder that is itself an input is refused, nothing written."""
-    from matryoshka2d.serve.backends import CACHE_FOLDER
+    from matryoshka2d.serve.graph_cache import CACHE_FOLDER
 
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)

@@ -1,4 +1,4 @@
-"""Files a folder names stay inside it (docs/reliability.md, rule 1: matryoshka2d.files.inside and the confined
+"""Files a folder names stay inside it (docs/reliability.md, rule 2: matryoshka2d.confined.inside and the confined
 reader): a module path, a checkpoint file, teacher targets, an ONNX graph's external data, an index's files, an
 exit heads record or a model's own record that leads out of its folder is refused before it is opened or hashed."""
 
@@ -167,7 +167,7 @@ def test_teacher_targets_that_link_out_of_the_run_are_refused_before_they_are_ha
     shutil.move(vectors, tmp_path / "outside.f16")
     vectors.symlink_to(tmp_path / "outside.f16")
     hashed = []
-    monkeypatch.setattr(targets_module, "file_sha256", lambda p: hashed.append(p) or "x")
+    monkeypatch.setattr(targets_module, "read_and_sign", lambda record, p: hashed.append(p) or ("x", "x"))
     with pytest.raises(TargetsError, match="leaves"):
         TeacherTargets(tmp_path / "run").load(texts, "t" * 64, 8)
     assert not hashed

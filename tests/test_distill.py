@@ -440,3 +440,93 @@ def test_teacher_targets_that_are_not_unit_vectors_are_refused_naming_file_and_r
     row = 1 if kind == "zeros" else 4
     with pytest.raises(TargetsError, match=rf"targets.f16: row {row} has length .*not 1"):
         TeacherTargets(tmp_path / "bad").load(texts, "t" * 64, 8)
+
+
+def _changed_under_the_run(path, how: str) -> None:
+    """Another writer's change to a targets file a run has mapped: the same file written over (the same inode and
+    size), another file renamed into its place, or the file cut short (reading a cut page would end the run with
+    SIGBUS)."""
+    data = path.read_bytes()
+    if how == "rewritten in place":
+        with open(path, "r+b") as f:
+            f.write(np.frombuffer(data, dtype=np.float16)[::-1].tobytes())
+    elif how == "replaced":
+        other = path.with_name("other.f16")
+        other.write_bytes(np.frombuffer(data, dtype=np.float16)[::-1].tobytes())
+        other.replace(path)
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(len(data) // 2)
+
+
+@pytest.mark.parametrize(
+    "how, when", [("rewritten in place", 2), ("replaced", 2), ("cut short", 2), ("replaced", "after the last step")]
+)
+def test_targets_changed_while_a_run_reads_them_stop_it_and_no_model_is_saved(
+    teacher_dir, text_file, sts_dev, tmp_path, monkeypatch, capsys, how, when
+):
+    """Was: teacher targets rewritten while a run mapped them were trained on until exit 0, and the model saved.
+    Every read of the mapped rows compares the file with the one checked, and the run checks it again before it
+    saves its model: exit 2 naming the file, no model."""
+    out = tmp_path / "run"
+    hook = "write_records" if when == "after the last step" else "train_step"
+    original = getattr(DistillTrainer, hook)
+
+    def changing(self, *args):
+        if self.step == (6 if when == "after the last step" else when):
+            _changed_under_the_run(TeacherTargets(self.out).vectors_path, how)
+        return original(self, *args)
+
+    monkeypatch.setattr(DistillTrainer, hook, changing)
+    args = ["distill", "--teacher", str(teacher_dir), "--pooling", "mean", "--data", str(text_file), "--quiet"]
+    args += ["--max-texts", "48", "--steps", "6", "--batch-size", "8", "--eval-file", str(sts_dev)]
+    assert main([*args, "--exit-heads", "identity", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "targets.f16" in err and "while the run read it" in err and "Traceback" not in err, err
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+
+
+def test_before_its_model_is_saved_a_run_reads_its_targets_whole_against_their_signature(tmp_path, monkeypatch):
+    """A change that leaves the file's times and inode as they were (a clock set back, a write through a mapping
+    not yet flushed) passes the check of each read; the whole read against the signature, before the model is
+    saved, still sees it."""
+    from matryoshka2d.training import targets as targets_module
+
+    rng = np.random.default_rng(2)
+    vectors = rng.normal(size=(6, 8))
+    texts = write_targets(tmp_path, vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+    mapped = TeacherTargets(tmp_path).load(texts, "t" * 64, 8)
+    mapped.check_intact()
+    path = TeacherTargets(tmp_path).vectors_path
+    as_checked = mapped.state
+    with open(path, "r+b") as f:
+        f.write(np.frombuffer(path.read_bytes(), dtype=np.float16)[::-1].tobytes())
+    monkeypatch.setattr(targets_module, "file_state", lambda p: as_checked)
+    assert mapped[0].shape == (8,)  # the per-read check cannot tell
+    with pytest.raises(TargetsError, match="targets.f16: its bytes changed while the run read it"):
+        mapped.check_intact()
+
+
+def test_a_relational_loss_on_a_batch_of_one_row_is_refused_naming_both(
+    teacher_dir, text_file, sts_dev, tmp_path, capsys
+):
+    """--loss relational compares each text's similarities to the batch's other texts: at --batch-size 1 it is 0,
+    and the run trained nothing for its whole length; refused before the teacher's targets (cos still trains)."""
+    from helpers.cli import error_line, exit_code
+
+    base = ["distill", "--teacher", teacher_dir, "--pooling", "mean", "--data", text_file, "--max-texts", "16"]
+    base += ["--steps", "1", "--batch-size", "1", "--no-exclude-sts-test", "--eval-file", sts_dev, "--quiet"]
+    base += ["--exit-heads", "identity"]
+    assert exit_code([*base, "--loss", "relational", "--output", tmp_path / "r"]) == 2
+    error_line(capsys, "--batch-size 1, and --loss relational compares each row with the other rows", "trains nothing")
+    assert not (tmp_path / "r").exists()
+    assert exit_code([*base, "--loss", "cos", "--output", tmp_path / "c"]) == 0
+    # the same term added to a training run (train --distill-from), on data of one row: refused by its own option
+    # where the task loss trains on one row (infonce with a hard negative)
+    one = tmp_path / "one.tsv"
+    one.write_text("anchor\tpositive\tnegative\nred cat runs\ta red cat\tblue fish swims\n")
+    train = ["train", "--model", teacher_dir, "--pooling", "mean", "--data", one, "--loss", "infonce", "--steps", "1"]
+    train += ["--eval-file", sts_dev, "--quiet", "--distill-from", teacher_dir]
+    assert exit_code([*train, "--distill-loss", "relational", "--output", tmp_path / "t"]) == 2
+    error_line(capsys, f"--data {one} holds 1 row, so every batch is that row, and --distill-loss relational")
+    assert exit_code([*train, "--distill-loss", "cos", "--output", tmp_path / "t"]) == 0

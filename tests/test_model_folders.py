@@ -217,6 +217,83 @@ def test_a_hugging_face_cache_snapshot_loads_with_its_exit_heads_and_static_cell
         ElasticEncoder(str(snapshot), device="cpu")
 
 
+def _blobs_led_elsewhere(snapshot: Path, way: str, tmp_path: Path) -> Path:
+    """Make the snapshot's `../../blobs` a link that leads out of its repository (`way`), with the model's files
+    still where its links lead, so a reader that follows it reads a whole model from there; returns that folder."""
+    repo = snapshot.parent.parent
+    blobs = repo / "blobs"
+    if way == "another folder":
+        target = tmp_path / "elsewhere"
+        shutil.move(blobs, target)
+    elif way == "another repository":
+        target = as_hub_snapshot(snapshot, tmp_path / "other-hub").parent.parent / "blobs"
+        shutil.rmtree(blobs)
+    else:  # "/": every link names its blob by its absolute path below the root
+        target = tmp_path / "store"
+        shutil.move(blobs, target)
+        for link in [p for p in snapshot.rglob("*") if p.is_symlink()]:
+            name = (target / Path(os.readlink(link)).name).relative_to("/")
+            link.unlink()
+            link.symlink_to(os.path.relpath(blobs, link.parent) + "/" + str(name))
+        target = Path("/")
+    blobs.symlink_to(target, target_is_directory=True)
+    return target
+
+
+@pytest.mark.parametrize("way", ["another folder", "another repository", "/"])
+def test_a_snapshot_whose_blobs_folder_is_a_link_is_read_nowhere(st_model, tmp_path, capsys, way):
+    """Was: a snapshot whose `blobs/` was a link (to another folder, another repository's blobs, `/`) was read as
+    the model: the files it leads to, outside the cache, were loaded. Its links now leave the folder, refused before
+    anything is opened, in words that are the same whatever lies outside."""
+    snapshot = as_hub_snapshot(st_model, tmp_path / "hub")
+    outside = _blobs_led_elsewhere(snapshot, way, tmp_path)
+    watched = tmp_path / "store" if way == "/" else outside
+    with watching_opens() as opened:
+        with pytest.raises(BackboneError, match="leaves") as refused:
+            ElasticEncoder(str(snapshot), device="cpu")
+        assert main(["info", str(snapshot)]) == 2
+    assert not [p for p, _, _ in opened if Path(p).resolve().is_relative_to(watched.resolve())]
+    assert "leaves" in capsys.readouterr().err and str(watched) not in str(refused.value)
+    if way == "another folder":  # nothing outside changes a word: the blobs gone from there, the same refusal
+        shutil.rmtree(outside)
+        outside.mkdir()
+        with pytest.raises(BackboneError) as empty:
+            ElasticEncoder(str(snapshot), device="cpu")
+        assert str(empty.value) == str(refused.value)
+
+
+def test_a_snapshot_link_to_a_folder_inside_its_blobs_is_refused(st_model, tmp_path):
+    """Blobs are files: a snapshot folder that is a link into blobs/ would be read without its files' links
+    being checked (one of them leading anywhere)."""
+    snapshot = as_hub_snapshot(st_model, tmp_path / "hub")
+    pooling = snapshot / "1_Pooling"
+    hidden = snapshot.parent.parent / "blobs" / "pooling"
+    hidden.mkdir()
+    for link in pooling.iterdir():
+        shutil.copyfile(link, hidden / link.name)
+    shutil.rmtree(pooling)
+    pooling.symlink_to(os.path.relpath(hidden, snapshot), target_is_directory=True)
+    with pytest.raises(BackboneError, match="leaves"):
+        ElasticEncoder(str(snapshot), device="cpu")
+
+
+def test_a_hub_id_is_read_only_through_a_cached_snapshot_that_stays_inside_itself(st_model, tmp_path, monkeypatch):
+    """A model named by its hub id is read by transformers from the local Hugging Face cache: that snapshot is
+    checked as a model folder first, so a `blobs/` link there is refused before anything is opened."""
+    hub = tmp_path / "hub"
+    snapshot = as_hub_snapshot(st_model, hub)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    from matryoshka2d.models.st_folder import cached_snapshot, model_folder
+
+    assert cached_snapshot("org/tiny") == snapshot and model_folder("org/tiny") is None  # checked, and read by id
+    outside = _blobs_led_elsewhere(snapshot, "another folder", tmp_path)
+    with watching_opens() as opened, pytest.raises(BackboneError, match="leaves"):
+        ElasticEncoder("org/tiny", device="cpu")
+    assert not [p for p, _, _ in opened if Path(p).resolve().is_relative_to(outside.resolve())]
+
+
 def pair_meta(folder: Path) -> dict:
     """The folder's matryoshka2d.json ({} when it has none)."""
     meta = folder / "matryoshka2d.json"

@@ -46,7 +46,7 @@ def cache(graphs, tmp_path, monkeypatch):
     root = tmp_path / "graphs"
     shutil.copytree(graphs, root)
     export = CountedExport(graphs)
-    monkeypatch.setattr("matryoshka2d.serve.backends.export_exit", export)
+    monkeypatch.setattr("matryoshka2d.serve.graph_cache.export_exit", export)
     return graphs_of(root), export
 
 
@@ -142,7 +142,7 @@ def test_a_cached_graph_that_onnxruntime_would_refuse_is_rebuilt_not_a_traceback
 
 def test_an_int8_server_keeps_only_its_int8_graphs(graphs, tiny_local, tmp_path, monkeypatch):
     export = CountedExport(graphs)
-    monkeypatch.setattr("matryoshka2d.serve.backends.export_exit", export)
+    monkeypatch.setattr("matryoshka2d.serve.graph_cache.export_exit", export)
     root = tmp_path / "empty"
     backend, _ = start(tiny_local, root, "int8")
     assert export.calls == 1  # the fp32 graph, as the input of quantization
@@ -192,14 +192,14 @@ def _backend(encoder, root, quantize=None, layers=(2,)):
 def test_two_models_share_one_cache_folder_without_replacing_each_others_graphs(two_models, shared_cache, tmp_path):
     """Was: the query model's layer-2 graph replaced the teacher's in a shared --onnx-cache, the teacher's cells
     then answered with the query model's vectors, and every restart rebuilt every graph."""
-    from matryoshka2d.serve import backends
+    from matryoshka2d.serve import graph_cache
 
     root = tmp_path / "cache"
     shutil.copytree(shared_cache, root)
     exports = []
-    real = backends.export_exit
+    real = graph_cache.export_exit
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backends, "export_exit", lambda *a: exports.append(a[1]) or real(*a))
+        patch.setattr(graph_cache, "export_exit", lambda *a: exports.append(a[1]) or real(*a))
         for _ in range(2):  # a restart: both servers again
             for encoder in two_models:
                 backend, lines = _backend(encoder, root)
@@ -260,7 +260,7 @@ def test_a_read_only_cache_is_used_read_only_and_a_missing_graph_there_names_the
 
 
 def test_a_read_only_model_folder_with_its_graph_cache_is_served_from_that_cache(two_models, shared_cache, tmp_path):
-    from matryoshka2d.serve.backends import CACHE_FOLDER, weights_digest, weights_folder
+    from matryoshka2d.serve.graph_cache import CACHE_FOLDER, weights_digest, weights_folder
 
     model = tmp_path / "model"
     shutil.copytree(two_models[0].location, model)
@@ -284,8 +284,8 @@ def _rerecord(folder, name, **changes):
 def planted_link_message(encoder, shared_cache, tmp_path, content):
     """Serve from a cache whose layer-2 graph is a link to a file outside it (the graph itself, or other bytes),
     the manifest re-signed for that file; the line that refused it, with the cache's place left out."""
-    from matryoshka2d.serve import backends
-    from matryoshka2d.serve.backends import weights_digest, weights_folder
+    from matryoshka2d.serve import graph_cache
+    from matryoshka2d.serve.graph_cache import weights_digest, weights_folder
 
     root = tmp_path / content
     shutil.copytree(shared_cache, root)
@@ -298,11 +298,11 @@ def planted_link_message(encoder, shared_cache, tmp_path, content):
     (folder / "layer-2.onnx").unlink()
     (folder / "layer-2.onnx").symlink_to(outside)
     _rerecord(folder, "layer-2.onnx")  # the manifest vouches for the file outside
-    kept, read, real = outside.read_bytes(), [], backends.file_sha256
+    kept, read, real = outside.read_bytes(), [], graph_cache.file_sha256
     built = shared_cache / folder.name / "layer-2.onnx"  # a copy stands in for the export (seconds)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backends, "file_sha256", lambda p: read.append(Path(p).resolve()) or real(p))
-        patch.setattr(backends, "export_exit", lambda encoder, layer, path: Path(shutil.copyfile(built, path)))
+        patch.setattr(graph_cache, "file_sha256", lambda p: read.append(Path(p).resolve()) or real(p))
+        patch.setattr(graph_cache, "export_exit", lambda encoder, layer, path: Path(shutil.copyfile(built, path)))
         backend, lines = _backend(encoder, root)
     assert outside.resolve() not in read  # not hashed, so nothing is learnt of its contents
     refused = [line for line in lines if "leaves" in line]
@@ -323,7 +323,7 @@ def test_an_fp32_graph_under_the_int8_name_is_not_scored_or_served_as_int8(two_m
     """Was: an fp32 graph copied over layer-2.int8.onnx, the manifest re-signed, passed the cosine check as int8."""
     from matryoshka2d.export.graph_check import external_data_inside
     from matryoshka2d.export.onnx_graphs import graph_precision
-    from matryoshka2d.serve.backends import weights_digest, weights_folder
+    from matryoshka2d.serve.graph_cache import weights_digest, weights_folder
 
     encoder = two_models[0]
     root = tmp_path / "cache"

@@ -77,7 +77,7 @@ def test_a_query_encoder_and_its_teacher_as_one_folder(teacher_dir, student_dir,
     from matryoshka2d.models.query_record import query_encoder_record
 
     assert weights_sha256(loaded) == weights_sha256(teacher)  # an index of the teacher is an index of the pair
-    from matryoshka2d.serve.backends import weights_digest, weights_folder
+    from matryoshka2d.serve.graph_cache import weights_digest, weights_folder
 
     # the ONNX backend's graphs of each route in a subfolder of their own (both are layer-N.onnx): the graph cache
     # names a subfolder by the weights the graphs compute (rule 3), and the routes' weights differ

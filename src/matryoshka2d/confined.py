@@ -12,6 +12,7 @@ folder users have and reads as one (`confinement`).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from matryoshka2d.files import DataFormatError, read_json
@@ -24,25 +25,46 @@ class OutsideFolderError(ValueError):
 def confinement(folder: str | Path) -> tuple[Path, Path | None]:
     """(the folder, resolved; the blobs folder its links may reach, or None). A Hugging Face cache snapshot,
     `.../models--ORG--NAME/snapshots/REV/`, holds links into `../../blobs`: it is a folder users have, so a link
-    from it into its own repository's `blobs/` stays inside, on purpose; nothing else outside the folder does."""
+    from it into its own repository's `blobs/` stays inside, on purpose, when that `blobs/` is the repository's own
+    (`own_blobs`); nothing else outside the folder does."""
     try:
         real = Path(folder).resolve()
     except (RuntimeError, OSError) as exc:  # the folder itself a loop of links
         raise OutsideFolderError(f"{folder}: cannot be resolved ({exc}); not a folder matryoshka2d can read") from None
-    blobs = real.parent.parent / "blobs"
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--")):
-        return real, (blobs.resolve() if blobs.is_dir() else None)
+    repo = real.parent.parent
+    if real.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--")):
+        return real, own_blobs(repo)
     return real, None
 
 
+def own_blobs(repo: Path) -> Path | None:
+    """`repo`/blobs (repo resolved) when it is the repository's own folder of blobs, else None: a real folder, not a
+    link (to another folder, another repository's blobs, `/`), on the repository's file system and no mount point;
+    compared by resolved path and by (device, inode) with what a link-free walk reaches, so that no second name of
+    another folder passes for it. Links into anything else leave the snapshot."""
+    blobs = repo / "blobs"
+    try:
+        itself, reached, parent = os.lstat(blobs), os.stat(blobs), os.stat(repo)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(itself.st_mode) or (itself.st_dev, itself.st_ino) != (reached.st_dev, reached.st_ino):
+        return None  # a link, or not a folder
+    if blobs.resolve() != blobs or itself.st_dev != parent.st_dev or os.path.ismount(blobs):
+        return None  # reached through a link above it, or another file system mounted there
+    return blobs
+
+
 def stays_inside(path: Path, folder: str | Path) -> bool:
-    """Whether `path` (a name under `folder`), links followed, lies in the folder (or its snapshot's blobs/)."""
+    """Whether `path` (a name under `folder`), links followed, lies in the folder, or is a blob (a file, never a
+    folder, whose contents no walk of the snapshot checks) of its snapshot's own blobs/."""
     real, blobs = confinement(folder)
     try:
         target = Path(path).resolve()
     except (RuntimeError, OSError):  # a loop of links leads nowhere inside the folder
         return False
-    return target.is_relative_to(real) or (blobs is not None and target.is_relative_to(blobs))
+    if target.is_relative_to(real):
+        return True
+    return blobs is not None and target.is_relative_to(blobs) and target != blobs and not target.is_dir()
 
 
 def _loops(path: Path) -> bool:
@@ -95,16 +117,13 @@ class ConfinedFolder:
         for root, dirs, files in os.walk(self.folder, followlinks=False):
             for name in sorted(dirs + files):
                 entry = Path(root) / name
-                if entry.is_symlink() and _loops(entry):
+                # one message whether the link leaves or loops: what lies outside the folder changes no word of it
+                if entry.is_symlink() and (_loops(entry) or not stays_inside(entry, self.folder)):
                     raise OutsideFolderError(
-                        f"{entry} is a symbolic link that loops (it leads back to itself): the {self.kind} folder "
-                        f"{self.folder} is read only through links that reach a file; nothing in it was read"
-                    )
-                if entry.is_symlink() and not stays_inside(entry, self.folder):
-                    raise OutsideFolderError(
-                        f"{entry} is a symbolic link that leaves the {self.kind} folder {self.folder}: the folder is "
-                        "read only inside itself (a Hugging Face cache snapshot may link into its own blobs/); "
-                        "nothing in it was read: put the file itself in the folder"
+                        f"{entry} is a symbolic link that leaves the {self.kind} folder {self.folder} or loops: the "
+                        "folder is read only inside itself, through links that reach a file in it (a Hugging Face "
+                        "cache snapshot may link into its own blobs/); nothing in it was read: put the file itself "
+                        "in the folder"
                     )
 
     def path(self, name, named_by: str | Path | None = None, field: str = "a file name", folder_itself=False) -> Path:

@@ -187,9 +187,10 @@ def grid(**changes):
 
 def write_targets(folder, vectors: np.ndarray) -> list[str]:
     """A teacher-targets folder in run folder `folder` holding `vectors` as float16 and a record that vouches for
-    them (checksums re-signed); the texts they are of ("t0", "t1", ...)."""
+    them (checksums re-signed, and signed under this machine's key, as only a hand holding that key could); the
+    texts they are of ("t0", "t1", ...)."""
     from matryoshka2d.files import file_sha256
-    from matryoshka2d.training.targets import FOLDER, RECORD, VECTORS, texts_sha256
+    from matryoshka2d.training.targets import FOLDER, RECORD, VECTORS, sign_record, texts_sha256
 
     (folder / FOLDER).mkdir(parents=True, exist_ok=True)
     (folder / FOLDER / VECTORS).write_bytes(vectors.astype(np.float16).tobytes())
@@ -200,5 +201,5 @@ def write_targets(folder, vectors: np.ndarray) -> list[str]:
         "texts_sha256": texts_sha256([f"t{i}" for i in range(len(vectors))]),
         "teacher_weights_sha256": "t" * 64,
     }
-    (folder / FOLDER / RECORD).write_text(json.dumps(record))
+    (folder / FOLDER / RECORD).write_text(json.dumps(sign_record(record, folder / FOLDER / VECTORS)))
     return [f"t{i}" for i in range(len(vectors))]

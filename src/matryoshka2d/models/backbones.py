@@ -239,7 +239,7 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 
 def load_transformer(location: str, display: str):
     """Load (model, tokenizer) from a directory or hub id, safetensors only, with errors that say why."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per weight file is noise next to our own progress bars
@@ -266,7 +266,7 @@ def load_transformer(location: str, display: str):
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
     model = AutoModel.from_pretrained(location, use_safetensors=True, trust_remote_code=False)
-    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
+    tokenizer = load_tokenizer(location, display)
     if tokenizer.pad_token is None:
         # Decoders often ship without a pad token; padding positions are masked out anyway.
         tokenizer.pad_token = tokenizer.eos_token
@@ -344,6 +344,54 @@ def prepare_gguf(gguf_file: str | Path, name: str | None = None, force: bool = F
     plain.load_state_dict(model.state_dict())
     model = plain
     return outside_the_command(_save_dequantized, model, tokenizer, target)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model")
+
+
+def load_tokenizer(location: str, display: str):
+    """The tokenizer of a model folder (or hub id) as transformers loads it, refused by name where it would not
+    tokenize: one transformers cannot build (a sentencepiece or tiktoken file without the library that reads it,
+    a damaged file) is said in our words, and a folder with no tokenizer files at all, of which transformers makes
+    an empty tokenizer that reads every word as its unknown token (one vector for every text), is refused."""
+    from transformers import AutoTokenizer
+
+    local = Path(location)
+    found = (
+        sorted(p.name for p in local.iterdir() if p.name in TOKENIZER_FILES or p.suffix == ".model")
+        if local.is_dir()
+        else []
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False)
+    except (ImportError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+        files = f" from {', '.join(found)}" if found else ""
+        raise BackboneError(
+            f"{display}: its tokenizer cannot be built here{files} ({type(exc).__name__}: a library it needs is not "
+            "installed, or a file is damaged); save the model's tokenizer as a fast one (tokenizer.json) where it "
+            "loads, and copy that into the folder"
+        ) from None
+    specials = set(getattr(tokenizer, "all_special_tokens", ()))
+    if local.is_dir() and set(tokenizer.get_vocab()) <= specials:
+        raise BackboneError(
+            f"{display}: its tokenizer has no vocabulary, only its special tokens ({', '.join(sorted(specials))}): "
+            "the folder holds no vocabulary (tokenizer.json, vocab.txt, spiece.model, ...), and transformers would "
+            "read every word as the unknown token, one vector for every text; copy the tokenizer of the model it "
+            "came from into the folder"
+        )
+    return tokenizer
+
+
+def fast_tokenizer(tokenizer, name: str, needed_for: str):
+    """The `tokenizers` (Rust) backend of `tokenizer`; a BackboneError naming the model and what needs one when the
+    tokenizer is a Python one without it (ByT5's, a sentencepiece tokenizer read without conversion)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise BackboneError(
+            f"{name}: its tokenizer ({type(tokenizer).__name__}) has no fast (tokenizers) backend, which "
+            f"{needed_for} needs; save the model with a fast tokenizer (tokenizer.json) to use it"
+        )
+    return backend
 
 
 def _save_dequantized(model, tokenizer, target: Path) -> Path:

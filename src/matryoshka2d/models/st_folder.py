@@ -120,12 +120,34 @@ def model_folder(location) -> ConfinedFolder | None:
     modules.json and a Router's router_config.json give stays inside it (confined.inside), and no link in it leaves
     it (a file that transformers, tokenizers or safetensors open by a fixed name, a tokenizer.json or a
     model.safetensors, would otherwise be read from anywhere). A Hugging Face cache snapshot, whose files link into
-    its own `../../blobs`, is a model folder (confined.confinement). None for a hub id (not a local folder)."""
+    its own `../../blobs`, is a model folder (confined.confinement). None for a hub id (not a local folder), once
+    the snapshot of it that transformers will read from the local cache, if there is one, is checked the same way."""
     if isinstance(location, ConfinedFolder):
         return location
     if location is None or not Path(location).is_dir():
+        snapshot = cached_snapshot(location)
+        if snapshot is not None:
+            _checked(confined(snapshot), snapshot)
         return None
-    folder = confined(location)
+    return _checked(confined(location), location)
+
+
+def cached_snapshot(hub_id) -> Path | None:
+    """The folder of the local Hugging Face cache that transformers loads `hub_id` from (the snapshot of its
+    default revision), or None: not an id of the form owner/name, or not in the cache (transformers downloads it)."""
+    if not isinstance(hub_id, str) or hub_id.count("/") != 1:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(hub_id, "config.json")
+    except (ValueError, OSError):  # not a valid repository id
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _checked(folder: ConfinedFolder, location) -> ConfinedFolder:
+    """`folder` after its module lists and links are checked, their refusals as BackboneError naming `location`."""
     try:
         _read_modules(folder)
         router_routes(folder)

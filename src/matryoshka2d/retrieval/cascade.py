@@ -3,10 +3,11 @@
 
 Encoding the corpus is nearly all of the cost. With a document cache folder (`--doc-cache`), the documents'
 pooled layer states before any exit head are kept there, keyed by what makes them (cache_keys.cache_key, the key
-recorded in the file and compared on read): the backbone's checksum (not the exit heads'), the tokenizer,
-pooling, maximum length, device type and dtype, and the documents' texts hashed with their lengths. Models that
-share a backbone (with heads, without, with other heads) then encode the corpus once; each applies its own heads to
-the states. A file under another key, damaged, or a link out of the folder is a miss: computed again and replaced.
+recorded in the file and compared on read): the backbone's checksum (not the exit heads') and configuration, the
+tokenizer, pooling, maximum length, device type and dtype, and the documents' texts hashed with their lengths; the
+file is signed under this machine's key (models.signing). Models that share a backbone (with heads, without, with
+other heads) then encode the corpus once; each applies its own heads to the states. A file under another key,
+damaged, edited, or a link out of the folder is a miss: computed again and replaced.
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ import os
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from matryoshka2d import outputs
 from matryoshka2d.beir import BeirSet, load_beir
-from matryoshka2d.cache_keys import cache_key, texts_sha256, tokenizer_sha256
+from matryoshka2d.cache_keys import cache_key, encoder_config_sha256, texts_sha256, tokenizer_sha256
 from matryoshka2d.cells import unit_rows
 from matryoshka2d.confined import OutsideFolderError, inside
 from matryoshka2d.evaluate.results import model_record, provenance, provenance_lines
 from matryoshka2d.evaluate.retrieval import rank_metrics
 from matryoshka2d.models.query_record import query_encoder_layer, query_encoder_record
+from matryoshka2d.models.signing import sign, signature_holds
 from matryoshka2d.retrieval.faiss_indexes import make_index
 from matryoshka2d.retrieval.search import cascade_search, flat_search
 from matryoshka2d.retrieval.shards import RESCORED_STORAGES, STORAGES
@@ -156,13 +158,15 @@ def tokenizer_digest(encoder) -> str:
 
 def document_cache_key(encoder, texts: Sequence[str]) -> str:
     """The key of the documents' pooled states (cache_keys.cache_key): the backbone's weights (not the exit heads',
-    applied after), the tokenizer (as loaded), max length, pooling, the width of the pooled states, the texts hashed
-    with their lengths, and the device type and dtype the states were computed in."""
+    applied after) and configuration, the tokenizer (as loaded, every setting), max length, pooling, the width of
+    the pooled states, the texts hashed with their lengths, and the device type and dtype the states were computed
+    in."""
     from matryoshka2d.models.identity import backbone_sha256
 
     return cache_key(
         DOC_CACHE_KIND,
         weights_sha256=backbone_sha256(encoder),
+        config_sha256=encoder_config_sha256(encoder),
         tokenizer_sha256=tokenizer_digest(encoder),
         max_length=encoder.max_length,
         pooling=encoder.pooling,
@@ -173,11 +177,21 @@ def document_cache_key(encoder, texts: Sequence[str]) -> str:
     )
 
 
+def _signed_states(arrays: Iterable[tuple[str, np.ndarray]]) -> Iterator[bytes]:
+    """What a document cache file's signature covers: each array's name, dtype and shape (framed by their length),
+    then its bytes, in the order given (by name)."""
+    for name, array in arrays:
+        header = f"{name}|{array.dtype.str}|{array.shape}".encode()
+        yield len(header).to_bytes(8, "big") + header
+        yield np.ascontiguousarray(array).tobytes()
+
+
 def read_document_cache(path: Path, key: str, rows: int, layers: Sequence[int]) -> dict[int, np.ndarray] | None:
     """The pooled states of `layers` the cache file at `path` holds, or None (a miss: compute them) unless it is a
     whole file of this cache, under this exact key (recorded in it, compared here: a file renamed or copied under
-    another key's name is a miss) with `rows` rows per layer. A link out of the cache folder is a miss, never
-    opened; so is a damaged file."""
+    another key's name is a miss), whose signature (models.signing: every array under the key, this machine's key)
+    holds, with `rows` rows per layer. A link out of the cache folder is a miss, never opened; so is a damaged file
+    or an edited one, its rows changed by hand. Checking costs one read of the file, as loading it does."""
     try:
         inside(path.parent, path.name, path.parent, "the document cache file")
     except OutsideFolderError:
@@ -192,13 +206,16 @@ def read_document_cache(path: Path, key: str, rows: int, layers: Sequence[int]) 
         return None
     try:
         with stored:
-            if "cache_key" not in stored.files or str(stored["cache_key"]) != key:
+            if "cache_key" not in stored.files or str(stored["cache_key"]) != key or "signature" not in stored.files:
                 return None
             if not all(f"layer{n}" in stored.files for n in layers):
                 return None
-            pooled = {n: stored[f"layer{n}"] for n in layers}
+            arrays = {name: stored[name] for name in sorted(stored.files) if name.startswith("layer")}
+            if not signature_holds(key, _signed_states(arrays.items()), str(stored["signature"])):
+                return None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
+    pooled = {n: arrays[f"layer{n}"] for n in layers}
     if any(v.ndim != 2 or len(v) != rows for v in pooled.values()):
         return None
     return pooled
@@ -221,9 +238,11 @@ def document_states(encoder, texts: Sequence[str], layers: Sequence[int], batch_
         pooled = encoder.pooled_states(texts, wanted, batch_size, show_progress=progress, pooled=True)
         if path is not None:
             # the one writer: a temporary file beside, renamed when whole (a killed run never leaves half a cache
-            # file; a link in its place is replaced, never written through), the key recorded inside
+            # file; a link in its place is replaced, never written through), the key and the signature inside
+            arrays = {f"layer{n}": v for n, v in sorted(pooled.items())}
+            signature = sign(key, _signed_states(sorted(arrays.items())))
             with outputs.writing(path, "--doc-cache") as tmp:
-                np.savez(tmp, cache_key=np.array(key), **{f"layer{n}": v for n, v in pooled.items()})
+                np.savez(tmp, cache_key=np.array(key), signature=np.array(signature), **arrays)
     return encoder.cells_from_pooled(pooled, layers, encoder.use_heads), path
 
 
