@@ -160,3 +160,52 @@ def test_alignment_terms_vanish_when_equal_and_teacher_is_detached():
 def test_unknown_loss_name():
     with pytest.raises(ValueError, match="Unknown loss 'triplet'"):
         make_task_loss("triplet")
+
+
+# ---- a batch of one row --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_data_file_per_kind(files, tmp_path_factory):
+    """One training file of each kind of data a task loss may train on (matryoshka2d.training.data)."""
+    from helpers.data import write_tsv
+
+    folder = tmp_path_factory.mktemp("kinds")
+    pairs = write_tsv(folder / "pairs.tsv", ["anchor", "positive"], [["red cat", "red cat runs"], ["old dog", "dog"]])
+    kinds = {"triplets": "triplets.tsv", "nli": "nli.tsv", "scored": "dev.tsv", "sentences": "corpus.txt"}
+    return {**{kind: files / name for kind, name in kinds.items()}, "pairs": pairs}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_every_task_loss_on_every_kind_at_a_batch_of_one_row_trains_or_is_refused_naming_both(
+    tiny_dir, sts_dev, one_data_file_per_kind, tmp_path
+):
+    """A loss that compares each row with the batch's other rows (in-batch negatives, CoSENT's pairs of pairs) is 0
+    on one row: --batch-size 1 trained for nothing and said nothing. Every loss of TASK_LOSSES on every kind of data
+    it takes, at --batch-size 1: either refused before the run (naming --batch-size and the loss), or its first step
+    moves the weights (no weight decay: only a gradient can)."""
+    from helpers.models import tiny_run
+    from matryoshka2d.losses import TASK_LOSSES
+    from matryoshka2d.training.preflight import PreflightError
+    from matryoshka2d.training.trainer import Trainer
+
+    refused, trained = set(), set()
+    for loss in TASK_LOSSES:
+        for kind, data in one_data_file_per_kind.items():
+            config = tiny_run(tiny_dir, data, sts_dev, tmp_path / f"{loss}-{kind}", steps=1, batch_size=1, loss=loss)
+            config.weight_decay = 0.0
+            try:
+                trainer = Trainer(config)
+            except PreflightError as exc:
+                assert "--batch-size 1" in str(exc) and f"--loss {loss}" in str(exc), exc
+                refused.add((loss, kind))
+                continue
+            except ValueError:
+                continue  # a loss that does not train on this kind of data at all (said so by name elsewhere)
+            before = {k: v.clone() for k, v in trainer.encoder.state_dict().items()}
+            trainer.train_step()
+            moved = any(not torch.equal(v, before[k]) for k, v in trainer.encoder.state_dict().items())
+            assert moved, f"--loss {loss} on {kind} data at --batch-size 1 trained nothing and was not refused"
+            trained.add((loss, kind))
+    assert {("infonce", "pairs"), ("simcse", "sentences"), ("cosent", "scored")} <= refused
+    assert {("infonce", "triplets"), ("softmax", "nli")} <= trained  # a hard negative, a classifier: one row trains

@@ -160,7 +160,7 @@ def test_merge_command_refuses_bad_input_and_writes_nothing(start_and_run, tmp_p
     base = ["merge", "--models", str(run), str(start)]
     assert main([*base, "--weights", "0.7", "--output", str(out)]) == 2
     assert "1 weights for 2 models" in capsys.readouterr().err and not out.exists()
-    for overwrite in ([], ["--overwrite"]):  # into a model's own folder (rule 2)
+    for overwrite in ([], ["--overwrite"]):  # into a model's own folder (rule 1)
         assert main([*base, "--output", str(run), *overwrite]) == 2
         assert f"--output {run} is --models {run}" in capsys.readouterr().err
     assert main(["merge", "--models", str(run), str(tmp_path / "missing"), "--output", str(out)]) == 2
@@ -184,3 +184,17 @@ def test_merge_refuses_other_starts_and_non_finite_weights(start_and_run, tokeni
         next(broken.model.parameters()).view(-1)[0] = float("nan")
     with pytest.raises(MergeError, match="holds NaN or inf"):
         merge_encoders([broken, _encoder(tokenizer)])
+
+
+def test_one_folder_named_twice_is_refused_before_anything_loads(start_and_run, tmp_path, monkeypatch, capsys):
+    """--models RUN RUN (or RUN and a link to it) averaged a model with itself and wrote a copy of it, saying
+    nothing: refused before anything loads."""
+    from matryoshka2d.cli import args as cli_args
+
+    start, run = start_and_run
+    (tmp_path / "alias").symlink_to(run)
+    monkeypatch.setattr(cli_args, "load_encoder", lambda *a, **k: pytest.fail("a model was loaded"))
+    for twice in ([run, run], [run, tmp_path / "alias"], [start, run, tmp_path / "alias"]):
+        assert main(["merge", "--models", *map(str, twice), "--output", str(tmp_path / "out")]) == 2
+        assert "--models names one folder twice" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()

@@ -4,7 +4,7 @@ at layer 0, reducer options without --reducer, and the like."""
 
 import pytest
 
-from helpers.cli import error_line, exit_code
+from helpers.cli import error_line, every_command, exit_code
 from matryoshka2d.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -16,6 +16,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         (
             ["--mode", "query", "--layer", "2", "--eval-cell", "3:16"],
             "--eval-cell 3:16: the query encoder of --layer 2",
+        ),
+        (
+            ["--mode", "query", "--layer", "2", "--eval-cell", "1:16"],
+            "--eval-cell 1:16: the query encoder of --layer 2 has 2 layers and is saved as its cell at layer 2",
+        ),
+        # the static cell (layer 0) is what trains; --eval-cell evaluated the teacher's frozen layers, every time alike
+        (["--mode", "static", "--eval-cell", "2:16"], "--eval-cell 2:16 would evaluate the teacher's frozen layers"),
+        (
+            ["--exit-heads", "identity", "--exit-heads-sentences", "50"],
+            "--exit-heads identity starts from the identity",
         ),
         (["--temperature", "0.1"], "--temperature is the softmax temperature of --loss relational; --loss cos"),
         (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
@@ -132,3 +142,111 @@ def test_eval_refuses_a_reducer_on_the_onnx_backend(model, tmp_path, capsys):
     assert main([*args, "--output", str(tmp_path / "o")]) == 2
     assert "--reducer pca reduces the vectors torch computes; it does not run on --backend onnx" in error_line(capsys)
     assert not (model / "onnx-serve").exists() and not (tmp_path / "o").exists()
+
+
+# ---- what the save refuses is refused before the first step ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stacked_teacher(tmp_path_factory):
+    """A tiny random BERT (4 layers of 8 numbers) on a word-piece vocabulary of WORDS (a static cell's table is a few
+    rows), with exit heads that read the stacked layers 0..exit, saved as a model folder."""
+    import torch
+    import transformers as tf
+
+    from helpers.data import WORDS
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.heads import ExitHeads
+
+    vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    tokenizer = tf.BertTokenizerFast(vocab={piece: i for i, piece in enumerate(vocabulary)})
+    torch.manual_seed(0)
+    config = tf.BertConfig(
+        vocab_size=len(vocabulary),
+        hidden_size=8,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=16,
+        hidden_dropout_prob=0.0,
+        initializer_range=0.2,
+    )
+    encoder = ElasticEncoder.from_modules(tf.AutoModel.from_config(config).eval(), tokenizer, pooling="mean")
+    encoder.set_exit_heads(ExitHeads.identity([1, 2, 3], 8, 8, inputs="stack"))
+    folder = tmp_path_factory.mktemp("stacked") / "teacher"
+    encoder.save(folder)
+    return folder
+
+
+def head_choices(command: str) -> list[list[str]]:
+    """Every combination of the values of `command`'s options that shape the exit heads a run saves: each option
+    with choices whose flag starts with --exit-heads, not given or at each choice, walked from the parser (an option
+    or a choice added later is in it)."""
+    import itertools
+
+    parser = dict(every_command(build_parser()))[tuple(command.split())]
+    options = [a for a in parser._actions if a.choices and a.option_strings[0].startswith("--exit-heads")]
+    values = [[[]] + [[a.option_strings[0], str(choice)] for choice in a.choices] for a in options]
+    return [list(itertools.chain(*combination)) for combination in itertools.product(*values)]
+
+
+def refused_before_work_or_saved(monkeypatch, argv, out) -> str:
+    """Run `argv` with its optimizer steps left out: "refused" when it exits 2 before any work (the run folder
+    prepared, the teacher's targets computed, heads fitted), "saved" when the model it saved loads; a refusal
+    after the work fails."""
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.training.run_loop import RunLoop
+
+    worked = []
+    prepare = RunLoop.prepare_run
+    monkeypatch.setattr(RunLoop, "prepare_run", lambda self, *a: (worked.append(1), prepare(self, *a))[1])
+    monkeypatch.setattr(RunLoop, "steps", lambda self, log, bar: None)
+    code = exit_code([*argv, "--output", out])
+    if code == 2:
+        assert not worked and not out.exists(), f"refused after the work: {' '.join(map(str, argv))}"
+        return "refused"
+    assert code == 0, argv
+    ElasticEncoder(str(out), device="cpu")
+    return "saved"
+
+
+def test_every_combination_distill_would_refuse_at_its_save_is_refused_before_the_work(
+    stacked_teacher, corpus, sts_dev, tmp_path, monkeypatch, capsys
+):
+    """--mode query --exit-heads-inputs stack (or the teacher's stacked heads kept) trained the whole run and was
+    refused at the save: a query encoder is saved cut to its layer with that layer's head as a Dense module, which
+    reads one layer. Every mode with every combination of the exit-head options either stops before any work or
+    saves a model that loads."""
+    parser = dict(every_command(build_parser()))[("distill",)]
+    modes = next(a.choices for a in parser._actions if "--mode" in a.option_strings)
+    base = ["distill", "--teacher", stacked_teacher, "--data", corpus, "--batch-size", "8"]
+    base += ["--steps", "1", "--no-exclude-sts-test", "--eval-file", sts_dev, "--quiet"]
+    outcome = {}
+    for n, (mode, heads) in enumerate((m, h) for m in modes for h in head_choices("distill")):
+        layer = ["--layer", "2"] if mode == "query" else []
+        argv = [*base, "--mode", mode, *layer, *heads]
+        outcome[(mode, *heads)] = refused_before_work_or_saved(monkeypatch, argv, tmp_path / str(n))
+        capsys.readouterr()
+    assert outcome[("query", "--exit-heads-inputs", "stack")] == "refused"
+    assert outcome[("query", "--exit-heads", "keep")] == "refused"  # the teacher's heads read stacked layers
+    assert outcome[("query", "--exit-heads", "fit", "--exit-heads-inputs", "exit")] == "saved"
+    assert outcome[("shared", "--exit-heads-inputs", "stack")] == "saved"  # a whole model holds stacked heads
+
+
+def test_every_combination_train_would_refuse_at_its_save_is_refused_before_the_work(
+    stacked_teacher, triplets, sts_dev, tmp_path, monkeypatch, capsys
+):
+    """The same for `train`'s methods whose model is saved cut to fewer layers (separate --layer n)."""
+    from matryoshka2d.methods import METHODS
+
+    cut = [name for name, method in METHODS.items() if isinstance(getattr(method, "keep_layers", None), property)]
+    assert cut == ["separate"]
+    base = ["train", "--model", stacked_teacher, "--data", triplets, "--batch-size", "8", "--steps", "1"]
+    base += ["--eval-file", sts_dev, "--quiet", "--layer", "2"]
+    outcome = {}
+    for n, (method, heads) in enumerate((m, h) for m in cut for h in head_choices("train")):
+        outcome[(method, *heads)] = refused_before_work_or_saved(
+            monkeypatch, [*base, "--method", method, *heads], tmp_path / str(n)
+        )
+        capsys.readouterr()
+    assert outcome[("separate", "--exit-heads", "fit", "--exit-heads-inputs", "stack")] == "refused"
+    assert outcome[("separate", "--exit-heads", "fit", "--exit-heads-inputs", "exit")] == "saved"

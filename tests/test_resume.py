@@ -98,3 +98,34 @@ def test_a_resumed_build_refuses_a_corpus_edited_in_place(tiny_bert, tmp_path, m
     corpus.write_text(edited)
     with pytest.raises(IndexBuildError, match="documents 1..8"):
         build_index(tiny_bert, corpus, [(2, 16)], tmp_path / "idx", shard_size=8, log=lambda m: None)
+
+
+def test_resume_takes_the_same_data_file_however_it_is_spelled_and_refuses_another(
+    tiny_dir, files, tmp_path, monkeypatch, capsys
+):
+    """--resume compared the data files as written: the same file given relative, through a link or a hard link was
+    "another run" and refused. They are compared by what they name (resolved, device and inode, or the bytes); a
+    file of other rows is still refused, by name."""
+    import os
+    import shutil
+
+    data = tmp_path / "data" / "triplets.tsv"
+    data.parent.mkdir()
+    shutil.copy(files / "triplets.tsv", data)
+    (tmp_path / "link.tsv").symlink_to(data)
+    os.link(data, tmp_path / "hard.tsv")
+    run = tmp_path / "run"
+
+    def train(spelled, *extra):
+        args = train_args(tiny_dir, files, run, "--save-steps", "1", *extra, steps=2)
+        return main([spelled if a == str(files / "triplets.tsv") else a for a in args])
+
+    assert train(str(data)) == 0
+    monkeypatch.chdir(tmp_path)
+    for spelled in ("data/triplets.tsv", "./data/../data/triplets.tsv", "link.tsv", "hard.tsv"):
+        assert train(spelled, "--resume") == 0, capsys.readouterr().err
+    other = tmp_path / "other.tsv"
+    other.write_text(data.read_text().replace("red", "sad"))
+    capsys.readouterr()
+    assert train(str(other), "--resume") == 2
+    error_line(capsys, "cannot resume from", "data (checkpoint", "other.tsv")

@@ -22,16 +22,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS) - {"swims"}), "swim", "##s"]
 
 
-def small_teacher(folder, seed: int):
+def small_teacher(folder, seed: int, vocabulary=VOCABULARY):
     """A tiny random BERT (no dropout, weights ~ N(0, 0.2) so that its layers differ) on a word-piece tokenizer of
-    VOCABULARY, saved as a sentence-transformers folder with mean pooling."""
+    `vocabulary`, saved as a sentence-transformers folder with mean pooling."""
     import transformers as tf
 
     folder.mkdir(parents=True)
-    tokenizer = tf.BertTokenizerFast(vocab={piece: i for i, piece in enumerate(VOCABULARY)})
+    tokenizer = tf.BertTokenizerFast(vocab={piece: i for i, piece in enumerate(vocabulary)})
     torch.manual_seed(seed)
     config = tf.BertConfig(
-        vocab_size=len(VOCABULARY),
+        vocab_size=len(vocabulary),
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         initializer_range=0.2,
@@ -270,6 +270,9 @@ def test_static_mode_options_and_resume(teacher, other_teacher, sentences, files
         DistillTrainer(config(teacher, sentences, tmp_path / "a", dev, method_options={"mode": "static", "layer": 2}))
     with pytest.raises(DistillError, match="--exit-heads is for"):
         DistillTrainer(config(teacher, sentences, tmp_path / "b", dev, exit_heads="fit"))
+    # a library caller's --eval-cell, as the command's: it would evaluate the teacher's frozen layers, not layer 0
+    with pytest.raises(ValueError, match="--eval-cell 2:16 would evaluate the teacher's frozen layers"):
+        DistillTrainer(config(teacher, sentences, tmp_path / "c", dev, eval_cell=[2, 16]))
     # killed after its checkpoint at step 3, resumed: the same cell as an uninterrupted run
     copy = tmp_path / "teacher"
     shutil.copytree(teacher, copy)
@@ -417,3 +420,110 @@ def test_the_ladder_measures_each_rungs_quality_on_the_texts_its_distill_record_
     )
     assert (static.encoder, static.layer) == ("s", 0) and static.quality == pytest.approx(expected, abs=1e-4)
     assert full.cost.layers == [4] and static.cost.layers == [0]
+
+
+# ---- settings that would make layer 0 nothing, refused before any work --------------------------------------------
+
+
+def test_a_teacher_whose_vocabulary_holds_none_of_the_texts_words_is_refused_before_any_work(
+    sentences, files, tmp_path
+):
+    """A tokenizer that holds none of the texts' words (special tokens, and a word the texts never use) reads every
+    word as [UNK]: the static cell gave one vector for every text, trained at that, and the run said nothing.
+    Refused, naming the teacher and what its table reads, before the teacher's targets."""
+    special = small_teacher(tmp_path / "special", seed=0, vocabulary=[*VOCABULARY[:5], "zebra"])
+    out = tmp_path / "run"
+    with pytest.raises(StaticCellError, match=r"reads every one of the 120 texts as the same tokens .*\[UNK\]") as e:
+        DistillTrainer(config(special, sentences, out, files / "dev.tsv"))
+    assert f"--teacher {special}" in str(e.value) and "one vector for every text" in str(e.value)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def second_student(teacher, sentences, files, tmp_path_factory):
+    """Another static cell of `teacher` (another seed and rate, a few steps): a soup's second ingredient."""
+    out = tmp_path_factory.mktemp("static-run") / "second"
+    return DistillTrainer(config(teacher, sentences, out, files / "dev.tsv", seed=7, lr=3e-3, steps=4)).run(
+        progress=False
+    )
+
+
+def test_a_merge_of_static_students_averages_their_cells_and_says_so(
+    student, second_student, teacher, sentences, tmp_path, capsys
+):
+    """Two static students of one teacher share its transformer untouched: the merge kept the first's layer 0 and
+    dropped the second's, silently. Their cells are averaged like every weight; the merged folder is a query encoder
+    of the same teacher that loads; a merge with a model without a cell is refused, naming both."""
+    texts = sentences.read_text().split("\n")[:20]
+    out = tmp_path / "soup"
+    assert (
+        main(["merge", "--models", str(student), str(second_student), "--weights", "0.3", "0.7", "--output", str(out)])
+        == 0
+    )
+    assert "static cells (layer 0) of every model averaged and kept" in capsys.readouterr().out
+    merged, first, second = (ElasticEncoder(str(f), device="cpu") for f in (out, student, second_student))
+    a, b, m = first.static_cell.state_dict(), second.static_cell.state_dict(), merged.static_cell.state_dict()
+    for key in m:
+        torch.testing.assert_close(m[key], 0.3 * a[key] + 0.7 * b[key])
+    assert not np.allclose(merged.encode(texts, layer=0), first.encode(texts, layer=0), atol=1e-4)
+    from matryoshka2d.models.query_record import check_own_weights, query_encoder_record
+
+    # the folder is a query encoder of the teacher's index, whose record states the merged weights
+    assert query_encoder_record(merged)["mode"] == "static"
+    check_own_weights(merged)  # its record states the merged weights' checksum
+    capsys.readouterr()
+    assert main(["merge", "--models", str(student), str(teacher), "--output", str(tmp_path / "mixed")]) == 2
+    err = capsys.readouterr().err
+    assert "query encoders average into one only when all are" in err and f"{teacher}: no query encoder" in err
+    assert not (tmp_path / "mixed").exists()
+
+
+def test_heads_fit_on_a_static_student_is_refused_before_the_fit_naming_the_model(student, sentences, tmp_path, capsys):
+    """`heads fit` on a static student wrote a folder whose record vouched for other weights: it loaded nowhere."""
+
+    def no_fit(*a, **k):
+        raise AssertionError("heads were fitted")
+
+    out = tmp_path / "heads"
+    args = ["heads", "fit", "--model", str(student), "--data", str(sentences), "--output", str(out)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("matryoshka2d.models.heads_fit.fit_heads", no_fit)
+        assert main([*args, "--no-exclude-sts-test", "--select", "mse"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--model {student}: a query encoder (`distill --mode static` of" in err and "Fit heads on the teacher" in err
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnx", "onnx-int8"])
+def test_pick_recommends_for_layer_0_only_commands_that_run(student, tmp_path, backend, capsys):
+    """pick recommended `export --layer 0 --format onnx` for a static cell scored on ONNX, which export refuses (the
+    table exports as a sentence-transformers folder only). Its commands are built through the commands' own checks:
+    each line for layer 0 on each backend parses, and its export runs."""
+    import shlex
+
+    from matryoshka2d.cli import build_parser
+    from matryoshka2d.pick.commands import deployment
+    from matryoshka2d.pick.picker import Point
+
+    lines = deployment(Point(0, 16, 70.0, 0.1, 64, backend=backend), str(student), (4, 32), retrieval=False)
+    commands = {line.split(":")[0]: shlex.split(line.split("`")[1])[1:] for line in lines}
+    assert set(commands) == {"serve", "export"}
+    build_parser().parse_args(commands["serve"])  # serve's own options, checked as serve checks them (ServerConfig)
+    export = [str(tmp_path / "cell") if word == "DIR" else word for word in commands["export"]]
+    assert main(export) == 0, capsys.readouterr().err
+    assert "--format" not in export
+    if backend != "torch":
+        assert "a sentence-transformers folder: --layer 0 is the static cell" in lines[1], lines[1]
+
+
+def test_a_run_that_drops_the_static_cell_says_so_at_its_start(student, files, tmp_path, capsys):
+    """train (or distill --mode shared/query) from a model with a static cell saved it without layer 0, silently:
+    the cell was aligned to the transformer the run changes. The run says so at its start."""
+    out = tmp_path / "trained"
+    args = ["train", "--model", str(student), "--data", str(files / "triplets.tsv"), "--steps", "1", "--quiet"]
+    assert main([*args, "--batch-size", "4", "--eval-file", str(files / "dev.tsv"), "--output", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "its static cell (layer 0) is not kept: training changes the transformer it was aligned to" in said
+    assert ElasticEncoder(str(out), device="cpu").static_cell is None

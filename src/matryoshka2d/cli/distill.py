@@ -7,6 +7,7 @@ import argparse
 
 from matryoshka2d.cli.args import POOLING_CHOICES, cell_list, positive_float, positive_int, reads_and_writes, width_list
 from matryoshka2d.cli.run_options import add_safety_flags, run_options, run_training, training_options
+from matryoshka2d.training.distill_options import check_eval_cells, check_exit_heads_sentences
 from matryoshka2d.training.distill_recipe import RECIPE_CHOICES
 
 # The run's defaults; the learning rate, the number of epochs and the passages' length are the measured recipe's
@@ -20,12 +21,7 @@ def check_combination(args) -> None:
         raise ValueError("--mode query needs --layer n: the query encoder keeps the teacher's first n layers")
     if args.mode != "query" and args.layer is not None:
         raise ValueError(f"--layer is for --mode query (the shared mode trains every exit), got --layer {args.layer}")
-    deeper = [f"{n}:{d}" for n, d in args.eval_cell or () if args.mode == "query" and n > args.layer]
-    if deeper:
-        raise ValueError(
-            f"--eval-cell {','.join(deeper)}: the query encoder of --layer {args.layer} has {args.layer} layers; "
-            f"evaluate it at {args.layer}:DIM"
-        )
+    check_eval_cells(args.mode, args.layer, args.eval_cell)  # as DistillTrainer does for a library caller
     if args.mode == "static":
         heads = [
             f"--{name.replace('_', '-')}"
@@ -38,6 +34,7 @@ def check_combination(args) -> None:
                 "the teacher's exit heads are kept as they are; leave "
                 f"{'them' if len(heads) > 1 else 'it'} out (or use --mode shared or query)"
             )
+    check_exit_heads_sentences(args.exit_heads, args.exit_heads_sentences is not None)
     if args.temperature is not None and args.loss != "relational":
         raise ValueError(f"--temperature is the softmax temperature of --loss relational; --loss {args.loss} has none")
     if args.engine != "ray" and (args.address or args.workers is not None):

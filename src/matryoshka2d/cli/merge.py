@@ -10,11 +10,18 @@ from matryoshka2d.cli.args import number, reads_and_writes
 def cmd_merge(args) -> int:
     from matryoshka2d.cli.args import check_new_output, folder_metadata, load_encoder
     from matryoshka2d.training.checkpoints import save_model_atomically
-    from matryoshka2d.training.merge import merge_encoders, merge_weights
+    from matryoshka2d.training.merge import (
+        STATIC_KEPT,
+        check_different_folders,
+        merge_encoders,
+        merge_weights,
+        static_cells,
+    )
 
     out = Path(args.output)
     check_new_output(out, args.overwrite)
     weights = merge_weights(args.weights, len(args.models))  # before loading anything: a typo fails at once
+    check_different_folders(args.models)
     encoders = [load_encoder(args, model=m) for m in args.models]
     metadata = folder_metadata(encoders[0])
     for stale in ("final_eval", "final_evals"):  # the first run's scores are not the average's
@@ -25,10 +32,27 @@ def cmd_merge(args) -> int:
         "rule": "weighted average of every weight (transformer, pooler head, exit heads); WiSE-FT / model soups",
     }
     merged = merge_encoders(encoders, weights, allow_different_starts=args.allow_different_starts)
-    saved = save_model_atomically(lambda folder: merged.save(folder, metadata=metadata), out)
+    # what became of layer 0 (averaged, or dropped with the transformers averaged): the same answer after the merge,
+    # which keeps a transformer every model shares exactly as it was
+    cells = static_cells(encoders)
+    saved = save_model_atomically(lambda folder: save_merged(merged, folder, metadata), out)
     parts = " + ".join(f"{w:g} x {m}" for w, m in zip(weights, args.models, strict=True))
     print(f"merged {parts} -> {saved}")
+    if cells is not None:
+        print(f"static cells (layer 0) of every model averaged and kept in {saved}" if cells == STATIC_KEPT else cells)
     return 0
+
+
+def save_merged(merged, folder: Path, metadata: dict) -> Path:
+    """The averaged model; an average of query encoders (training.merge.check_query_encoders) gets its record's
+    own weights checksum and width stated for its own weights, as `distill` does for a student."""
+    from matryoshka2d.models.encoder import ElasticEncoder
+    from matryoshka2d.models.query_record import query_encoder_record, record_own_identity
+
+    saved = merged.save(folder, metadata=metadata)
+    if query_encoder_record(merged) is not None:
+        record_own_identity(saved, ElasticEncoder(str(saved), device="cpu"))
+    return saved
 
 
 def register(sub, model_args) -> None:

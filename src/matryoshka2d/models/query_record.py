@@ -66,11 +66,11 @@ OWN_IDENTITY = ("weights_sha256", "width")  # what a query encoder's record says
 
 
 def without_own_identity(metadata: dict | None) -> dict | None:
-    """`metadata` for another folder: a query encoder's record loses what it says of its own folder (its weights
-    checksum and width), which the folder written from it does not share unless it is stated again for it
-    (record_own_identity): an exported cell, or the student with heads fitted, has other weights."""
+    """`metadata` for another folder: a query encoder's record (--mode query or static) loses what it says of its own
+    folder (its weights checksum and width), which the folder written from it does not share unless it is stated
+    again for it (record_own_identity): an exported cell, or an average of students (merge), has other weights."""
     record = metadata.get(DISTILL_KEY) if isinstance(metadata, dict) else None
-    if not isinstance(record, dict) or record.get("mode") != "query":
+    if not isinstance(record, dict) or record.get("mode") not in QUERY_MODES:
         return metadata
     return {**metadata, DISTILL_KEY: {k: v for k, v in record.items() if k not in OWN_IDENTITY}}
 

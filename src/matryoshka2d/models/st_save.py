@@ -98,18 +98,7 @@ def save_folder(
     metadata = None if metadata is None else {k: v for k, v in metadata.items() if k not in (RECORD_KEY, STATIC_KEY)}
     metadata = without_own_identity(metadata)  # a query encoder's checksum is of its folder, not of this one
     heads = self.exit_heads if self.use_heads else None
-    cell_head = heads.heads[str(n)] if heads is not None and n < self.num_layers and heads.has(n) else None
-    if cell_head is not None and cell_head.kind != "affine":
-        raise HeadsError(
-            f"the exit head of layer {n} is a {cell_head.kind} head; a sentence-transformers folder can hold an "
-            "affine head only (a Dense module): fit affine heads to export this cell"
-        )
-    if cell_head is not None and len(heads.reads(n)) > 1:
-        raise HeadsError(
-            f"the exit head of layer {n} reads the pooled vectors of layers {heads.reads(n)}; a sentence-transformers "
-            "folder pools one layer: export the cell as an ONNX graph only (export --format onnx), serve it from the "
-            "model with its heads (`serve`), or fit heads with --inputs exit"
-        )
+    cell_head = cut_head(self, n)
     whole = n == self.num_layers
     heads = heads if whole else None
     cell = self.static_cell if whole else None
@@ -147,6 +136,27 @@ def save_folder(
     finally:
         remove_tree(staging)
     return out
+
+
+def cut_head(self, n: int):
+    """The exit head that a folder of the model cut to its first `n` layers keeps as a Dense module (None for the
+    whole model, or no head at layer n), or HeadsError for one that a sentence-transformers folder cannot hold.
+    save_folder checks it first, and a training run before its first step (training.run_loop), so that no run is
+    refused only at its save."""
+    heads = self.exit_heads if self.use_heads else None
+    cell_head = heads.heads[str(n)] if heads is not None and n < self.num_layers and heads.has(n) else None
+    if cell_head is not None and cell_head.kind != "affine":
+        raise HeadsError(
+            f"the exit head of layer {n} is a {cell_head.kind} head; a sentence-transformers folder can hold an "
+            "affine head only (a Dense module): fit affine heads to export this cell"
+        )
+    if cell_head is not None and len(heads.reads(n)) > 1:
+        raise HeadsError(
+            f"the exit head of layer {n} reads the pooled vectors of layers {heads.reads(n)}; a sentence-transformers "
+            "folder pools one layer: export the cell as an ONNX graph only (export --format onnx), serve it from the "
+            "model with its heads (`serve`), or fit heads with --inputs exit"
+        )
+    return cell_head
 
 
 ENTRY_POINTS = ("modules.json", "config.json")  # what sentence-transformers and transformers open first

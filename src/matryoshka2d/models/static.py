@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from matryoshka2d.files import file_sha256
-from matryoshka2d.models.backbones import BackboneError
+from matryoshka2d.models.backbones import BackboneError, fast_tokenizer
 from matryoshka2d.models.heads_fit import HELD_OUT_EVERY, RIDGE_GRID, NormalEquations
 from matryoshka2d.models.identity import confined_folder, folder_record
 from matryoshka2d.outputs import move_into_place, remove_tree, temporary_folder
@@ -260,6 +260,7 @@ def distill_table(encoder, log: Callable[[str], None] | None = None) -> StaticCe
         raise StaticCellError(f"the static cell needs model2vec and skeletoken ({exc})") from None
     if encoder.pooling not in MODEL2VEC_POOLING:
         raise StaticCellError(f"{encoder.name}: pooling '{encoder.pooling}' has no model2vec equivalent")
+    fast_tokenizer(encoder.tokenizer, encoder.name, "a static cell (model2vec reads its vocabulary)")
     start = time.perf_counter()
     was_training = encoder.model.training
     try:
@@ -289,6 +290,28 @@ def distill_table(encoder, log: Callable[[str], None] | None = None) -> StaticCe
     if log:
         log(f"static cell: model2vec table of {cell.vocabulary} tokens x {cell.dim_in} in {seconds:.1f} s")
     return cell
+
+
+def check_texts_told_apart(cell: StaticCell, texts: Sequence[str], model: str) -> None:
+    """A table that reads every text as the same tokens (a tokenizer whose vocabulary holds none of the texts'
+    words but special tokens: every word is its unknown token) gives one vector for every text, and training it
+    teaches nothing: refused, naming the model and what its table reads, before the teacher's targets and the steps.
+    The texts' own vectors are compared (the tokens' means), so any cause of one vector for all is caught."""
+    if len(texts) < 2:
+        return
+    means = cell.encode(texts, head=False)
+    if np.abs(means - means[0]).max() > 1e-6 * max(float(np.abs(means).max()), 1e-30):
+        return
+    tokenizer = cell.embedding.tokenizer
+    read = tokenizer.encode(texts[0], add_special_tokens=False).tokens[:6]
+    vocabulary = sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get)
+    raise StaticCellError(
+        f"{model}: its static cell reads every one of the {len(texts)} texts as the same tokens (the first: "
+        f"{' '.join(read) or 'no token at all'}), so layer 0 would give one vector for every text and the run would "
+        f"train nothing: the table's vocabulary ({len(vocabulary)} tokens: {', '.join(vocabulary[:8])}"
+        f"{', ...' if len(vocabulary) > 8 else ''}) holds no token of these texts but special ones. Distill the "
+        "static cell of a model whose tokenizer has the texts' words"
+    )
 
 
 def _version(package: str) -> str | None:

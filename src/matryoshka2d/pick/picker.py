@@ -22,6 +22,7 @@ from pathlib import Path
 
 from matryoshka2d.models.backbones import SHORT_NAMES
 from matryoshka2d.outputs import make_folder, write_json, write_text
+from matryoshka2d.pick.commands import SERVE_FLAGS, deployment
 from matryoshka2d.pick.cost import layer_latency, load_timed
 from matryoshka2d.pick.frontier_plot import plot
 from matryoshka2d.pick.quality import Quality, load_quality
@@ -29,8 +30,6 @@ from matryoshka2d.retrieval.shards import STORAGES
 
 DEFAULT_TOLERANCE = 1.0  # with no budget: the cheapest option within this many points of the best score
 KEEPS_INDEX = {"query-layer", "query-encoder"}
-# What `serve` and `eval` take to run on each backend (`export` takes --format onnx instead of --backend onnx).
-SERVE_FLAGS = {"torch": "", "onnx": " --backend onnx", "onnx-int8": " --backend onnx --quantize int8"}
 
 
 def index_effect(p: Point, full: tuple[int, int]) -> str:
@@ -172,54 +171,6 @@ def recommend(
         f"({full.bytes / chosen.bytes:.1f}x smaller); {why}; {loses}"
     )
     return chosen, reason
-
-
-def deployment(p: Point, model: str, full: tuple[int, int], retrieval: bool) -> list[str]:
-    """How to deploy an option: the exact commands, and what it does to an index of the full model's documents."""
-    onnx = SERVE_FLAGS[p.backend]
-    export_onnx = {"torch": "", "onnx": " --format onnx", "onnx-int8": " --format onnx --quantize int8"}[p.backend]
-    layers = f" --layers {p.layer}" if onnx else ""
-    full_cell = f"({full[0]},{full[1]})"
-    if p.kind == "query-encoder":
-        return [
-            f"documents stay the teacher's at {full_cell}: an index {model} built stays valid",
-            f"search: `matryoshka2d search --index INDEX --query-model {p.query_model}`",
-            f"serve: `matryoshka2d serve --model {model}{onnx} --query-model {p.query_model}`",
-        ]
-    if p.kind == "query-layer":
-        return [
-            f"documents stay at {full_cell}: an index {model} built there stays valid; queries run {p.layer} layers",
-            f"search: `matryoshka2d search --index INDEX --query-layer {p.layer}`",
-            f"serve: `matryoshka2d serve --model {model}{onnx}` and request `layer: {p.layer}`",
-        ]
-    if p.kind == "storage":
-        return [
-            f"documents at {p.cell} as {p.storage}: the same vectors, held by a new index "
-            f"(`matryoshka2d index build --model {model} --corpus CORPUS --cells {p.layer}:{p.dim} --storage "
-            f"{p.storage} --output INDEX`)",
-            "search: `matryoshka2d search --index INDEX`",
-        ]
-    if p.kind == "cascade":
-        s = p.shortlist_cell
-        return [
-            f"re-encodes the corpus at ({s[0]},{s[1]}) and {p.cell}: `matryoshka2d index build --model {model} "
-            f"--corpus CORPUS --cells {s[0]}:{s[1]},{p.layer}:{p.dim} --output INDEX`",
-            f"search: `matryoshka2d search --index INDEX --cascade {s[0]}:{s[1]},{p.layer}:{p.dim}`",
-        ]
-    lines = [
-        f"serve: `matryoshka2d serve --model {model}{onnx}{layers} --default-layer {p.layer} "
-        f"--default-dimensions {p.dim}`",
-        f"export: `matryoshka2d export --model {model} --layer {p.layer} --dim {p.dim}{export_onnx} --output DIR`",
-    ]
-    if retrieval:
-        lines.insert(
-            0,
-            f"documents at {p.cell}: an index of {full_cell} stays valid"
-            if (p.layer, p.dim) == full
-            else f"re-encodes the corpus at {p.cell}: `matryoshka2d index build --model {model} --corpus CORPUS "
-            f"--cells {p.layer}:{p.dim} --output INDEX`",
-        )
-    return lines
 
 
 def table(points: list[Point], chosen: Point, only_frontier: bool, full: tuple[int, int] | None = None) -> str:

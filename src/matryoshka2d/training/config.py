@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from matryoshka2d.models.backbones import check_device
 from matryoshka2d.training.throughput import WEIGHT_DECAY_EXEMPTIONS
@@ -39,6 +41,9 @@ RESUMABLE_CHANGES = (
     "padding_free",
     "preset",  # its name only: the options it set are recorded, and compared, one by one
 )
+# Options naming files or folders: a resume compares what they name (resolved, or the same file by identity or
+# content), not how they are spelled (`data/x.tsv`, `./data/x.tsv`, an absolute path or a link to it are one file).
+PATH_OPTIONS = ("data", "model", "distill_from", "sts_data_dir")
 
 
 @dataclass
@@ -110,7 +115,7 @@ class TrainConfig:
     preset: str | None = None  # the --preset the options came from (recorded with the model; training/presets)
 
     def inputs(self) -> list[tuple[str, object]]:
-        """(option, path) of everything the run reads from disk, which its output must lie apart from (rule 2):
+        """(option, path) of everything the run reads from disk, which its output must lie apart from (rule 1):
         the start model (or teacher), the training files, the evaluation file, a teacher to distill from."""
         from matryoshka2d.models.backbones import local_folder
 
@@ -156,7 +161,7 @@ def check_config(config: TrainConfig) -> None:
     _number(config, "warmup_ratio", (int, float), 0, 1)
     _number(config, "weight_decay", (int, float), 0)
     _number(config, "max_grad_norm", (int, float), 0, low_open=True)
-    _number(config, "seed", int, 0)
+    _number(config, "seed", int, 0, 2**32 - 1)  # what numpy takes, as cli.args.seed (a --config file too)
     _number(config, "max_length", int, 1, allow_none=True)
     _number(config, "eval_steps", int, 0)
     _number(config, "save_steps", int, 0)
@@ -240,14 +245,59 @@ def eval_cells(config: TrainConfig) -> list[tuple[int, int]] | None:
     )
 
 
+def resolved_paths(values: dict) -> dict:
+    """`values` (a run's options) with each option of PATH_OPTIONS that names an existing file or folder written as
+    its absolute path, links resolved: what a checkpoint records, so that a resume from another folder, or with
+    the path spelled another way, compares the same file."""
+
+    def resolved(value):
+        if isinstance(value, list):
+            return [resolved(item) for item in value]
+        if isinstance(value, str) and value and Path(value).expanduser().exists():
+            return str(Path(value).expanduser().resolve())
+        return value
+
+    return {key: resolved(value) if key in PATH_OPTIONS else value for key, value in values.items()}
+
+
+def same_inputs(saved, mine) -> bool:
+    """Whether two values of a PATH_OPTIONS option name the same files: equal as written or resolved, the same file
+    or folder by device and inode (a hard link, a bind mount), or files of the same bytes (a copy)."""
+    if isinstance(saved, list) and isinstance(mine, list):
+        return len(saved) == len(mine) and all(same_inputs(a, b) for a, b in zip(saved, mine, strict=True))
+    if saved == mine:
+        return True
+    if not (isinstance(saved, str) and isinstance(mine, str)):
+        return False
+    a, b = Path(saved).expanduser(), Path(mine).expanduser()
+    try:
+        if not (a.exists() and b.exists()):
+            return False
+        if a.resolve() == b.resolve() or os.path.samefile(a, b):
+            return True
+        if a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size:
+            from matryoshka2d.files import file_sha256
+
+            return file_sha256(a) == file_sha256(b)
+    except OSError:
+        return False
+    return False
+
+
 def check_resumable(checkpoint, saved: dict, mine: dict) -> None:
     """Refuse to resume a checkpoint whose training options (`saved`) differ from this run's, naming each;
-    RESUMABLE_CHANGES may differ. A checkpoint written before an option existed holds that option's default."""
+    RESUMABLE_CHANGES may differ, and PATH_OPTIONS are compared by the files they name (same_inputs). A checkpoint
+    written before an option existed holds that option's default."""
     defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig(data=[], output=""))))
+
+    def same(key: str) -> bool:
+        before, now = saved.get(key, defaults.get(key)), mine.get(key)
+        return before == now or (key in PATH_OPTIONS and same_inputs(before, now))
+
     differ = [
         f"{k} (checkpoint {saved.get(k, defaults.get(k))!r}, now {mine.get(k)!r})"
         for k in mine
-        if k not in RESUMABLE_CHANGES and saved.get(k, defaults.get(k)) != mine.get(k)
+        if k not in RESUMABLE_CHANGES and not same(k)
     ]
     if differ:
         raise ValueError(

@@ -36,8 +36,10 @@ from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.files import DataFormatError
 from matryoshka2d.models.identity import backbone_sha256, weights_sha256
 from matryoshka2d.models.query_record import QUERY_MODES
+from matryoshka2d.training import preflight
 from matryoshka2d.training.config import eval_cells
 from matryoshka2d.training.data import TrainingData
+from matryoshka2d.training.distill_options import check_eval_cells
 from matryoshka2d.training.distill_recipe import PASSAGE_TOKENS, RECIPE_CHOICES, recipe
 from matryoshka2d.training.packing import encode_columns, tokenize_columns
 from matryoshka2d.training.rundir import RunDir
@@ -160,6 +162,8 @@ class DistillTrainer(Trainer):
             query = options.get("mode") in QUERY_MODES
             options["widths"] = [width] if query else default_widths(width, trained)
         objective = DistillObjective(self.encoder.num_layers, self.encoder.hidden_size, loss=cfg.loss, **options)
+        check_eval_cells(objective.mode, objective.layer, eval_cells(cfg))  # cells of what the run makes
+        self.heads_given = cfg.exit_heads  # read_data chooses keep or fit where it is None
         if objective.mode == "query":  # only the head that the query encoder keeps
             self.head_layers = [objective.layer]
         return objective
@@ -214,7 +218,7 @@ class DistillTrainer(Trainer):
         self.teacher_backbone = backbone_sha256(encoder)
         self.targets_key = TargetsKey.of(encoder)  # its tokenizer, max length and pooling: the targets' cache key
         if self.method.mode == "static":
-            self.prepare_static_cell()
+            self.prepare_static_cell(texts)
         elif cfg.exit_heads is None:  # the teacher's own heads where it has heads the student can keep, else a fit
             own = encoder.exit_heads
             usable = own is not None and (
@@ -223,21 +227,24 @@ class DistillTrainer(Trainer):
             cfg.exit_heads = "keep" if usable else "fit"
         return TrainingData("sentences", [texts], None, [str(d) for d in cfg.data])
 
-    def prepare_static_cell(self) -> None:
+    def prepare_static_cell(self, texts: list[str]) -> None:
         """--mode static: the teacher's model2vec table with an identity head put on as layer 0 (the head is fitted
         in closed form once the targets exist: prepare_run); only the cell learns, the transformer and any exit
-        heads stay the teacher's. A resumed run makes the same table again and reads its weights back."""
+        heads stay the teacher's. A resumed run makes the same table again and reads its weights back. A table that
+        gives the texts one vector (models.static.check_texts_told_apart) is refused here, before any work."""
         cfg, encoder = self.config, self.encoder
         if cfg.exit_heads is not None:
             raise DistillError("--exit-heads is for --mode shared and query (--mode static keeps the teacher's heads)")
-        from matryoshka2d.models.static import distill_table
+        from matryoshka2d.models.static import check_texts_told_apart, distill_table
 
         for p in encoder.parameters():
             p.requires_grad_(False)
         # the teacher's own exit heads are kept as they are (exit_heads.prepare would drop heads of a changing
         # backbone; this one does not change)
         cfg.exit_heads = "keep" if encoder.exit_heads is not None else None
-        encoder.set_static_cell(distill_table(encoder, log=print if self.processes.main else None))
+        cell = distill_table(encoder, log=print if self.processes.main else None)
+        check_texts_told_apart(cell, texts, f"--teacher {cfg.model}")
+        encoder.set_static_cell(cell)
         for p in encoder.static_cell.parameters():
             p.requires_grad_(True)
 
@@ -294,6 +301,10 @@ class DistillTrainer(Trainer):
         self.progress = progress
         return super().run(resume=resume, progress=progress, overwrite=overwrite, allow_pickle=allow_pickle)
 
+    def save_model(self, seconds: float, steps_run: int) -> Path:
+        self.targets.check_intact()  # the targets the run read are still those it checked, else no model is saved
+        return super().save_model(seconds, steps_run)
+
     def prepare_batch(self, step: int):
         rows = self.batch_indices(step)
         texts = [self.data.columns[0][i] for i in rows]
@@ -317,14 +328,31 @@ class DistillTrainer(Trainer):
         return self.method.loss(vectors, targets.to(self.encoder.device))
 
     def evaluate(self) -> list[dict]:
-        """--mode static: STS-B dev at the static cell (0, full width) unless --eval-cell says otherwise."""
-        if self.method.mode != "static" or eval_cells(self.config):
+        """--mode static: STS-B dev at the static cell (0, full width), what trains (--eval-cell is refused)."""
+        if self.method.mode != "static":
             return super().evaluate()
         from matryoshka2d.evaluate.sts import sts_dev_score
 
         path, width = self.eval_path(), self.encoder.hidden_size
         score = sts_dev_score(self.encoder, path, 0, width)
         return [{"step": self.step, "eval": f"{Path(path).name}@(0,{width})", "spearman": round(score, 2)}]
+
+    def cut_options(self) -> str:
+        """The options that make the run save a query encoder cut to --layer n, for the preflight's message."""
+        cfg, heads = self.config, self.heads_given
+        start = f"--exit-heads {heads}" if heads else f"--exit-heads {cfg.exit_heads} (the default here)"
+        inputs = f" --exit-heads-inputs {cfg.exit_heads_inputs}" if cfg.exit_heads_inputs else ""
+        return f"--mode query --layer {self.method.layer} with {start}{inputs}"
+
+    def one_row_terms(self) -> list[preflight.Term]:
+        """The objective's term on one row of student vectors against a teacher target (training.preflight)."""
+        objective, width = self.method, self.encoder.hidden_size
+        target = nn.functional.normalize(torch.ones(1, width, device=self.encoder.device), dim=-1)
+
+        def term(vectors: list[torch.Tensor], _row: int) -> torch.Tensor:
+            return objective.loss({n: vectors[0] for n in objective.layers}, target)[0]
+
+        return [preflight.Term(f"--loss {objective.loss_name}", 1, width, term)]
 
     def extra_metadata(self) -> dict:
         targets = getattr(self, "targets_record", None) or {}  # the record load checked (none before prepare_run)

@@ -60,6 +60,7 @@ def fit_heads_into(
     from matryoshka2d.training.checkpoints import save_model_atomically
 
     fit.check()
+    check_not_a_query_encoder(encoder)
     select, dev = fit.select, None
     if fit.ridge is None:
         select, dev = _dev_selection(select, log)
@@ -91,6 +92,27 @@ def fit_heads_into(
     metadata = {**metadata, "heads_fit": {"from_model": encoder.location or encoder.name, "seconds": report.seconds}}
     saved = save_model_atomically(lambda folder: encoder.save(folder, metadata=metadata), Path(output))
     return heads, report, saved
+
+
+def check_not_a_query_encoder(encoder) -> None:
+    """A query encoder (`distill --mode query|static`) is refused before the fit: its record vouches for the checksum
+    of its own weights, which fitted heads change (the folder written would be a query encoder that no index of its
+    teacher takes), and what it is for, the queries of its teacher's index, is done by its own last layer (or its
+    static cell), which exit heads do not touch. Heads belong on the teacher, whose exits serve both sides."""
+    from matryoshka2d.models.query_record import query_encoder_record
+
+    record = query_encoder_record(encoder)
+    if record is None:
+        return
+    teacher = record.get("teacher") or "its teacher"
+    raise ValueError(
+        f"--model {encoder.location or encoder.name}: a query encoder (`distill --mode {record.get('mode')}` of "
+        f"{teacher}), not a model to fit exit heads on: its matryoshka2d.json vouches for the checksum of its own "
+        "weights, which heads change (no index of its teacher would take the folder written), and its queries come "
+        "from its "
+        f"{'static cell (layer 0)' if record.get('mode') == 'static' else 'last layer'}, which heads do not touch. "
+        f"Fit heads on the teacher ({teacher}) instead; nothing was fitted or written"
+    )
 
 
 def _batches(fit: HeadsFit, excluded: LeftOutSentences | None) -> Iterator[list[str]]:

@@ -10,6 +10,12 @@ model, then 150 protocol steps: (1,64) from 69.06 to 68.49), and halfway back ke
 everywhere else (docs/exit-heads.md). Exit heads and a pooler head are averaged with the backbone, so every model
 must have the same heads (kind, layers, inputs); the averaged model gets its heads' backbone checksum anew when
 it is saved.
+
+A static cell (layer 0, models.static) lives in the space of the transformer it was aligned to. Static students of
+one model (`distill --mode static`) share that transformer untouched: their cells are averaged like every weight
+and the merge keeps layer 0. Models whose transformers differ average into a new transformer, whose space no cell
+was aligned to: the save drops the cells, and `static_cells` says so for the command to print. A merge that could
+keep only some models' layer 0 (one transformer, but not every model has a cell) is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.models.encoder import ElasticEncoder
+from matryoshka2d.models.identity import backbone_sha256, short
 
 
 class MergeError(ValueError):
@@ -42,6 +49,21 @@ def merge_weights(weights: Sequence[float] | None, count: int) -> list[float]:
     if abs(sum(weights) - 1.0) > 1e-6:
         raise MergeError(f"weights must sum to 1 (an average), got {weights} (sum {sum(weights):g})")
     return weights
+
+
+def check_different_folders(models: Sequence[str]) -> None:
+    """--models naming one folder twice (as written, through a link, or by another path to it) averages a model with
+    itself, which is that model: refused before anything loads."""
+    import os
+
+    folders = [Path(m).expanduser() for m in models]
+    for i, first in enumerate(folders):
+        for second in folders[i + 1 :]:
+            if first.exists() and second.exists() and os.path.samefile(first, second):
+                raise MergeError(
+                    f"--models names one folder twice ({first} and {second}): the average of a model with itself is "
+                    "that model; give two or more different models"
+                )
 
 
 def _modules(encoder: ElasticEncoder) -> dict[str, torch.nn.Module]:
@@ -125,6 +147,75 @@ def check_mergeable(encoders: Sequence[ElasticEncoder], allow_different_starts: 
                 if not tensor.is_floating_point() and not torch.equal(theirs[key], tensor):
                     raise MergeError(f"{part} tensor {key} (not a weight: {tensor.dtype}) differs between {b} and {a}")
     check_same_start(encoders, allow_different_starts)
+    check_query_encoders(encoders)
+    static_cells(encoders)
+
+
+def check_query_encoders(encoders: Sequence[ElasticEncoder]) -> None:
+    """Query encoders (`distill --mode query|static`) average into a query encoder of their teacher only when every
+    model is one, of one teacher (its weights checksum), mode and layer; the merged folder's record is then stated
+    for its own weights (the command does, after the save)."""
+    from matryoshka2d.models.query_record import query_encoder_record
+
+    records = [query_encoder_record(e) for e in encoders]
+    if all(record is None for record in records):
+        return
+
+    def what(record: dict | None) -> tuple:
+        return (record or {}).get("teacher_weights_sha256"), (record or {}).get("mode"), (record or {}).get("layer")
+
+    if None in records or len({what(r) for r in records}) > 1:
+        named = "; ".join(
+            f"{_label(e)}: --mode {r['mode']} of teacher {short(r.get('teacher_weights_sha256'))}"
+            if r
+            else f"{_label(e)}: no query encoder"
+            for e, r in zip(encoders, records, strict=True)
+        )
+        raise MergeError(
+            f"query encoders average into one only when all are query encoders of one teacher, mode and layer ({named})"
+        )
+
+
+STATIC_KEPT = "averaged"  # static_cells: every model's layer 0 is averaged and kept
+
+
+def static_cells(encoders: Sequence[ElasticEncoder]) -> str | None:
+    """What the merge does with the models' static cells (layer 0): None when no model has one; STATIC_KEPT when all
+    have one, of one table's shape, aligned to the one transformer every model shares (the average keeps it);
+    otherwise (the transformers differ) a line saying which cells the save drops and why. MergeError for models
+    of one transformer of which only some have a cell, or whose cells cannot be averaged."""
+    cells = [e.static_cell for e in encoders]
+    if all(cell is None for cell in cells):
+        return None
+    backbones = [backbone_sha256(e) for e in encoders]
+    with_cells = ", ".join(_label(e) for e, cell in zip(encoders, cells, strict=True) if cell is not None)
+    if len(set(backbones)) > 1:
+        return (
+            f"the static cell (layer 0) of {with_cells} is not kept: a static cell lives in the space of the "
+            "transformer it was aligned to, and the average is another transformer; distill one for it with "
+            "`matryoshka2d distill --mode static --teacher OUTPUT`"
+        )
+    base, first = encoders[0], cells[0]
+    for encoder, cell in zip(encoders, cells, strict=True):
+        if (cell is None) != (first is None):
+            without = _label(encoder if cell is None else base)
+            raise MergeError(
+                f"{with_cells} {'has' if with_cells.count(',') == 0 else 'have'} a static cell (layer 0) and {without} "
+                "has none: the average could keep only some models' layer 0, which is no average of it; merge the "
+                "models with a cell alone (static students of one model), or none of them"
+            )
+        if cell is None:
+            continue
+        if (cell.vocabulary, cell.dim_in, cell.dim_out) != (first.vocabulary, first.dim_in, first.dim_out) or (
+            cell.embedding.tokenizer.get_vocab() != first.embedding.tokenizer.get_vocab()
+        ):
+            raise MergeError(
+                f"the static cells of {_label(encoder)} ({cell.describe()}) and {_label(base)} ({first.describe()}) "
+                "are not of one table: only cells distilled from one model can be averaged"
+            )
+        if cell.aligned_to != backbones[0]:
+            raise MergeError(f"the static cell of {_label(encoder)} was aligned to another transformer than its own")
+    return STATIC_KEPT
 
 
 def check_same_start(encoders: Sequence[ElasticEncoder], allow_different_starts: bool = False) -> None:
@@ -154,20 +245,28 @@ def merge_encoders(
     weights = merge_weights(weights, len(encoders))
     check_mergeable(encoders, allow_different_starts)
     base = encoders[0]
-    states = [{part: module.state_dict() for part, module in _modules(e).items()} for e in encoders]
+    cells = static_cells(encoders)
     with torch.no_grad():
         for part, module in _modules(base).items():
-            averaged = {}
-            for key, tensor in states[0][part].items():
-                if tensor.is_floating_point():
-                    total = sum(
-                        w * state[part][key].to(torch.float32) for w, state in zip(weights, states, strict=True)
-                    )
-                    averaged[key] = total.to(tensor.dtype)
-                else:
-                    averaged[key] = tensor.clone()
-            module.load_state_dict(averaged)
+            _average_into(module, [_modules(e)[part].state_dict() for e in encoders], weights)
+        if cells == STATIC_KEPT:  # layer 0 of one transformer's static students
+            _average_into(base.static_cell, [e.static_cell.state_dict() for e in encoders], weights)
     return base
+
+
+def _average_into(module: torch.nn.Module, states: list[dict], weights: Sequence[float]) -> None:
+    """The weighted average of `states` loaded into `module`: float tensors averaged in float32 and stored in their
+    own dtype, except where every model holds the same tensor, which is kept as it is (0.3 x + 0.7 x is not always
+    x in floating point, and a transformer that every model shares must stay the one its static cells were aligned
+    to); other tensors are the first's."""
+    averaged = {}
+    for key, tensor in states[0].items():
+        if not tensor.is_floating_point() or all(torch.equal(state[key], tensor) for state in states[1:]):
+            averaged[key] = tensor.clone()
+        else:
+            total = sum(w * state[key].to(torch.float32) for w, state in zip(weights, states, strict=True))
+            averaged[key] = total.to(tensor.dtype)
+    module.load_state_dict(averaged)
 
 
 __all__ = ["MergeError", "check_mergeable", "merge_encoders", "merge_weights"]

@@ -21,7 +21,7 @@ from matryoshka2d import outputs
 from matryoshka2d.evaluate.sts import sts_dev_score
 from matryoshka2d.paths import sts_dev_file
 from matryoshka2d.training import checkpoints, exit_heads
-from matryoshka2d.training.config import DEFAULT_LOSSES, check_resumable, eval_cells
+from matryoshka2d.training.config import DEFAULT_LOSSES, check_resumable, eval_cells, resolved_paths
 from matryoshka2d.training.data import read_training_data
 from matryoshka2d.training.throughput import host_values
 
@@ -79,8 +79,9 @@ class RunLoop:
         )
 
     def saved_config(self) -> dict:
-        """The run's options as JSON values, with the loss it uses even when that was the default."""
-        return json.loads(json.dumps({**dataclasses.asdict(self.config), "loss": self.loss_name}))
+        """The run's options as JSON values, with the loss it uses even when that was the default, and the files
+        and folders they name resolved (config.resolved_paths: a resume compares files, not spellings)."""
+        return json.loads(json.dumps(resolved_paths({**dataclasses.asdict(self.config), "loss": self.loss_name})))
 
     def check_same_run(self, checkpoint: Path, saved: dict) -> None:
         if saved.get("loss") is None:  # written before the loss was recorded: the data's default loss

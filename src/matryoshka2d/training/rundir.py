@@ -51,7 +51,7 @@ class RunDir:
 
     def check(self, resume: bool, overwrite: bool, inputs=()) -> None:
         """A folder holding another model or run is not written into unless the user says so; `inputs`, the
-        (option, path) pairs the run reads, must lie apart from it (rule 2, files.check_apart). --resume and
+        (option, path) pairs the run reads, must lie apart from it (rule 1, outputs.check_apart). --resume and
         --overwrite are two answers to one question (continue the run there, or start it again), so not both."""
         if resume and overwrite:
             raise ValueError(

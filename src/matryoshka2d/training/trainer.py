@@ -22,12 +22,12 @@ import torch
 
 from matryoshka2d.evaluate.sts import sentence_key, sts_test_sentence_keys
 from matryoshka2d.files import DataFormatError
-from matryoshka2d.losses import make_task_loss
+from matryoshka2d.losses import TASK_LOSSES, make_task_loss
 from matryoshka2d.losses.batch import EmbeddedBatch
 from matryoshka2d.methods import Method, Plan, make_method
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.paths import data_dir
-from matryoshka2d.training import exit_heads, gradcache, surgery
+from matryoshka2d.training import exit_heads, gradcache, preflight, surgery
 from matryoshka2d.training.config import DEFAULT_LOSSES, TrainConfig, check_config, eval_cells
 from matryoshka2d.training.data import (
     DataError,
@@ -40,7 +40,7 @@ from matryoshka2d.training.packing import ColumnBatch, call_overhead, encode_col
 from matryoshka2d.training.parallel import Processes
 from matryoshka2d.training.run_loop import RunLoop
 from matryoshka2d.training.rundir import RunDir
-from matryoshka2d.training.teacher import teacher_term
+from matryoshka2d.training.teacher import distill_term, teacher_term
 from matryoshka2d.training.throughput import (
     Prefetcher,
     adamw,
@@ -95,6 +95,7 @@ class Trainer(RunLoop):
             self.processes.broadcast_from_main([self.encoder, self.method, self.task_loss])
         self.step = 0
         self.history: list[dict] = []
+        preflight.check(self)  # what the save would refuse, and terms a batch of one row leaves at 0: before any work
 
     # ---- what is trained, on what (subclasses such as the SMAE pre-trainer replace these) ---------------
 
@@ -137,6 +138,38 @@ class Trainer(RunLoop):
                 f"(--loss simcse), not '{self.loss_name}'"
             )
         return data
+
+    # ---- what the preflight checks (training.preflight) ---------------------------------------------------------
+
+    def cut_options(self) -> str:
+        """The options that make the run save its model cut to fewer layers, as a message names them."""
+        cfg = self.config
+        heads = f" --exit-heads {cfg.exit_heads}" if cfg.exit_heads else ""
+        inputs = f" --exit-heads-inputs {cfg.exit_heads_inputs}" if cfg.exit_heads_inputs else ""
+        return f"--method {cfg.method} --layer {self.method.keep_layers}{heads}{inputs}"
+
+    def one_row_terms(self) -> list[preflight.Term]:
+        """Each term a step trains by, for the check that a batch of one row trains: the task loss (one that
+        make_task_loss made; a subclass whose objective holds its terms has none) and the term of --distill-from."""
+        terms, width, device = [], max(self.method.widths()), self.encoder.device
+        if isinstance(self.task_loss, tuple(TASK_LOSSES.values())):
+            labels, kind = self.data.labels, self.data.kind
+
+            def task(vectors: list[torch.Tensor], row: int) -> torch.Tensor:
+                label = None if labels is None else torch.as_tensor(labels[[row]], device=device)
+                return self.task_loss(EmbeddedBatch(vectors, kind, label))
+
+            chosen = "" if self.config.loss else f" (the default for {kind} data)"
+            terms.append(preflight.Term(f"--loss {self.loss_name}{chosen}", len(self.data.columns), width, task))
+        if self.teacher_term is not None:
+            cfg = self.config
+            target = torch.nn.functional.normalize(torch.ones(1, width, device=device), dim=-1)
+
+            def taught(vectors: list[torch.Tensor], _row: int) -> torch.Tensor:
+                return distill_term(vectors[0], target, [width], cfg.distill_loss)
+
+            terms.append(preflight.Term(f"--distill-loss {cfg.distill_loss} (--distill-from)", 1, width, taught))
+        return terms
 
     def _without_sts_test(self, data: TrainingData) -> TrainingData:
         try:
