@@ -95,3 +95,76 @@ def test_ctrl_c_during_encode_is_one_line_and_leaves_no_half_file(tiny_dir, text
     said = [line for line in err.splitlines() if line.startswith("matryoshka2d")]
     assert len(said) == 1 and said[0].startswith("matryoshka2d encode: interrupted (Ctrl-C)"), err
     assert not out.exists() or os.listdir(out) == []
+
+
+# ---- an input that changes while it is read ------------------------------------------------------------------------
+
+
+def cut(src):
+    os.truncate(src, src.stat().st_size // 2)  # inside a line: fewer lines than counted
+
+
+def grown(src):
+    with src.open("a", encoding="utf-8") as f:
+        f.write("one more line\n")
+
+
+def rewritten(src):
+    data, before = src.read_bytes(), src.stat()
+    src.write_bytes(data.replace(b" ", b"\n", 1))  # the same size, a line more
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))  # within one tick of the file system's clock
+
+
+def edited(src):
+    data, before = src.read_bytes(), src.stat()
+    src.write_bytes(data.replace(b"number", b"NUMBER", 1))  # the same size and lines, another text
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # a second later, as a clock of any tick says
+
+
+def replaced(src):
+    other = src.with_name("other.txt")
+    other.write_bytes(src.read_bytes())  # the same text, in another file put in its place
+    os.replace(other, src)
+
+
+def cut_inside_a_character(src):
+    data = src.read_bytes()
+    os.truncate(src, data.index("é".encode()) + 1)  # the first byte of a two-byte character is the last
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (cut, ["its size went from"]),
+        (grown, ["its size went from"]),
+        (rewritten, ["40 lines when counted, 41 when encoded"]),
+        (edited, ["it was written to (its modification time changed)"]),
+        (replaced, ["another file was put in its place"]),
+        (cut_inside_a_character, ["its size went from"]),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
+def test_an_input_changed_while_encode_reads_it_is_named_and_nothing_is_written(
+    tiny_dir, tmp_path, monkeypatch, capsys, change, said
+):
+    """Was: the lines were counted for the .npy header, then encoded in a second pass; a file cut between them gave
+    a short array renamed into place under the full header (np.load then fails), a grown one rows the header hid.
+    The change is made where the command loads its model, between the two passes."""
+    from matryoshka2d.cli import encode as command
+
+    src = tmp_path / "in" / "texts.txt"
+    src.parent.mkdir()
+    src.write_text("".join(f"text number {k} about a café\n" for k in range(40)), encoding="utf-8")
+    load = command._encoder
+
+    def changing_then_loading(args):
+        change(src)
+        return load(args)
+
+    monkeypatch.setattr(command, "_encoder", changing_then_loading)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(encode_args(tiny_dir, src, out / "v.npy")) == 2
+    line = error_line(capsys, f"--input {src} changed while it was read", "no .npy was written")
+    assert any(what in line for what in said), line
+    assert os.listdir(out) == []

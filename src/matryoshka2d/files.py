@@ -19,6 +19,8 @@ import hashlib
 import io
 import json
 import math
+import os
+import re
 import shutil
 import sys
 import tempfile
@@ -60,8 +62,9 @@ def utf8_problem(lines: Iterable[bytes], name: object, at=lambda name, n: f"{nam
     return f"{name}: not UTF-8 text; save the {what} as UTF-8"
 
 
-def first_bad_utf8_line(path: Path) -> str:
+def first_bad_utf8_line(path: str | Path) -> str:
     """utf8_problem for a file on disk (gzipped if its name ends in .gz)."""
+    path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         return utf8_problem(f, path)
@@ -167,7 +170,8 @@ def read_tsv(path: str | Path, required: tuple[str, ...] = ()) -> Table:
 
 def read_jsonl(path: str | Path, error: type[DataFormatError] = DataFormatError) -> Iterator[tuple[int, dict]]:
     """Yield (line number, object) from a JSON-lines file, gzipped if the name ends in .gz; blank lines are
-    skipped, anything else that is not a JSON object is an `error` naming the line."""
+    skipped, anything else that is not a JSON object (or holds what read_json refuses) is an `error` naming the
+    line."""
     path = Path(path)
     if not path.is_file():
         raise error(f"{path}: file not found")
@@ -181,8 +185,12 @@ def read_jsonl(path: str | Path, error: type[DataFormatError] = DataFormatError)
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise error(f"{error.at(path, line_no)}: not valid JSON ({exc.msg})") from None
+                except (ValueError, RecursionError) as exc:  # a number of thousands of digits; nesting past a parser
+                    raise error(f"{error.at(path, line_no)}: {_unreadable_json(line, exc)}") from None
                 if not isinstance(obj, dict):
                     raise error(f"{error.at(path, line_no)}: expected a JSON object, got {type(obj).__name__}")
+                if "\\u" in line and (problem := lone_surrogate(line, obj)):
+                    raise error(f"{error.at(path, line_no)}: {problem}")
                 yield line_no, obj
     except UnicodeDecodeError:
         raise error(first_bad_utf8_line(path)) from None
@@ -191,25 +199,67 @@ def read_jsonl(path: str | Path, error: type[DataFormatError] = DataFormatError)
 
 
 def read_json(path: str | Path, error: type[Exception] = DataFormatError):
-    """A JSON document; a syntax error, bytes that are not UTF-8 (a binary file) or nesting deeper than the parser
-    follows is an `error` naming the file (and the line)."""
+    """A JSON document; a syntax error, bytes that are not UTF-8 (a binary file), nesting deeper than the parser
+    follows, a number of more digits than Python reads or a lone surrogate (a string that is no text) is an `error`
+    naming the file (and the line or the field)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{where(path, exc.lineno)}: not valid JSON ({exc.msg})") from None
     except UnicodeDecodeError as exc:
         raise error(
             f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): not a JSON file"
         ) from None
+    except (ValueError, RecursionError) as exc:  # a number of thousands of digits; nesting past a parser
+        raise error(f"{path}: {_unreadable_json(text, exc)}") from None
+    if problem := lone_surrogate(text, document):
+        raise error(f"{path}: {problem}")
+    return document
+
+
+# A JSON escape of half of a surrogate pair (\ud800-\udfff): valid JSON, which Python reads into a string that is no
+# text (a tokenizer refuses it with its own words; writing it as UTF-8 fails wherever it is written).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(raw: str, value) -> str | None:
+    """Where in `value` (a JSON document, read from `raw`) a string or key holds half of a surrogate pair alone, and
+    what it is, in a message ('scores[3].dataset: ...'); None when none does (a pair, one character, is fine)."""
+    if not _SURROGATE_ESCAPE.search(raw):  # a lone surrogate can come only from an escape: most documents stop here
+        return None
+    try:
+        place, char = _first(value, _surrogate_in)
     except RecursionError:
-        raise error(f"{path}: nested deeper than a JSON reader follows; not a file matryoshka2d wrote") from None
-    except ValueError:  # an integer of thousands of digits: past Python's conversion limit, named with its field
-        place, digits = _first_long(json.loads(path.read_text(encoding="utf-8"), parse_int=_int_or_long))
-        raise error(
-            f"{path}: {place}: a whole number of {digits} digits, more than Python reads "
-            f"({sys.get_int_max_str_digits()}): not a number matryoshka2d writes"
-        ) from None
+        return "nested deeper than a JSON reader follows; not a file matryoshka2d wrote"
+    if not place:
+        return None
+    return (
+        f"{place}: holds '\\u{ord(char):04x}', half of a surrogate pair standing alone (a JSON escape of no "
+        "character), which is not text: remove it or write the whole pair"
+    )
+
+
+def _surrogate_in(value):
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return value[exc.start]
+    return None
+
+
+def _unreadable_json(text: str, exc: Exception) -> str:
+    """Why valid JSON syntax could not be read into Python: nesting deeper than the parser follows, or an integer
+    of more digits than Python converts (named with its field)."""
+    if isinstance(exc, RecursionError):
+        return "nested deeper than a JSON reader follows; not a file matryoshka2d wrote"
+    place, digits = _first_long(json.loads(text, parse_int=_int_or_long))
+    return (
+        f"{place}: a whole number of {digits} digits, more than Python reads ({sys.get_int_max_str_digits()}): "
+        "not a number matryoshka2d writes"
+    )
 
 
 class _LongNumber:
@@ -226,16 +276,24 @@ def _int_or_long(text: str):
         return _LongNumber(text)
 
 
-def _first_long(value, place: str = "") -> tuple[str, int]:
+def _first_long(value) -> tuple[str, int]:
     """(where, digits) of the first _LongNumber in `value`, in the file's order ('scores[3].layer')."""
-    if isinstance(value, _LongNumber):
-        return place or "the document", value.digits
+    return _first(value, lambda item: item.digits if isinstance(item, _LongNumber) else None)
+
+
+def _first(value, found, place: str = "") -> tuple[str, object]:
+    """(where, what) of the first item or key of a JSON document, in the file's order ('scores[3].layer'), for which
+    `found` gives something other than None; ('', None) when there is none."""
+    if (what := found(value)) is not None:
+        return place or "the document", what
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         inner = f"{place}[{key}]" if isinstance(key, int) else f"{place}.{key}" if place else str(key)
-        if (found := _first_long(item, inner))[0] != "":
-            return found
-    return "", 0
+        if isinstance(key, str) and (what := found(key)) is not None:
+            return f"{inner} (the key)", what
+        if (deeper := _first(item, found, inner))[0]:
+            return deeper
+    return "", None
 
 
 # ---- the inputs of `encode` and `search --queries`: a file or standard input, one text a line ----------------
@@ -252,6 +310,34 @@ def open_input(path: str):
     if not file.is_file():
         raise FileNotFoundError(f"Input file {path} does not exist")
     return file.open("rb"), path
+
+
+def input_state(binary, path: str) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, modification time in ns) of an input opened by open_input, to tell later whether it
+    changed while it was read (`changed_since`); None for standard input, spooled to a file of our own."""
+    if path == "-":
+        return None
+    st = os.fstat(binary.fileno())
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def changed_since(binary, path: str, state: tuple[int, int, int, int] | None) -> str | None:
+    """What happened to the input `path` since `state` (input_state when it was opened), or None if nothing did:
+    its name given to another file, its size, its modification time (written to in place, even at the same size)."""
+    if state is None:
+        return None
+    try:
+        named = os.stat(path)
+    except OSError:
+        return "it was removed"
+    if (named.st_dev, named.st_ino) != state[:2]:
+        return "another file was put in its place"
+    now = os.fstat(binary.fileno())
+    if now.st_size != state[2]:
+        return f"its size went from {state[2]:,} to {now.st_size:,} bytes"
+    if now.st_mtime_ns != state[3]:
+        return "it was written to (its modification time changed)"
+    return None
 
 
 def iter_lines(binary, name: str):

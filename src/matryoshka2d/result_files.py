@@ -6,11 +6,17 @@ rule 6). `eval`, `pick`, `report`, the model card and the benchmarks all read th
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from matryoshka2d.files import read_json
 
 GRID_FIELDS = ("task", "metric", "average", "layers", "dims")
+# The fields of a result's model record that pick, report and the card read: each a string (or null: not recorded)
+# or a whole number; the weights checksum a sha256, 64 hex digits, as models.identity.weights_sha256 writes it.
+MODEL_STRINGS = ("model", "location", "pooling", "backend", "precision", "architecture")
+MODEL_NUMBERS = ("layers", "hidden_size", "max_length")
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ResultFileError(ValueError):
@@ -31,12 +37,50 @@ def _score(value, place: str) -> float:
 
 def _list_of(record: dict, key: str, file: Path, kind: type, required: bool = True) -> list:
     value = record.get(key)
-    if value is None and not required:
+    if key not in record and not required:  # absent from older files; null where a list belongs is refused
         return []
     if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
         shown = "missing" if key not in record else f"{type(value).__name__} {str(value)[:60]!r}"
         raise ResultFileError(f"{file}: field '{key}' must be a list of {kind.__name__}s, got {shown}")
     return value
+
+
+def check_model_record(record: dict, file: Path) -> None:
+    """The result's `model` record, where it has one: each field its readers use of the kind they use it as (a
+    checksum a hand edit made a number was a TypeError of whatever sliced it)."""
+    model = record.get("model")
+    if model is None:
+        return
+    if not isinstance(model, dict):
+        raise ResultFileError(f"{file}: field 'model' must be the model's record (an object)")
+    for key in MODEL_STRINGS:
+        if model.get(key) is not None and not isinstance(model[key], str):
+            raise ResultFileError(f"{file}: model.{key}: {str(model[key])[:40]!r} is not a string")
+    for key in MODEL_NUMBERS:
+        if model.get(key) is not None:
+            _whole_number(model[key], f"{file}: model.{key}")
+    checksum = model.get("weights_sha256")
+    if checksum is not None and not (isinstance(checksum, str) and SHA256.fullmatch(checksum)):
+        raise ResultFileError(
+            f"{file}: model.weights_sha256: {str(checksum)[:70]!r} is not a sha256 checksum (64 hex digits, as "
+            "`matryoshka2d eval` writes it)"
+        )
+
+
+def check_summary(record: dict, file: Path) -> None:
+    """The summary `report` prints: its average and shallow average scores, the cell of the average."""
+    summary = record.get("summary") or {}
+    for key in ("average", "shallow_average"):
+        if key in summary and (summary[key] is not None or key == "shallow_average"):
+            _score(summary[key], f"{file}: summary.{key}")
+    if summary.get("average") is not None:
+        cell = summary.get("cell")
+        if not isinstance(cell, list) or len(cell) != 2:
+            raise ResultFileError(f"{file}: summary.cell: {str(cell)[:40]!r} is not a cell [layer, dim]")
+        _whole_number(cell[0], f"{file}: summary.cell[0]", 0)
+        _whole_number(cell[1], f"{file}: summary.cell[1]")
+    for i, layer in enumerate(_list_of(summary, "shallow_layers", file, object, required=False)):
+        _whole_number(layer, f"{file}: summary.shallow_layers[{i}]", 0)
 
 
 def _cell_row(row: dict, place: str, metrics: list[str]) -> tuple[int, int]:
@@ -68,6 +112,8 @@ def check_grid_record(record, file: Path) -> dict:
     for key in ("model", "settings", "seconds", "provenance", "summary"):
         if key in record and not isinstance(record[key], dict):
             raise ResultFileError(f"{file}: field '{key}' must be an object, got {type(record[key]).__name__}")
+    check_model_record(record, file)
+    check_summary(record, file)
     per_dataset: dict[tuple[int, int], dict[str, list[float]]] = {}
     for i, row in enumerate(_list_of(record, "scores", file, dict, required=False)):
         cell = _cell_row(row, f"{file}: scores[{i}]", metrics)
@@ -113,6 +159,7 @@ def check_cascade_record(record: dict, file: Path) -> dict:
         _score(row["ndcg@10"], f"{file}: rows[{i}].ndcg@10")
     if not isinstance(record.get("model"), dict):
         raise ResultFileError(f"{file}: field 'model' must be the model's record (an object)")
+    check_model_record(record, file)
     return record
 
 
@@ -133,6 +180,3 @@ def read_result_record(path: str | Path, kinds: tuple[str, ...] = ("grid", "casc
             raise ResultFileError(f"{file}: a cascade result of `eval retrieval`; give a grid's results.json")
         return "cascade", file, check_cascade_record(record, file)
     return "grid", file, check_grid_record(record, file)
-
-
-# ---- one text per line: the inputs of `encode` and `search --queries` -------------------------------------

@@ -1,5 +1,5 @@
 """Options shared by several commands: the converters every typed option parses through (numbers, cells and
-layer lists read by matryoshka2d.cells), the model to load, and what a command reads and writes (rule 2). The
+layer lists read by matryoshka2d.cells), the model to load, and what a command reads and writes (rule 1). The
 options of a training run are in cli/run_options.py, how --help reads in cli/help.py."""
 
 from __future__ import annotations
@@ -21,27 +21,44 @@ DEVICE_HELP = "cpu, cuda, ... (default: cuda if available)"
 # argparse's one line `matryoshka2d CMD: error: argument --OPTION: WHAT` (exit 2). Each names the value it got.
 
 
-def _whole(text: str) -> int:
-    """A whole number written as one (digits, an optional sign): '1e3', '2.0', '' and 'abc' are not."""
+# The largest count an option takes: a C int, which the libraries underneath hold counts in (2**31 as faiss's
+# efSearch is an OverflowError naming no option). No count here (texts, steps, tokens, workers, bytes) comes near it.
+LARGEST_COUNT = 2**31 - 1
+LARGEST_SEED = 2**32 - 1  # what numpy's RandomState and scikit-learn's random_state take (torch's takes more)
+
+
+def _whole(text: str, most: int = LARGEST_COUNT, least: int = 0) -> int:
+    """A whole number written as one (digits, an optional sign) from `least` to `most`: '1e3', '2.0', '' and 'abc'
+    are not; one of more digits than `most` is refused unconverted (int() of thousands of digits names no option)."""
     if not re.fullmatch(r"\s*[+-]?\d+\s*", text or ""):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(text)
+    negative, digits = text.strip().startswith("-"), text.strip().lstrip("+-")
+    shown = text.strip() if len(digits) <= 24 else f"a {'negative ' * negative}number of {len(digits):,} digits"
+    if len(digits.lstrip("0")) > len(str(most)):  # out of range whatever its digits: refused unconverted
+        raise argparse.ArgumentTypeError(
+            f"must be at least {least}, got {shown}" if negative else f"must be at most {most:,}, got {shown}"
+        )
+    value = int(text)
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {shown}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most:,}, got {shown}")
+    return value
 
 
 def positive_int(text: str) -> int:
     """A whole number of at least 1 (a count of steps, texts, workers, a layer, a width)."""
-    value = _whole(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _whole(text, least=1)
 
 
 def count(text: str) -> int:
     """A whole number of at least 0 (0 meaning none or off, as the option's help says)."""
-    value = _whole(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+    return _whole(text)
+
+
+def seed(text: str) -> int:
+    """A random seed, 0 to 2**32 - 1: what numpy and scikit-learn take (past it, their error named no option)."""
+    return _whole(text, LARGEST_SEED)
 
 
 def number(text: str) -> float:
@@ -81,10 +98,11 @@ def at_least_one(text: str) -> float:
 
 def port(text: str) -> int:
     """A TCP port, 0..65535 (0: any free port)."""
-    value = _whole(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0..65535 (0: any free port), got {value}")
-    return value
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", text or ""):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    if not re.fullmatch(r"\s*\+?0*\d{1,5}\s*", text) or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535 (0: any free port), got {text.strip()[:24]}")
+    return int(text)
 
 
 def fraction(text: str) -> float:
@@ -191,7 +209,14 @@ class Numbers(argparse.Action):
     the numbers, in the order given, repeats dropped."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, list(dict.fromkeys(number for value in values for number in value)))
+        from matryoshka2d.cells import check_how_many
+
+        numbers = [number for value in values for number in value]
+        try:
+            check_how_many(numbers, "numbers")
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc).removeprefix("numbers: ")) from None
+        setattr(namespace, self.dest, list(dict.fromkeys(numbers)))
 
 
 def only_static_layers(layers) -> bool:
@@ -296,7 +321,7 @@ def load_encoder(args, model: str | None = None, log=None, **options):
     return encoder
 
 
-# ---- Rule 2: no output overlaps an input ----------------------------------------------------------------------
+# ---- Rule 1: no output overlaps an input ----------------------------------------------------------------------
 # Each command that writes says, with `reads_and_writes`, which of its options name what it reads and which names
 # what it writes; `main` opens the one writer's scope over the inputs (outputs.command_scope: every later write is
 # checked against them, by path and by device and inode) and runs `check_outputs` before the command starts, so
@@ -372,7 +397,7 @@ def command_scope_of(args):
 
 
 def check_outputs(args) -> None:
-    """Rule 2 for the command `args` runs, before it starts (inside `command_scope_of`): its output lies apart from
+    """Rule 1 for the command `args` runs, before it starts (inside `command_scope_of`): its output lies apart from
     every input (see reads_and_writes), and the folder it writes into can be written."""
     from matryoshka2d.outputs import check_destination, check_writable, current_scope
 

@@ -10,10 +10,10 @@ from matryoshka2d.cli.args import (
     POOLING_HELP,
     Numbers,
     command,
-    count,
     positive_float,
     positive_int,
     reads_and_writes,
+    seed,
     width_list,
 )
 from matryoshka2d.cli.results import log
@@ -106,7 +106,7 @@ def _compression_options(g) -> None:
     )
     g.add_argument("--exit", type=positive_int, help="N: the depth view, (L, FULL) against the exit's (N, FULL)")
     g.add_argument("--sentences", type=positive_int, help="the first N distinct STS-B test sentences (default: all)")
-    g.add_argument("--seed", type=count, help="t-SNE's random_state (default 0)")
+    g.add_argument("--seed", type=seed, help="t-SNE's random_state (default 0)")
     g.add_argument("--perplexity", type=positive_float, help="t-SNE's perplexity (default 30)")
     g.add_argument(
         "--layout",

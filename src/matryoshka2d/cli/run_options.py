@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from matryoshka2d.cli.args import count, fraction, non_negative_float, positive_float, positive_int, token_length
+from matryoshka2d.cli.args import count, fraction, non_negative_float, positive_float, positive_int, seed, token_length
 
 # The options of a training run that train, two-step and pretrain share: flag -> (argparse keywords, help).
 # Every one defaults to None, so that a command can tell what was given (see `given`) from its own defaults.
@@ -17,7 +17,7 @@ RUN_OPTIONS = {
     "--weight-decay": ({"type": non_negative_float}, None),
     "--lr-schedule": ({"choices": ["cosine", "linear"]}, None),
     "--warmup-ratio": ({"type": fraction}, None),
-    "--seed": ({"type": count}, None),
+    "--seed": ({"type": seed}, None),
     "--max-length": ({"type": token_length}, None),
     "--save-steps": ({"type": count}, "checkpoint every N steps (default 200; 0: none)"),
     "--eval-steps": ({"type": count}, None),

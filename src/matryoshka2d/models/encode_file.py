@@ -1,7 +1,9 @@
 """One cell of every line of a text file into a .npy, streamed: `matryoshka2d encode` parses its options and calls
 `encode_file`. Memory stays bounded whatever the size of the input; the array is written as it is computed, through
 the one writer (a temporary file beside it, renamed into place when whole: an error or Ctrl-C leaves no half array,
-and a link in its place is replaced, never written through)."""
+and a link in its place is replaced, never written through). The lines are counted first (the header's row
+count) and encoded in a second pass; an input that changes between them (cut, grown, rewritten or replaced) is
+refused, naming it, and nothing is written: a header over rows it does not describe is no array."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from matryoshka2d.allocator import fix_mmap_threshold, trim_heap
-from matryoshka2d.files import iter_lines, open_input
+from matryoshka2d.files import changed_since, input_state, iter_lines, open_input
 from matryoshka2d.outputs import check_destination, open_for_writing
 
 ENCODE_CHUNK = 1024  # lines embedded per chunk: memory stays bounded whatever the size of the input
@@ -42,6 +44,20 @@ class EncodedFile:
     num_layers: int
     hidden_size: int
     seconds: float
+
+
+NOTHING_WRITTEN = ": no .npy was written; encode it again once the file is complete"
+
+
+class InputChanged(ValueError):
+    """The input changed between the pass that counted its lines (the .npy header's row count) and the pass that
+    encoded them: the array would not be its lines, so none is written."""
+
+
+def refuse_if_changed(binary, source: str, name: str, opened) -> None:
+    """An InputChanged naming the input if it is not the file that was opened and counted (files.changed_since)."""
+    if what := changed_since(binary, source, opened):
+        raise InputChanged(f"--input {name} changed while it was read ({what}){NOTHING_WRITTEN}")
 
 
 def npy_path(output: str | Path) -> Path:
@@ -78,6 +94,7 @@ def encode_file(
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
     binary, name = open_input(source)
     with binary:
+        opened = input_state(binary, source)  # the header says `count` rows: the file must stay as counted
         count = sum(1 for _ in iter_lines(binary, name))  # also checks the text before any model work
         encoder = load_encoder()
         layer, dim = encoder.check_layer(layer), encoder.check_dim(dim)
@@ -85,13 +102,24 @@ def encode_file(
         with open_for_writing(out, "wb", "--output") as f:
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")), "fortran_order": False}
             np.lib.format.write_array_header_1_0(f, {**header, "shape": (count, dim)})
-            lines = iter_lines(binary, name)
+            lines, written = iter_lines(binary, name), 0
             with tqdm(total=count, desc=f"encode {encoder.name}", unit="text", disable=count == 0) as bar:
-                while chunk := list(itertools.islice(lines, ENCODE_CHUNK)):
-                    vectors = encode_chunk(encoder, chunk, layer, dim, batch_size, normalize)
-                    f.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
-                    bar.update(len(chunk))
-                    trim_heap()
+                try:
+                    while chunk := list(itertools.islice(lines, ENCODE_CHUNK)):
+                        vectors = encode_chunk(encoder, chunk, layer, dim, batch_size, normalize)
+                        f.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
+                        written += len(chunk)
+                        bar.update(len(chunk))
+                        trim_heap()
+                except ValueError:  # a file cut inside a character reads as one not UTF-8: say it was cut
+                    refuse_if_changed(binary, source, name, opened)
+                    raise
+            refuse_if_changed(binary, source, name, opened)
+            if written != count:  # changed within its clock's tick: the rows are still not the header's
+                raise InputChanged(
+                    f"--input {name} changed while it was read ({count:,} lines when counted, "
+                    f"{written:,} when encoded){NOTHING_WRITTEN}"
+                )
             f.flush()
             os.fsync(f.fileno())
     seconds = time.perf_counter() - start

@@ -16,7 +16,7 @@ import torch
 from matryoshka2d.confined import ConfinedFolder
 from matryoshka2d.files import file_sha256
 from matryoshka2d.models.heads import HEADS_FILE, INPUTS, RECORD_KEY, ExitHeads, HeadsError
-from matryoshka2d.models.identity import backbone_sha256, confined_folder, folder_record
+from matryoshka2d.models.identity import backbone_sha256, confined_folder, folder_record, short
 from matryoshka2d.outputs import writing
 
 
@@ -85,13 +85,16 @@ def load_heads(folder: str | Path | ConfinedFolder, record: dict, encoder) -> Ex
     actual = backbone_sha256(encoder)
     if actual != backbone:
         raise HeadsError(
-            f"{path}: these heads were fitted on another backbone (backbone sha256 {backbone[:12]}..., this "
-            f"model's is {actual[:12]}...); fit them again with `matryoshka2d heads fit`, or load with heads off "
+            f"{path}: these heads were fitted on another backbone (backbone sha256 {short(backbone)}..., this "
+            f"model's is {short(actual)}...); fit them again with `matryoshka2d heads fit`, or load with heads off "
             "(heads=False, --no-heads)"
         )
     if inputs not in INPUTS:
         raise HeadsError(f"{where}: heads with inputs '{inputs}' are not known; this version reads {', '.join(INPUTS)}")
-    heads = ExitHeads(layers, dim_in, dim_out, kind, record.get("hidden"), inputs)
+    try:
+        heads = ExitHeads(layers, dim_in, dim_out, kind, record.get("hidden"), inputs)
+    except (TypeError, ValueError) as exc:  # a kind or hidden width of another kind: the record is named
+        raise HeadsError(f"{where}: {exc}") from None
     try:
         tensors = load_file(str(path))
         for key, tensor in tensors.items():  # a cast would hide an integer file; NaN would reach every vector
@@ -104,5 +107,5 @@ def load_heads(folder: str | Path | ConfinedFolder, record: dict, encoder) -> Ex
         heads.heads.load_state_dict(state)
     except (SafetensorError, KeyError, RuntimeError, OSError) as exc:
         raise HeadsError(f"{path}: cannot read the heads ({str(exc).splitlines()[0]})") from None
-    heads.record = dict(record.get("made") or {})
+    heads.record = dict(made) if isinstance(made := record.get("made"), dict) else {}  # what made them: told only
     return heads

@@ -13,12 +13,12 @@ A query encoder's record is checked in models.query_record, a query/document pai
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from matryoshka2d.confined import ConfinedFolder
+from matryoshka2d.files import read_json
 
 
 def weights_sha256(module: torch.nn.Module) -> str:
@@ -46,9 +46,14 @@ def backbone_sha256(encoder) -> str:
     return digest.hexdigest()
 
 
-def short(checksum: str | None) -> str:
-    """The first 12 hex digits, enough to tell two models apart in a message."""
-    return checksum[:12] if checksum else "not recorded"
+def short(checksum) -> str:
+    """The first 12 hex digits, enough to tell two models apart in a message; what a record holds in a checksum's
+    place that is no checksum (a number, a list: a hand edit) is said to be one, never sliced."""
+    if not checksum:
+        return "not recorded"
+    if not isinstance(checksum, str):
+        return f"{str(checksum)[:20]!r}, which is not a checksum"
+    return checksum[:12]
 
 
 class IdentityError(ValueError):
@@ -74,10 +79,7 @@ def read_meta(folder, error: type[Exception]) -> tuple[Path, dict | None]:
     meta = confined.path(RECORD_FILE, confined.folder, "the record of matryoshka2d")  # OutsideFolderError
     if not meta.is_file():
         return meta, None
-    try:
-        return meta, json.loads(meta.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise error(f"{meta}: not a valid matryoshka2d.json ({exc})") from None
+    return meta, read_json(meta, error)  # names the file, line and field of what is not JSON or not text
 
 
 def folder_record(folder, key: str, error: type[Exception]) -> dict | None:
