@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers.models import tiny_transformer
-from helpers.server import FakeBackend, InProcess, app_of, onnx_graphs_of
+from helpers.server import FakeBackend, InProcess, app_of, onnx_graphs_of, openai_client, post_asgi
 from matryoshka2d.models.encoder import ElasticEncoder
-from matryoshka2d.serve.admission import Admission
+from matryoshka2d.serve.admission import DEFAULT_DEADLINE_MS, Admission
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "s3cret-key-for-tests"
@@ -115,7 +115,10 @@ def test_the_bound_in_time_refuses_a_queue_the_model_needs_too_long_for():
         admission.admit(texts=1, queued=100, drain_seconds=2.3)
     assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "3"
     assert "need about 2300 ms of the model" in str(refused.value) and "--max-queue-ms" in str(refused.value)
-    Admission(max_queued_texts=8).admit(texts=1, queued=7, drain_seconds=60.0)  # no bound in time unless asked
+    with pytest.raises(ApiError) as refused:  # by default the deadline is what an interactive client waits
+        Admission(max_queued_texts=8).admit(texts=1, queued=7, drain_seconds=60.0)
+    assert f"the deadline of {DEFAULT_DEADLINE_MS:g} ms (--max-queue-ms)" in str(refused.value)
+    Admission(max_queued_texts=8, max_queue_ms=90_000).admit(texts=1, queued=7, drain_seconds=60.0)
     for bad in (0, -5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="--max-queue-ms must be a positive number"):
             Admission(max_queue_ms=bad)
@@ -151,6 +154,77 @@ def test_the_time_the_model_needs_counts_the_rest_of_the_call_in_flight(tokenize
     assert 0.9 < in_flight <= 1.0  # 10 texts at 100 ms a text, a few ms of which have passed: nothing queued
     assert behind == pytest.approx(in_flight + 0.3, abs=0.05)  # three texts queued behind it
     assert after == 0.0  # nothing runs or waits
+
+
+def test_a_request_the_model_could_not_answer_by_its_deadline_is_refused_before_any_work(tokenizer, monkeypatch):
+    """The deadline (--max-queue-ms, or the client's own shorter one: the OpenAI SDKs send their timeout as
+    x-stainless-read-timeout): a request that would wait for the call in flight and what queued, then for its own
+    texts, past it, is answered 429 with Retry-After at once: nothing of it is tokenized or queued."""
+    import openai
+
+    from matryoshka2d.serve import texts as serve_texts
+
+    tokenized, real = [], serve_texts.token_ids
+    monkeypatch.setattr(
+        serve_texts, "token_ids", lambda counter, texts: tokenized.append(texts) or real(counter, texts)
+    )
+    gate = FakeBackend(tokenizer)  # closed: the first request's call stays in flight
+    app = app_of(gate, "gate", max_queue_ms=500)
+    batcher = app.state.engine.main.batcher
+    body = {"model": "gate", "input": "red cat", "layer": 2}
+    with InProcess(app) as server, ThreadPoolExecutor(2) as pool:
+        client = server.http
+        held = pool.submit(client.post, "/v1/embeddings", json=body)
+        deadline = time.monotonic() + 20
+        while batcher._running is None and time.monotonic() < deadline:  # its call has started
+            time.sleep(0.01)
+        batcher.ms_per_text = 400.0  # the model's measured time a text: 400 ms for the call in flight, 400 for this
+        refused = client.post("/v1/embeddings", json=body)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        error = refused.json()["error"]
+        assert (
+            error["code"] == "model_overloaded" and "past the deadline of 500 ms (--max-queue-ms)" in error["message"]
+        )
+        assert len(tokenized) == 1 and batcher.queued_texts == 0  # only the held request was tokenized and queued
+        batcher.ms_per_text = 100.0  # now about 200 ms: within the server's deadline, past a client's of 150 ms
+        impatient = openai_client(client).with_options(timeout=0.15)
+        with pytest.raises(openai.RateLimitError, match="x-stainless-read-timeout"):
+            impatient.embeddings.create(model="gate", input="red cat", extra_body={"layer": 2})
+        assert len(tokenized) == 1
+        patient = pool.submit(client.post, "/v1/embeddings", json=body)
+        while batcher.queued_texts < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.open.set()
+        assert held.result(timeout=30).status_code == patient.result(timeout=30).status_code == 200
+
+
+def test_under_overload_the_queue_holds_only_work_that_can_finish_by_the_deadline(tokenizer):
+    """A synthetic overload: 60 requests at once on a model that takes 20 ms a call of one text, with a deadline of
+    300 ms. Those it could not answer in time are refused at once (429, Retry-After); every one it takes is
+    answered within the deadline (give or take a call: the model's time a text is measured, not known)."""
+    backend = FakeBackend(tokenizer, seconds=0.02)
+    backend.open.set()
+    app = app_of(backend, "fake", max_batch=1, max_queue_ms=300)
+    body = {"model": "fake", "input": "red cat", "layer": 2}
+
+    async def overload():
+        async with app.router.lifespan_context(app):
+            for _ in range(3):  # the model's time a text, measured
+                assert (await post_asgi(app, body))[0] == 200
+
+            async def timed():
+                start = time.perf_counter()
+                status, headers, _ = await post_asgi(app, body)
+                return status, headers, 1000 * (time.perf_counter() - start)
+
+            return await asyncio.gather(*(timed() for _ in range(60)))
+
+    answers = asyncio.run(overload())
+    taken = [ms for status, _, ms in answers if status == 200]
+    refused = [headers for status, headers, _ in answers if status == 429]
+    assert len(taken) + len(refused) == 60 and len(refused) >= 30 and len(taken) >= 5
+    assert all(int(headers["retry-after"]) >= 1 for headers in refused)
+    assert max(taken) <= 300 * 1.25, sorted(taken)
 
 
 def test_a_request_larger_than_the_bound_is_taken_when_nothing_waits(tokenizer):

@@ -1,6 +1,6 @@
-"""What runs the model behind the server (serve/backends.py): the torch backend at the layers it serves, and the
-ONNX graphs, cached beside the model with a checksum manifest, used when they match and rebuilt when they do not,
-int8 graphs quantized from the cached fp32 one. No HTTP here."""
+"""What runs the model behind the server (serve/backends.py, serve/graph_cache.py): the torch backend at the layers
+it serves, and the ONNX graphs, cached beside the model with a checksum manifest, used when they match and rebuilt
+when they do not, int8 graphs quantized from the cached fp32 one. No HTTP here."""
 
 import json
 import shutil
@@ -61,7 +61,7 @@ def graph_copy(onnx_graphs, tmp_path, monkeypatch):
     """A copy of the cache: the folder of the tiny model's graphs in it (named by its weights), the counted export."""
     shutil.copytree(onnx_graphs, tmp_path / "graphs")
     export = CountedExport(onnx_graphs)
-    monkeypatch.setattr("matryoshka2d.serve.backends.export_exit", export)
+    monkeypatch.setattr("matryoshka2d.serve.graph_cache.export_exit", export)
     (folder,) = (tmp_path / "graphs").glob("weights-*")
     return folder, export
 
@@ -130,17 +130,19 @@ def test_int8_graphs_agree_with_torch(graph_copy, tiny_local):
 
 def test_an_int8_graph_from_an_older_fp32_recipe_is_rebuilt(graph_copy, tiny_local, monkeypatch):
     """The int8 recipe names the fp32 recipe it quantizes: when the export changes, cached int8 graphs go too."""
-    from matryoshka2d.serve import backends
+    from matryoshka2d.serve import graph_cache
 
     folder, _ = graph_copy
     onnx_backend(tiny_local, folder, quantize="int8")
-    quantized, quantize = [], backends.quantize_int8
-    monkeypatch.setattr(backends, "quantize_int8", lambda *a: quantized.append(a) or quantize(*a))
+    quantized, quantize = [], graph_cache.quantize_int8
+    monkeypatch.setattr(graph_cache, "quantize_int8", lambda *a: quantized.append(a) or quantize(*a))
     onnx_backend(tiny_local, folder, quantize="int8")
     assert quantized == []  # cached and trusted
     manifest = json.loads((folder / "manifest.json").read_text())
     old_fp32 = "torch.onnx dynamo export of ExitGraph (encoder.forward at the layer), fp32"
-    manifest["graphs"]["layer-2.int8.onnx"]["recipe"] = backends.RECIPES["int8"].replace(backends.FP32_RECIPE, old_fp32)
+    manifest["graphs"]["layer-2.int8.onnx"]["recipe"] = graph_cache.RECIPES["int8"].replace(
+        graph_cache.FP32_RECIPE, old_fp32
+    )
     (folder / "manifest.json").write_text(json.dumps(manifest))
     onnx_backend(tiny_local, folder, quantize="int8")
     assert len(quantized) == 1
@@ -149,7 +151,7 @@ def test_an_int8_graph_from_an_older_fp32_recipe_is_rebuilt(graph_copy, tiny_loc
 def test_graphs_are_cached_beside_a_model_folder_and_apart_from_an_installed_one(
     tiny_local, minilm, tmp_path, monkeypatch
 ):
-    from matryoshka2d.serve.backends import default_cache_folder
+    from matryoshka2d.serve.graph_cache import default_cache_folder
 
     monkeypatch.setenv("MATRYOSHKA2D_CACHE", str(tmp_path))
     assert default_cache_folder(tiny_local, "ab" * 32) == Path(tiny_local.location) / "onnx-serve"

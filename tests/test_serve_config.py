@@ -5,9 +5,12 @@ when it loads, before anything is built or listened on. No request is served her
 import pytest
 
 from helpers.cli import error_line, exit_code
+from helpers.server import FakeBackend, app_of
 from matryoshka2d.cells import Cell
 from matryoshka2d.cli import build_parser, main
 from matryoshka2d.serve import ServerConfig
+from matryoshka2d.serve.admission import DEFAULT_DEADLINE_MS
+from matryoshka2d.serve.batching import DEFAULT_TARGET_MS
 
 
 @pytest.mark.parametrize(
@@ -30,7 +33,8 @@ from matryoshka2d.serve import ServerConfig
         ({"layers": [2, -1]}, "--layers: -1 is not a layer"),
         ({"layers": [2, 4], "default_layer": 3}, "--default-layer 3: this server runs layers 2, 4"),
         ({"query_cell": Cell(2, 16), "default_dimensions": 24}, "--default-dimensions 24: queries and documents"),
-        ({"target_ms": 40.0}, "--target-ms set how --adaptive-depth sheds depth; add --adaptive-depth"),
+        ({"min_layer": 2}, "--min-layer set how --adaptive-depth sheds depth; add --adaptive-depth"),
+        ({"target_ms": 0.0}, "--target-ms 0.0: must be a positive finite number"),
         ({"log_level": "loud"}, "--log-level loud: choose one of"),
         ({"api_key": " k3y"}, "--api-key: the API key has whitespace around it"),
         ({"query_models": {"q": ""}}, "--query-model q=: give a name and a folder"),
@@ -40,6 +44,16 @@ def test_a_config_is_checked_once_when_made_naming_the_option(fields, message):
     with pytest.raises(ValueError) as refused:
         ServerConfig(**fields)
     assert message in str(refused.value)
+
+
+def test_the_latency_objective_and_the_deadline_are_the_servers_own_settings(tokenizer):
+    """--target-ms is the server's latency objective (its calls, and the ladder when on), no longer adaptive
+    depth's alone; --max-queue-ms, the deadline, has a default: both reach the batchers and the admission."""
+    assert (ServerConfig().target_ms, ServerConfig().max_queue_ms) == (DEFAULT_TARGET_MS, DEFAULT_DEADLINE_MS)
+    args = build_parser().parse_args(["serve", "--model", "m", "--target-ms", "40", "--max-queue-ms", "700"])
+    assert (args.target_ms, args.max_queue_ms, args.adaptive_depth) == (40.0, 700.0, False)
+    engine = app_of(FakeBackend(tokenizer), target_ms=40.0, max_queue_ms=700.0).state.engine
+    assert engine.main.batcher.target_ms == 40.0 and engine.admission.max_queue_ms == 700.0
 
 
 def test_the_key_is_read_from_the_environment_as_the_command_does_and_kept_out_of_the_repr(monkeypatch):

@@ -207,7 +207,7 @@ def test_a_request_whose_client_went_away_is_not_run(tokenizer):
             first = asyncio.ensure_future(batcher.answer(["held at the gate"], 2))
             await asyncio.sleep(0.05)  # the first batch runs (held); the next request waits in the queue
             with pytest.raises(ApiError) as refused:
-                await unless_gone(Gone(), batcher.answer(["nobody waits for me"], 2))
+                await unless_gone(Gone().receive, batcher.submit(["nobody waits for me"], 2), busy=True)
             gate.open.set()
             await first
             await asyncio.sleep(0.1)

@@ -97,6 +97,45 @@ def call_asgi(app, method: str, path: str, chunks, headers=()) -> tuple[int, dic
     return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body, pulled[0]
 
 
+async def post_asgi(app, body: dict, headers=()) -> tuple[int, dict, bytes]:
+    """One POST /v1/embeddings straight through the ASGI app on the running event loop (the app's lifespan already
+    started: `app.router.lifespan_context(app)`), so that many can be in flight at once in one test: (status,
+    headers, body). The client stays connected until its answer."""
+    payload, sent, answered = json.dumps(body).encode(), [], asyncio.Event()
+    given = [False]
+
+    async def receive():
+        if not given[0]:
+            given[0] = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            answered.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/embeddings",
+        "raw_path": b"/v1/embeddings",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload)), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, content
+
+
 def openai_client(client, key: str = "unused"):
     """The official openai client talking to a TestClient (an httpx.Client): the client's own requests, in-process."""
     import openai

@@ -93,11 +93,18 @@ def _batching_and_limits(p) -> None:
     )
     p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass within a model call")
     p.add_argument(
+        "--target-ms",
+        type=positive_float,
+        default=50.0,  # serve/batching.py DEFAULT_TARGET_MS
+        help="the latency objective: no model call grows past what keeps the queue within it, and with "
+        "--adaptive-depth a backlog past it sends open requests to the cheapest rung until it drains",
+    )
+    p.add_argument(
         "--max-wait-ms",
         type=non_negative_float,
-        default=0.0,  # serve/batching.py DEFAULT_MAX_WAIT: why a batch does not wait by default
-        help="how long a batch that found others queued waits for more requests (a lone request never waits); worth "
-        "it only where a call's fixed cost is large, as on a GPU",
+        help="the most a call waits for more requests (default: as long as the measured costs say it pays: never "
+        "where a call's fixed cost is small next to a text's, as on a CPU, nor while no other requests arrive; 0: "
+        "never)",
     )
     p.add_argument("--max-inputs", type=positive_int, default=2048, help="texts per request")
     p.add_argument(
@@ -168,8 +175,10 @@ def _guards_and_process(p) -> None:
     p.add_argument(
         "--max-queue-ms",
         type=positive_float,
-        help="also answer 429 when what waits would take the model longer than this (texts waiting x recent time "
-        "per text): a bound in time that follows the machine's load (default: the bound in texts alone)",
+        default=2000.0,  # serve/admission.py DEFAULT_DEADLINE_MS
+        help="the deadline: answer 429 at once, before any work, to a request the model could not answer within "
+        "this (texts waiting x recent time per text, the rest of the call running, its own texts); a client's "
+        "shorter x-stainless-read-timeout (OpenAI's SDKs send their timeout) applies to its own requests",
     )
     p.add_argument(
         "--drain-seconds",
@@ -194,12 +203,6 @@ def _adaptive_depth(p) -> None:
         help='requests that name no layer (or layer "auto") are answered by a ladder of rungs that all answer in the '
         "model's space: its full depth, its exits with heads (down to --min-layer), its static cell, and every "
         "--query-model; the mix of rungs with the most quality that the present arrival rate leaves time for",
-    )
-    p.add_argument(
-        "--target-ms",
-        type=positive_float,
-        help="adaptive depth: the latency target; a backlog past it sends open requests to the cheapest rung until "
-        "it drains (default 50)",
     )
     p.add_argument(
         "--min-layer", type=count, help="adaptive depth: the model's shallowest exit on the ladder (default: the first "

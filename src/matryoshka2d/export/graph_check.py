@@ -1,4 +1,4 @@
-"""Whether an ONNX exit graph from the serving cache (serve/backends.py, GraphCache) may be served.
+"""Whether an ONNX exit graph from the serving cache (serve/graph_cache.py, GraphCache) may be served.
 
 The manifest's checksums say a graph is the file that was written; they do not say it computes this model (a
 manifest can be edited, a folder copied from another model). So a cached graph, the first time a process uses

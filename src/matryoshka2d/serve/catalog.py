@@ -48,12 +48,11 @@ from matryoshka2d.serve.protocol import (
 from matryoshka2d.serve.texts import CHARS_PER_TOKEN
 
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
-
     from matryoshka2d.serve.backends import Backend
     from matryoshka2d.serve.config import ServerConfig
     from matryoshka2d.serve.ladder import Ladder
     from matryoshka2d.serve.metrics import ServerMetrics
+    from matryoshka2d.serve.model_thread import ModelThread
 
 ADAPTIVE = None  # the layer of a request whose rung the ladder chooses (serve/ladder.py)
 
@@ -81,12 +80,14 @@ class ServedModel:
         backend: Backend,
         config: ServerConfig,
         metrics: ServerMetrics,
-        thread: ThreadPoolExecutor,
+        thread: ModelThread,
         observe=None,
         layer: int | None = None,
     ) -> ServedModel:
         """`thread`: the model thread every batcher of the server hands its calls to; `observe`: the ladder's."""
-        batcher = MicroBatcher(backend, config.max_batch, config.max_wait, name, metrics, observe, thread)
+        batcher = MicroBatcher(
+            backend, config.max_batch, config.max_wait, name, metrics, observe, thread, config.target_ms
+        )
         own = backend.num_layers if layer is None else layer
         max_chars = config.max_input_chars or CHARS_PER_TOKEN * backend.max_length
         counter = copy.deepcopy(backend.tokenizer)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from matryoshka2d.cells import Cell
-from matryoshka2d.serve.admission import API_KEY_ENV, key_problem
+from matryoshka2d.serve.admission import API_KEY_ENV, DEFAULT_DEADLINE_MS, key_problem
+from matryoshka2d.serve.batching import DEFAULT_TARGET_MS
 
 BACKENDS = ("torch", "onnx")
 QUANTIZATIONS = ("int8",)
@@ -62,20 +63,26 @@ class ServerConfig:
     # with calls of 64. A call of many texts saves little on a CPU over calls of 64 (its cost grows with its texts).
     max_batch: int = 64
     batch_size: int = 64  # texts per forward pass within a model call
-    max_wait_ms: float = 0.0  # serve/batching.py DEFAULT_MAX_WAIT: why a batch does not wait by default
+    # The latency objective: no model call grows past what keeps the queue within it (serve/batching.py), and the
+    # ladder of adaptive depth sheds depth to keep it (serve/ladder.py).
+    target_ms: float = DEFAULT_TARGET_MS
+    # The most a call waits for company; None: as long as the batcher's measured costs say it pays (never, on a
+    # CPU where a call's fixed cost is small next to a text's: serve/batching.py), 0: never.
+    max_wait_ms: float | None = None
     # Texts waiting for the model, all encoders together, past which a request is answered 429 (Retry-After). What
     # waits is what the next requests queue behind: at minilm-l6's int8 full depth on one core, one-text queries
     # are answered at about 200-300 a second, so 1,024 of them are 3-5 s of waiting, about as long as a client of an
     # interactive search waits; bulk clients send fewer, larger requests (a request larger than the bound is taken
     # when nothing waits).
     max_queued_texts: int = 1024
-    max_queue_ms: float | None = None  # and past this much of the model's time for what waits (serve/admission.py)
+    # The deadline: a request the model could not answer within this many ms (what waits before it, the rest of the
+    # call in flight, its own texts) is refused at once with 429 (serve/admission.py DEFAULT_DEADLINE_MS).
+    max_queue_ms: float = DEFAULT_DEADLINE_MS
     # Characters of one text: longer ones are refused before the tokenizer sees them (cut there with --truncate).
     # None: serve/texts.CHARS_PER_TOKEN times the encoder's maximum length in tokens.
     max_input_chars: int | None = None
     # adaptive depth (serve/ladder.py)
     adaptive_depth: bool = False
-    target_ms: float | None = None
     min_layer: int | None = None
     calibration_texts: list[str] | None = None
     # the process (serve/process.py)
@@ -109,9 +116,9 @@ class ServerConfig:
         return path.name or path.resolve().name or str(self.model)
 
     @property
-    def max_wait(self) -> float:
-        """--max-wait-ms in seconds, as the micro-batcher takes it."""
-        return self.max_wait_ms / 1000
+    def max_wait(self) -> float | None:
+        """--max-wait-ms in seconds, as the micro-batcher takes it (None: the batcher's measured costs decide)."""
+        return None if self.max_wait_ms is None else self.max_wait_ms / 1000
 
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
@@ -160,7 +167,7 @@ class ServerConfig:
                 raise ValueError(f"{option} {value}: must be at least {least}")
         if self.port > 65535:
             raise ValueError(f"--port {self.port}: must be 0..65535 (0: any free port)")
-        if not (math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
+        if self.max_wait_ms is not None and not (math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
             raise ValueError(f"--max-wait-ms {self.max_wait_ms}: must be a finite number of at least 0")
         for option, value in (
             ("--max-queue-ms", self.max_queue_ms),
@@ -192,7 +199,6 @@ class ServerConfig:
         given = [
             flag
             for flag, value in (
-                ("--target-ms", self.target_ms),
                 ("--min-layer", self.min_layer),
                 ("--calibration-texts", self.calibration_texts),
             )

@@ -34,16 +34,17 @@ import numpy as np
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.serve.admission import Admission
 from matryoshka2d.serve.backends import Backend, TorchBackend
-from matryoshka2d.serve.batching import model_thread
 from matryoshka2d.serve.catalog import ADAPTIVE, Catalog, Plan, ServedModel
 from matryoshka2d.serve.config import ServerConfig
 from matryoshka2d.serve.ladder import Ladder
 from matryoshka2d.serve.metrics import ServerMetrics
+from matryoshka2d.serve.model_thread import ModelThread
 from matryoshka2d.serve.protocol import encode_rows, parse_body, reply_bytes
 from matryoshka2d.serve.texts import OFF_LOOP_CHARS, tokenized, within_characters
 
-# What waits for a model answer in `Engine.embed`: the answer, or a 499 when the client leaves first (serve/http.py).
-UnlessGone = Callable[[Awaitable], Awaitable]
+# What waits for a model answer in `Engine.embed` (the batcher's future, and whether the model is busy, so that the
+# request may wait): the answer, or a 499 when the client leaves first (serve/http.py).
+UnlessGone = Callable[[asyncio.Future, bool], Awaitable]
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Engine:
         self.config = config
         self.admission = Admission(config.api_key, config.max_queued_texts, config.max_queue_ms)
         self.metrics = ServerMetrics()
-        self.thread = model_thread()  # every model's calls, in turns on one thread (serve/batching.py)
+        self.thread = ModelThread()  # every model's calls, in turns on one thread (serve/model_thread.py)
         self.ladder = models.ladder
         observe = self.ladder.observe if self.ladder is not None else None
 
@@ -103,7 +104,7 @@ class Engine:
         """After the last request: a model call or a tokenizing still running is not waited for (`busy` says so)."""
         for served in self.everyone:
             await served.batcher.stop()
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        self.thread.shutdown()
         if self.tokenizer_thread is not None:
             self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             self.tokenizer_thread = None
@@ -113,8 +114,13 @@ class Engine:
         return self.tokenizer_working > 0 or any(s.batcher.in_call for s in self.everyone)
 
     def waiting(self) -> tuple[int, float]:
-        """(texts waiting for the model, seconds the model needs for them and the call it runs): the 429 bound."""
-        return sum(s.batcher.queued_texts for s in self.everyone) + self.tokenizing, self.main.batcher.drain_seconds()
+        """(texts waiting for the model, seconds the model needs for them and the calls it runs): the 429 bounds.
+        Every encoder's calls take the one model thread in turns, so a request waits for all of them."""
+        queued, seconds = self.tokenizing, self.tokenizing * self.main.batcher.ms_per_text / 1000
+        for served in self.everyone:
+            queued += served.batcher.queued_texts
+            seconds += served.batcher.drain_seconds()
+        return queued, seconds
 
     def backlog_ms(self) -> float:
         """The model's ms for what waits now, all encoders together: the ladder drains a backlog past its target."""
@@ -129,22 +135,28 @@ class Engine:
             self.metrics.ladder_state(self.ladder.describe())
         return self.metrics.render()
 
-    async def embed(self, raw: bytes, arrived: float, unless_gone: UnlessGone) -> tuple[bytes, dict[str, str]]:
+    async def embed(
+        self, raw: bytes, arrived: float, unless_gone: UnlessGone, deadline_ms: float | None = None
+    ) -> tuple[bytes, dict[str, str]]:
         """The answer to one POST /v1/embeddings body (`raw`, read at `arrived`, a perf_counter time): its JSON and
-        its headers; an ApiError in OpenAI's shape for anything refused. `unless_gone(work)` waits for the model's
-        answer, or raises a 499 when the client leaves first (so its texts are skipped)."""
+        its headers; an ApiError in OpenAI's shape for anything refused. `unless_gone(future, busy)` waits for the
+        model's answer, or raises a 499 when the client leaves first (so its texts are skipped); `deadline_ms`: the
+        client's own deadline, when it sent one (serve/admission.py)."""
         read = time.perf_counter()
         plan = self.catalog.plan(parse_body(raw))
         served, layer = self._rung(plan)
         texts, cut = within_characters(plan.texts, served.max_chars, served.backend.max_length, self.config.truncate)
-        self.admission.admit(len(texts), *self.waiting())  # before tokenizing: a refusal costs no tokenizer time
+        queued, seconds = self.waiting()  # before tokenizing: a refusal costs no tokenizer time
+        own = len(texts) * served.batcher.ms_per_text / 1000
+        self.admission.admit(len(texts), queued, seconds, own, deadline_ms)
         parsed = time.perf_counter()
         encoded, used, truncated = await self._tokenized(served, texts, cut)
         tokenized_at = time.perf_counter()
         if self.ladder is not None and plan.layer is not ADAPTIVE:  # documents, named layers: off the ladder's budget
             self.ladder.fixed(time.monotonic(), self.ladder.costs.get(served.name), layer, len(texts), sum(used))
         timing: dict = {}
-        vectors, layer = await unless_gone(served.batcher.answer(texts, layer, encoded, timing))
+        busy = any(s.batcher.queued_texts or s.batcher.in_flight for s in self.everyone)  # this request may queue
+        vectors, layer = await unless_gone(served.batcher.submit(texts, layer, encoded, timing), busy)
         handed = time.perf_counter()
         content = self._reply(plan, served, layer, vectors, sum(used), truncated)
         done = time.perf_counter()
@@ -156,6 +168,8 @@ class Engine:
             "answer": 1000 * (done - handed),
         }
         self.metrics.phases(phases)
+        if seconds > 0:  # it queued behind others: how its estimate held, for the next ones' admission
+            self.admission.margin.observe(1000 * (seconds + own), 1000 * (done - parsed))
         headers = {
             "x-matryoshka2d-layer": str(layer),
             "x-matryoshka2d-encoder": served.header_name,

@@ -17,6 +17,10 @@ work, and the count of every answer.
 
 A request is bounded before any work is spent on it: its body while it streams (chunked bodies too: reading stops
 at the bound, 413). Response headers carry names percent-encoded (any served name is a valid header).
+
+POST /v1/embeddings is answered by `EmbeddingsFirst` in plain ASGI, past FastAPI's router and Starlette's request and
+response objects: every request takes that path, and each piece of Python it runs costs about twice its time on an
+idle core, run after a model call has swept the caches.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from matryoshka2d.serve.admission import REQUEST_START, Guard
+from matryoshka2d.serve.admission import CLIENT_DEADLINE, REQUEST_START, Guard
 from matryoshka2d.serve.engine import Engine
 from matryoshka2d.serve.protocol import ApiError
 
@@ -52,13 +56,21 @@ def app_for(engine: Engine) -> FastAPI:
     app = FastAPI(title="matryoshka2d embeddings", lifespan=lifespan, telemetry=no_telemetry)
     app.state.engine, app.state.admission = engine, engine.admission
 
+    async def answer(scope, receive) -> tuple[bytes, dict[str, str]]:
+        """The embeddings route's JSON and headers (an ApiError for anything refused)."""
+        arrived = scope.get(REQUEST_START) or time.perf_counter()
+        body = await read_body(scope, receive, engine.config.max_body_bytes)
+
+        def watched(future, busy):
+            return unless_gone(receive, future, busy)
+
+        return await engine.embed(body, arrived, watched, scope.get(CLIENT_DEADLINE))
+
     async def embeddings(request: Request) -> Response:
-        arrived = request.scope.get(REQUEST_START) or time.perf_counter()
-        body = await read_body(request, engine.config.max_body_bytes)
-        content, headers = await engine.embed(body, arrived, lambda work: unless_gone(request, work))
+        content, headers = await answer(request.scope, request.receive)
         return Response(content, media_type="application/json", headers=headers)
 
-    app.add_middleware(EmbeddingsFirst, handler=embeddings)  # inside the Guard
+    app.add_middleware(EmbeddingsFirst, answer=answer)  # inside the Guard
     app.add_middleware(
         Guard, admission=engine.admission, metrics=engine.metrics, respond=error_response, waiting=engine.waiting
     )
@@ -114,56 +126,73 @@ def fault_response(exc: Exception) -> JSONResponse:
 
 
 class EmbeddingsFirst:
-    """POST /v1/embeddings straight to its handler, past FastAPI's router: matching the routes, solving the
-    endpoint's dependencies and its exception middleware took about a quarter of the stack's own time for a
-    one-query request (cProfile of the server with a model that answers at once, 2026-11-28), time every request
-    takes from the core the model needs. The route stays declared (the API's schema, 405 for other methods); its
-    errors are answered here in the same OpenAI shape as the app's handlers answer them."""
+    """POST /v1/embeddings straight to its handler in plain ASGI, past FastAPI's router: matching the routes, solving
+    the endpoint's dependencies and its exception middleware took about a quarter of the stack's own time for a
+    one-query request (cProfile of the server with a model that answers at once, 2026-11-28), and Starlette's
+    request and response objects more of the rest, time every request takes from the core the model needs. The
+    route stays declared (the API's schema, 405 for other methods); its errors are answered here in the same OpenAI
+    shape as the app's handlers answer them."""
 
-    def __init__(self, app, handler):
-        self.app, self.handler = app, handler
+    def __init__(self, app, answer):
+        self.app, self.answer = app, answer
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/v1/embeddings" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
-            response = await self.handler(Request(scope, receive))
+            content, headers = await self.answer(scope, receive)
         except ApiError as exc:
-            response = error_response(exc)
+            return await error_response(exc)(scope, receive, send)
         except Exception as exc:  # a fault of the server's own, as the app's handler answers it
-            response = fault_response(exc)
-        await response(scope, receive, send)
+            return await fault_response(exc)(scope, receive, send)
+        raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(content))]
+        raw += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": content})
 
 
-async def unless_gone(request: Request, work):
-    """The result of `work`, or, when the client closes its connection first (its own timeout, under overload), a
-    499 that nobody reads: the request's texts are then skipped by the batcher (their future is cancelled), so the
-    model does not spend itself on answers nobody waits for."""
+async def unless_gone(receive, future: asyncio.Future, busy: bool = True):
+    """The result of `future` (a batcher's), or, when the client closes its connection first (its own timeout, under
+    overload), a 499 that nobody reads: the request's texts are then skipped by the batcher (their future is
+    cancelled), so the model does not spend itself on answers nobody waits for. `busy`: the request may wait for
+    the model; a request the model takes at once is not watched (a call cannot be interrupted, so its client's
+    leaving saves nothing), which spares it a task of its own."""
+    if not busy:
+        return await future
 
     async def gone():
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
-    answer, closed = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    watcher = asyncio.ensure_future(gone())
+    watcher.add_done_callback(lambda _: future.cancel())
     try:
-        done, _ = await asyncio.wait({answer, closed}, return_when=asyncio.FIRST_COMPLETED)
+        return await future
+    except asyncio.CancelledError:
+        left = watcher.done() and not watcher.cancelled()
+        if not left or asyncio.current_task().cancelling():  # the request itself was cut (the drain's deadline)
+            raise
+        raise ApiError(
+            499, "The client closed the connection before the answer", None, "client_closed_request"
+        ) from None
     finally:
-        closed.cancel()
-        if not answer.done():  # the client left, or the drain's deadline cut the request: nobody takes the answer
-            answer.cancel()
-    if answer in done:
-        return answer.result()
-    raise ApiError(499, "The client closed the connection before the answer", None, "client_closed_request")
+        watcher.cancel()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(scope, receive, limit: int) -> bytes:
     """The request body, or a 413 as soon as it is over `limit` bytes: by its Content-Length before any of it is
     read, else (a chunked body has none) while it streams in, reading stops at the first chunk past the bound."""
-    size = request.headers.get("content-length")
+    size = next((value for name, value in scope["headers"] if name == b"content-length"), None)
     if size is not None and size.isdigit() and int(size) > limit:  # uvicorn discards the declared rest, unbuffered
         raise ApiError(413, f"Request body is {int(size)} bytes; the limit is {limit}", None, "request_too_large")
     chunks, read = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(
+                499, "The client closed the connection before its body was read", None, "client_closed_request"
+            )
+        chunk = message.get("body", b"")
         read += len(chunk)
         if read > limit:  # a chunked body may not end: the connection is closed, so nothing more of it is read
             raise ApiError(
@@ -174,4 +203,5 @@ async def read_body(request: Request, limit: int) -> bytes:
                 headers={"Connection": "close"},
             )
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

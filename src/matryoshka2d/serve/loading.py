@@ -45,7 +45,7 @@ def load_models(config: ServerConfig, log: Log = _stderr) -> Models:
     """The model, its query encoders and their backends, and the ladder, as `config` asks (see the module's
     docstring); ValueError naming the option for what the model cannot serve."""
     if config.onnx_cache:  # before the model loads: makedirs would fail only after, with "[Errno 17] File exists"
-        from matryoshka2d.serve.backends import cache_folder_problem
+        from matryoshka2d.serve.graph_cache import cache_folder_problem
 
         problem = cache_folder_problem(config.onnx_cache)
         if problem:
@@ -156,7 +156,7 @@ def onnx_backends(
     config: ServerConfig, encoder: ElasticEncoder, queries: dict, own_layers: dict[str, int], layers: list[int] | None
 ) -> tuple[Backend, dict[str, Backend]]:
     """The model's ONNX graphs (only `layers`' when given) and each query encoder's graph of its own layer, built
-    into the cache or taken from it (serve/backends.py)."""
+    into the cache or taken from it (serve/graph_cache.py)."""
     from matryoshka2d.export.onnx_graphs import require_onnx
     from matryoshka2d.serve.backends import OnnxBackend
 
@@ -190,4 +190,4 @@ def adaptive_ladder(
         f"{source}..."
     )
     with_layers = {name: (backend, own_layers[name]) for name, backend in queries.items()}
-    return build_ladder(config.name, model, layers, with_layers, config.target_ms or 50.0, texts)
+    return build_ladder(config.name, model, layers, with_layers, config.target_ms, texts)

@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from matryoshka2d import outputs
 from matryoshka2d.serve.admission import Admission
 from matryoshka2d.serve.app import build_app
-from matryoshka2d.serve.config import ServerConfig
+from matryoshka2d.serve.config import LOG_LEVELS, ServerConfig
 from matryoshka2d.serve.engine import Models
 from matryoshka2d.serve.workers import WorkerChannel
 
@@ -96,13 +96,15 @@ def start_lines(config: ServerConfig, models: Models) -> str:
         f"{config.host}:{config.port} (POST /v1/embeddings, GET /v1/models, GET /health); cells by name: "
         f"{name}@<layer>x<dimensions>"
     ]
-    guards = [f"at most {config.max_queued_texts} texts waiting (429 past it)"]
-    if config.max_queue_ms is not None:
-        guards.append(f"nor more than {config.max_queue_ms:g} ms of the model's time")
+    guards = [
+        f"at most {config.max_queued_texts} texts waiting, nor a request the model could not answer within "
+        f"{config.max_queue_ms:g} ms (429 past either); calls within {config.target_ms:g} ms (the latency objective)"
+    ]
     guards.append("API key required (Authorization: Bearer)" if config.api_key else "no API key (open to all)")
+    guards.append("event loop and HTTP parser: {} and {}".format(*event_loop_and_parser()))
     if models.ladder is not None:
         rungs = ", ".join(f"{r.name} ({r.quality:.3f})" for r in models.ladder.rungs)
-        guards.append(f"adaptive depth: rungs {rungs}; target {models.ladder.target_ms:g} ms")
+        guards.append(f"adaptive depth: rungs {rungs}")
     if config.query_cell is not None:
         guards.append(f"input_type query -> {name}@{config.query_cell.label}")
     lines.append("; ".join(guards))
@@ -117,6 +119,7 @@ def serve_app(app: FastAPI, config: ServerConfig) -> None:
     freeze_what_is_loaded()
     worker = WorkerChannel.from_environment()  # one of `serve --workers N` (serve/workers.py), else None
     sockets = [worker.listener_when_told(config.host)] if worker is not None else None  # once every worker loaded
+    loop, parser = event_loop_and_parser()
     settings = uvicorn.Config(
         app,
         host=config.host,
@@ -124,6 +127,11 @@ def serve_app(app: FastAPI, config: ServerConfig) -> None:
         workers=1,
         log_level=config.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        loop=loop,
+        http=parser,
+        # uvicorn formats every request's access line (client address, path) whenever its access logger has a
+        # handler, whether or not the level lets the line out: above info nothing is printed, so nothing is made
+        access_log=LOG_LEVELS.index(config.log_level) >= LOG_LEVELS.index("info"),
     )
     DrainingServer(settings, app.state.admission, config.drain_seconds, sockets, worker).run()
     if app.state.engine.busy():  # Python's exit would join the model's thread, and wait out its call
@@ -131,6 +139,15 @@ def serve_app(app: FastAPI, config: ServerConfig) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def event_loop_and_parser() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser, named: uvloop and httptools (libuv's loop and llhttp's parser, in C;
+    installed with uvicorn[standard] wherever they build), else asyncio's loop and h11, in Python. uvicorn's "auto"
+    picks the same; naming them says which runs (the start line prints it)."""
+    from importlib.util import find_spec
+
+    return ("uvloop" if find_spec("uvloop") else "asyncio"), ("httptools" if find_spec("httptools") else "h11")
 
 
 def freeze_what_is_loaded() -> None:

@@ -246,7 +246,8 @@ def quantize(vectors: np.ndarray, embedding_type: str) -> np.ndarray:
 def encode_rows(vectors: np.ndarray, encoding: str, embedding_type: str) -> list[dict]:
     """The response's `data`: each row L2-normalised, quantised to `embedding_type`, as a numpy row (written as
     JSON numbers by `reply_bytes`) or as base64 bytes."""
-    vectors = quantize(unit_rows(vectors).astype(np.float32), embedding_type).astype(EMBEDDING_TYPES[embedding_type])
+    # unit_rows makes a new float32 array; nothing after it copies again where the type is already the one sent
+    vectors = quantize(unit_rows(vectors), embedding_type).astype(EMBEDDING_TYPES[embedding_type], copy=False)
     if not np.isfinite(vectors).all():  # JSON has no NaN: a model that made one is a server fault, not a null
         raise ValueError("the model returned a vector that is not finite")
     data = []
