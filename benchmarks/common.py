@@ -25,10 +25,12 @@ CHECKOUT_SRC = CHECKOUT / "src"
 CHECKOUT_RUNS = CHECKOUT / "runs"
 
 
-def checkout_env() -> dict:
-    """The environment of a child process that runs this checkout's matryoshka2d with one thread per library
-    (an installed copy of another version comes after it on the path)."""
-    path = os.pathsep.join(p for p in (str(CHECKOUT_SRC), os.environ.get("PYTHONPATH", "")) if p)
+def checkout_env(src: Path | str | None = None) -> dict:
+    """The environment of a child process that runs this checkout's matryoshka2d (or the one in `src`, a source
+    tree such as a worktree of an older commit) with one thread per library (an installed copy of another version
+    comes after it on the path)."""
+    first = str(src if src is not None else CHECKOUT_SRC)
+    path = os.pathsep.join(p for p in (first, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 

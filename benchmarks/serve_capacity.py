@@ -343,6 +343,12 @@ def main() -> None:
     parser.add_argument(
         "--ours-args", default="", help="more options for our serve, one string (e.g. '--max-queued-texts 256')"
     )
+    parser.add_argument(
+        "--ours-src",
+        help="the source tree (its src/ folder) whose serve runs as ours, e.g. a git worktree of an older commit: a "
+        "change measured in turns against the code before it (default: this checkout's; use with --no-offline, the "
+        "offline probe runs this checkout's graph)",
+    )
     peer_arguments(parser)
     parser.add_argument(
         "--llama-sweep",
@@ -385,8 +391,10 @@ def main() -> None:
             print("infinity skipped: --infinity-venv and --infinity-folder not given")
             continue
         if name == "ours":
-            server = start_ours_fixed(ARGS.model, ARGS.layers, ARGS.ours_args.split())
+            server = start_ours_fixed(ARGS.model, ARGS.layers, ARGS.ours_args.split(), ARGS.ours_src)
             label = f"ours: serve --backend onnx --quantize int8 --layers {ARGS.layers}"
+            if ARGS.ours_src:
+                label += f" (the code in {ARGS.ours_src})"
         elif name == "llama":
             if ARGS.llama_sweep:
                 ARGS.llama_parallel, ARGS.llama_batch, sweep = llama_sweep(queries)

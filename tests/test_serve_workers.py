@@ -93,7 +93,8 @@ def health_worker(url: str) -> int:
 def test_two_workers_answer_on_one_port_and_sigterm_keeps_it_open_with_503s_until_both_answered_what_they_took(
     wide_model, tmp_path
 ):
-    server = two_workers(wide_model, tmp_path, "--drain-seconds", "120")
+    # requests of seconds queue here on purpose: no deadline refuses them (the default, 2 s, would)
+    server = two_workers(wide_model, tmp_path, "--drain-seconds", "120", "--max-queue-ms", "600000")
     try:
         pids = ready_pids(server)
         assert server.process.pid not in pids
