@@ -70,9 +70,9 @@ from serving_harness import (
 
 # ---- ours, offline: the same graph without the server ----------------------------------------------------------
 def offline_probe() -> None:
-    """(In the child process, on the server core, one thread.) The served int8 graph of the model's full depth
-    through OnnxBackend: ms per text in calls of 64 (the best of --offline-rounds rounds over the same queries) and
-    the p50 of one query per call; one JSON line on stdout."""
+    """(In the child process, on the server core, one thread.) The served graph (--ours-precision) of the model's
+    full depth through OnnxBackend: ms per text in calls of 64 (the best of --offline-rounds rounds over the same
+    queries) and the p50 of one query per call; one JSON line on stdout."""
     import torch
 
     from matryoshka2d.beir import load_beir
@@ -83,7 +83,8 @@ def offline_probe() -> None:
     queries = load_beir(ARGS.data, ARGS.split).query_texts
     encoder = ElasticEncoder(ARGS.model, device="cpu")
     full = encoder.num_layers
-    backend = OnnxBackend(encoder, "int8", [full], threads=1, log=lambda _message: None)
+    quantize = None if ARGS.ours_precision == "fp32" else ARGS.ours_precision
+    backend = OnnxBackend(encoder, quantize, [full], threads=1, log=lambda _message: None)
     backend.load()
     texts = queries[: 64 * ARGS.offline_calls]
     best = float("inf")
@@ -104,7 +105,7 @@ def offline_limit() -> dict:
     command = ["taskset", "-c", str(ARGS.server_core), sys.executable, __file__, "--offline-probe"]
     command += ["--model", ARGS.model, "--data", str(ARGS.data), "--split", ARGS.split]
     command += ["--offline-calls", str(ARGS.offline_calls), "--offline-rounds", str(ARGS.offline_rounds)]
-    command += ["--round-trips", str(ARGS.round_trips)]
+    command += ["--round-trips", str(ARGS.round_trips), "--ours-precision", ARGS.ours_precision]
     with timed_span():
         done = subprocess.run(command, env=checkout_env(), capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -279,7 +280,7 @@ def report(results: list[dict], offline: dict | None) -> dict:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     if offline:
         print(
-            f"| offline, the same int8 graph (OnnxBackend) | {offline['one_query_p50_ms']:.2f} | - | "
+            f"| offline, the same {ARGS.ours_precision} graph (OnnxBackend) | {offline['one_query_p50_ms']:.2f} | - | "
             f"{offline['limit_per_s']:.1f} ({offline['ms_per_text_in_64']:.2f} ms a text in calls of 64) "
             "| - | - | - | - |"
         )
@@ -344,6 +345,13 @@ def main() -> None:
         "--ours-args", default="", help="more options for our serve, one string (e.g. '--max-queued-texts 256')"
     )
     parser.add_argument(
+        "--ours-precision",
+        choices=["int8", "fp32"],
+        default="int8",
+        help="the graph ours serves (and the offline probe runs): int8 (serve --quantize int8) or fp32; fp32 compares "
+        "two versions of the server on a graph that did not change between them",
+    )
+    parser.add_argument(
         "--ours-src",
         help="the source tree (its src/ folder) whose serve runs as ours, e.g. a git worktree of an older commit: a "
         "change measured in turns against the code before it (default: this checkout's; use with --no-offline, the "
@@ -377,7 +385,8 @@ def main() -> None:
     if "ours" in ARGS.servers and not ARGS.no_offline:
         offline = offline_limit()
         print(
-            f"offline, the same int8 graph on the server core, one thread: {offline['ms_per_text_in_64']:.2f} ms a "
+            f"offline, the same {ARGS.ours_precision} graph on the server core, one thread: "
+            f"{offline['ms_per_text_in_64']:.2f} ms a "
             f"text in calls of 64 (limit {offline['limit_per_s']:.1f}/s), one query {offline['one_query_p50_ms']:.2f} "
             "ms (p50)",
             flush=True,
@@ -391,8 +400,10 @@ def main() -> None:
             print("infinity skipped: --infinity-venv and --infinity-folder not given")
             continue
         if name == "ours":
-            server = start_ours_fixed(ARGS.model, ARGS.layers, ARGS.ours_args.split(), ARGS.ours_src)
-            label = f"ours: serve --backend onnx --quantize int8 --layers {ARGS.layers}"
+            quantize = None if ARGS.ours_precision == "fp32" else ARGS.ours_precision
+            server = start_ours_fixed(ARGS.model, ARGS.layers, ARGS.ours_args.split(), ARGS.ours_src, quantize)
+            flag = f" --quantize {quantize}" if quantize else ""
+            label = f"ours: serve --backend onnx{flag} --layers {ARGS.layers}"
             if ARGS.ours_src:
                 label += f" (the code in {ARGS.ours_src})"
         elif name == "llama":

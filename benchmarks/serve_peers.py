@@ -26,12 +26,15 @@ ONE_THREAD = {
 }
 
 
-def start_ours_fixed(model: str, layers: int, extra: list[str] | None = None, src: str | None = None) -> Server:
+def start_ours_fixed(
+    model: str, layers: int, extra: list[str] | None = None, src: str | None = None, quantize: str | None = "int8"
+) -> Server:
     """`serve --backend onnx --quantize int8 --layers N`: one depth, its session loaded up front, no adaptive depth
-    (a request with no layer is answered at full depth). `src`: the source tree to run (default this checkout's)."""
+    (a request with no layer is answered at full depth). `src`: the source tree to run (default this checkout's);
+    `quantize` None: the fp32 graph."""
     command = [sys.executable, "-m", "matryoshka2d.cli", "serve", "--model", model, "--served-name", "bench"]
     command += ["--port", str(port := free_port()), "--device", "cpu", "--log-level", "warning", "--backend", "onnx"]
-    command += ["--quantize", "int8", "--layers", str(layers), "--truncate", *(extra or [])]
+    command += [*(["--quantize", quantize] if quantize else []), "--layers", str(layers), "--truncate", *(extra or [])]
     return Server("ours", command, port, checkout_env(src))
 
 

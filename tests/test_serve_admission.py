@@ -102,11 +102,16 @@ def test_past_the_bound_a_request_gets_429_with_retry_after_and_nothing_queued_i
 
 def test_the_bound_in_time_refuses_a_queue_the_model_needs_too_long_for():
     """--max-queue-ms: a request that would join a queue of more than that much model time (its texts times the
-    recent time per text) is refused with 429 and Retry-After, under the bound in texts; an empty queue takes all."""
+    recent time per text, at least FLOOR_FACTOR times it) is refused with 429 and Retry-After, under the bound in
+    texts; an empty queue takes all."""
+    from matryoshka2d.serve.admission import FLOOR_FACTOR
     from matryoshka2d.serve.protocol import ApiError
 
     admission = Admission(max_queued_texts=1024, max_queue_ms=1000)
-    admission.admit(texts=1, queued=100, drain_seconds=0.9)  # 900 ms waiting: let in
+    admission.admit(texts=1, queued=100, drain_seconds=0.79)  # 790 ms waiting, 988 with the floor: let in
+    with pytest.raises(ApiError) as refused:  # 900 ms waiting: past the deadline once scaled by the floor
+        admission.admit(texts=1, queued=100, drain_seconds=0.9)
+    assert f"(x {FLOOR_FACTOR:.2f}, how far estimates ran short)" in str(refused.value)
     admission.admit(texts=1, queued=0, drain_seconds=0.0)  # nothing waits or runs: always let in
     with pytest.raises(ApiError) as refused:  # nothing waits, but the call in flight needs 1.5 s more
         admission.admit(texts=1, queued=0, drain_seconds=1.5)
@@ -242,3 +247,30 @@ def test_while_draining_every_request_gets_503_and_health_says_so(plain):
             reply = server.http.get(path)
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_shutting_down"
             assert reply.headers["connection"] == "close"  # the balancer's next check opens a new connection
+
+
+def test_the_event_loops_lag_counts_against_the_deadline_twice():
+    """A request's time before the app sees it and after its answer is ready is the event loop's: LoopLag measures
+    how late the loop runs what is ready (a loop blocked 60 ms: about 50 ms late), and the admission adds it twice
+    to the queue's estimate, so a queue that fits the deadline alone is refused once the loop is that late."""
+    from matryoshka2d.serve.admission import FLOOR_FACTOR, LoopLag
+    from matryoshka2d.serve.protocol import ApiError
+
+    async def blocked_loop() -> float:
+        lag = LoopLag()
+        lag.start(asyncio.get_running_loop())
+        await asyncio.sleep(0.05)
+        time.sleep(0.06)  # the loop runs nothing meanwhile: the tick due within it is late
+        await asyncio.sleep(0.03)
+        lag.stop()
+        return lag.seconds
+
+    late = asyncio.run(blocked_loop())
+    assert 0.04 <= late <= 0.5, late
+    admission = Admission(max_queue_ms=1000)
+    drain = (1.0 - 0.01) / FLOOR_FACTOR  # 990 ms with the floor: in time while the loop keeps up
+    admission.admit(texts=1, queued=10, drain_seconds=drain)
+    admission.loop_lag.worst = late
+    with pytest.raises(ApiError) as refused:
+        admission.admit(texts=1, queued=10, drain_seconds=drain)
+    assert "the event loop's lag twice" in str(refused.value)

@@ -231,6 +231,23 @@ def test_a_call_never_grows_past_the_latency_objective():
     assert per_token * 4 >= 0.009 * 1000 and fixed < 10
 
 
+def test_a_queue_that_waited_still_gets_calls_as_long_as_the_objective():
+    """Requests that waited behind a long call are not served in smaller calls for it: the next call still takes
+    what its measured cost fits in --target-ms (10 ms a text, 65 ms: 6 texts), not what is left of the target after
+    the oldest's wait (35 ms waited: 3 texts), which cost throughput exactly when the queue grew."""
+    backend = Synthetic(fixed=0.0, per_text=0.010)
+
+    async def behind_a_long_call():
+        async with started(micro_batching.MicroBatcher(backend, max_batch=64, target_ms=65.0)) as batcher:
+            await batcher.encode(["warm"], 2)  # the cost of a call, measured
+            long = asyncio.ensure_future(batcher.encode([f"long {i}" for i in range(4)], 2))  # 40 ms
+            await asyncio.sleep(0.005)
+            await asyncio.gather(long, *(batcher.encode([f"text {i}"], 2) for i in range(10)))
+
+    asyncio.run(behind_a_long_call())
+    assert backend.calls[:3] == [1, 4, 6], backend.calls
+
+
 def test_the_calls_cost_is_measured_as_a_line_in_its_tokens():
     """CallCost: calls of several sizes give the line through them; calls of one size only give the proportional
     line, which predicts a larger call no cheaper per token than the ones seen."""

@@ -58,12 +58,20 @@ DEFAULT_DEADLINE_MS = 2000.0
 CLIENT_TIMEOUT_HEADER = b"x-stainless-read-timeout"
 
 
+# The least an estimate is scaled by before it is held against the deadline: what is learnt (`EstimateMargin`) is
+# learnt from answers a deadline late, and a burst moves the queue's drain rate faster than that. A queue held below
+# the deadline costs no throughput under overload (a few calls keep the model busy); at twice the capacity on one
+# core (minilm-l6 int8, SciFact queries, 2 s), holding it at the deadline by the learnt margin alone left 130-200 of
+# about 4,000 accepted requests past their client's deadline (2026-11-29).
+FLOOR_FACTOR = 1.25
+
+
 class EstimateMargin:
     """How far the server's estimate of a request's time in it runs short, learnt from the requests it answered
     after queueing behind others: the mean ratio of the time taken to the time estimated, and the ratio's mean
     deviation, learnt as TCP learns a round trip (RFC 6298: gains 1/8 and 1/4, and a timeout of the mean plus 4
-    deviations). An estimate is scaled by `factor` before it is held against the deadline. Without it the queue
-    was kept at the deadline and the estimate's own spread made the rest late: at twice the capacity on one core
+    deviations). An estimate is scaled by `factor` (at least FLOOR_FACTOR) before it is held against the deadline.
+    Without it the queue was kept at the deadline and the estimate's own spread made the rest late: at twice the capacity on one core
     (minilm-l6 int8, SciFact queries, a 2 s deadline), the time taken was 0.89 to 1.15 of the estimate (10th to
     99th percentile) and 6-8% of the requests taken timed out (2026-11-29)."""
 
@@ -78,7 +86,48 @@ class EstimateMargin:
 
     @property
     def factor(self) -> float:
-        return max(1.0, self.mean + 4 * self.deviation)
+        return max(FLOOR_FACTOR, self.mean + 4 * self.deviation)
+
+
+class LoopLag:
+    """How late the event loop runs what is ready, measured by a tick every INTERVAL seconds: the largest lateness
+    of recent ticks (`seconds`), halving every HALF_LIFE seconds. A request's time before the app first sees it
+    (read from the socket, parsed, its task run) and after its answer is ready (its task resumed, the answer
+    written) is the event loop's, not the model's, and no estimate of the queue holds it: under overload (twice the
+    capacity on one core, minilm-l6 int8, SciFact queries), requests the server answered within 2.0 s by its own
+    clock reached their client after 2.07 s, and timed out there (2026-11-29). The admission adds it twice."""
+
+    INTERVAL = 0.01
+    HALF_LIFE = 1.0
+
+    def __init__(self):
+        self.worst = 0.0
+        self._due = self._last = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._last = loop, loop.time()
+        self._schedule()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    @property
+    def seconds(self) -> float:
+        return self.worst
+
+    def _schedule(self) -> None:
+        self._due = self._loop.time() + self.INTERVAL
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        decayed = self.worst * 0.5 ** ((now - self._last) / self.HALF_LIFE)
+        self.worst, self._last = max(now - self._due, decayed), now
+        self._schedule()
 
 
 def key_problem(key: str) -> str | None:
@@ -120,6 +169,7 @@ class Admission:
         self._key = api_key.encode() if api_key is not None else None
         self.max_queued_texts, self.max_queue_ms = max_queued_texts, max_queue_ms
         self.margin = EstimateMargin()  # the engine tells it what requests took against their estimate
+        self.loop_lag = LoopLag()  # started by the engine on the app's event loop
         self.draining = False
         # The drain's deadline: the tasks of the requests in flight (registered by Guard), and those the deadline
         # cut, which Guard answers with a 503 instead of the answer they could not get in time.
@@ -232,12 +282,17 @@ class Admission:
         if queued and queued + (texts or 1) > self.max_queued_texts:
             adds = f" and this request adds {texts}" if texts is not None else ""
             why = f"{queued} texts are waiting{adds} (the bound is {self.max_queued_texts}, --max-queued-texts)"
-        elif drain_seconds > 0 and 1000 * (drain_seconds + own_seconds) * self.margin.factor > deadline:
+        elif (
+            drain_seconds > 0
+            and 1000 * ((drain_seconds + own_seconds) * self.margin.factor + 2 * self.loop_lag.seconds) > deadline
+        ):
             own = f", and this request's {texts} texts about {1000 * own_seconds:.0f} ms more" if own_seconds else ""
             margin = f" (x {self.margin.factor:.2f}, how far estimates ran short)" if self.margin.factor > 1 else ""
+            lag = self.loop_lag.seconds
+            loop = f", and the event loop's lag twice ({1000 * lag:.0f} ms)" if lag >= 0.0005 else ""
             why = (
                 f"the {queued} texts waiting and the call running need about {1000 * drain_seconds:.0f} ms of the "
-                f"model{own}{margin}: past the deadline of {deadline:g} ms ({source})"
+                f"model{own}{margin}{loop}: past the deadline of {deadline:g} ms ({source})"
             )
         else:
             return None

@@ -99,9 +99,11 @@ class Engine:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="matryoshka2d-tokenizer")
         for served in self.everyone:
             served.batcher.start()
+        self.admission.loop_lag.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
         """After the last request: a model call or a tokenizing still running is not waited for (`busy` says so)."""
+        self.admission.loop_lag.stop()
         for served in self.everyone:
             await served.batcher.stop()
         self.thread.shutdown()
@@ -148,6 +150,8 @@ class Engine:
         texts, cut = within_characters(plan.texts, served.max_chars, served.backend.max_length, self.config.truncate)
         queued, seconds = self.waiting()  # before tokenizing: a refusal costs no tokenizer time
         own = len(texts) * served.batcher.ms_per_text / 1000
+        if seconds > 0:  # it joins a queue: its call, answered at its end, may also take what queues after it
+            own = max(own, served.batcher.target_ms / 1000)
         self.admission.admit(len(texts), queued, seconds, own, deadline_ms)
         parsed = time.perf_counter()
         encoded, used, truncated = await self._tokenized(served, texts, cut)
