@@ -248,6 +248,18 @@ def test_a_queue_that_waited_still_gets_calls_as_long_as_the_objective():
     assert backend.calls[:3] == [1, 4, 6], backend.calls
 
 
+def test_a_request_that_joins_a_queue_waits_for_its_whole_call_no_longer_than_the_target_or_max_batch():
+    """What the deadline counts for a request's own call: alone, its texts; in a queue, the call it joins (texts
+    after it join it too), at most the target, at most max_batch texts (--target-ms 100000 is not 100 s)."""
+    batcher = micro_batching.MicroBatcher(ReleasingBackend(), max_batch=64, target_ms=50.0)
+    batcher.ms_per_text = 2.0
+    assert batcher.own_call_seconds(3, queued=False) == pytest.approx(0.006)
+    assert batcher.own_call_seconds(3, queued=True) == pytest.approx(0.050)  # the target
+    assert batcher.own_call_seconds(40, queued=True) == pytest.approx(0.080)  # its own texts
+    batcher.target_ms = 100_000.0
+    assert batcher.own_call_seconds(3, queued=True) == pytest.approx(0.128)  # 64 texts
+
+
 def test_the_calls_cost_is_measured_as_a_line_in_its_tokens():
     """CallCost: calls of several sizes give the line through them; calls of one size only give the proportional
     line, which predicts a larger call no cheaper per token than the ones seen."""

@@ -71,9 +71,9 @@ class EstimateMargin:
     after queueing behind others: the mean ratio of the time taken to the time estimated, and the ratio's mean
     deviation, learnt as TCP learns a round trip (RFC 6298: gains 1/8 and 1/4, and a timeout of the mean plus 4
     deviations). An estimate is scaled by `factor` (at least FLOOR_FACTOR) before it is held against the deadline.
-    Without it the queue was kept at the deadline and the estimate's own spread made the rest late: at twice the capacity on one core
-    (minilm-l6 int8, SciFact queries, a 2 s deadline), the time taken was 0.89 to 1.15 of the estimate (10th to
-    99th percentile) and 6-8% of the requests taken timed out (2026-11-29)."""
+    Without it the queue was kept at the deadline and the estimate's own spread made the rest late: at twice the
+    capacity on one core (minilm-l6 int8, SciFact queries, a 2 s deadline), the time taken was 0.89 to 1.15 of the
+    estimate (10th to 99th percentile) and 6-8% of the requests taken timed out (2026-11-29)."""
 
     def __init__(self):
         self.mean, self.deviation = 1.0, 0.0

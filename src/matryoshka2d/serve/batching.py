@@ -252,6 +252,15 @@ class MicroBatcher:
             running = max(0.0, expected - 1000 * (time.monotonic() - since))
         return (self.queued_texts * self.ms_per_text + running) / 1000
 
+    def own_call_seconds(self, texts: int, queued: bool) -> float:
+        """About how long a request of `texts` texts waits for its own call once that call starts: its texts at the
+        recent time per text, or, when it joins a queue (`queued`), the whole call it will be part of, which also
+        takes what queues after it, up to the target and to max_batch texts (a call answers its texts at its end)."""
+        own = texts * self.ms_per_text
+        if queued:
+            own = max(own, min(self.target_ms, self.max_batch * self.ms_per_text))
+        return own / 1000
+
     def _take(self) -> _Job:
         job = self.queue.popleft()
         self.queued_texts -= len(job.texts)

@@ -149,9 +149,7 @@ class Engine:
         served, layer = self._rung(plan)
         texts, cut = within_characters(plan.texts, served.max_chars, served.backend.max_length, self.config.truncate)
         queued, seconds = self.waiting()  # before tokenizing: a refusal costs no tokenizer time
-        own = len(texts) * served.batcher.ms_per_text / 1000
-        if seconds > 0:  # it joins a queue: its call, answered at its end, may also take what queues after it
-            own = max(own, served.batcher.target_ms / 1000)
+        own = served.batcher.own_call_seconds(len(texts), queued=seconds > 0)
         self.admission.admit(len(texts), queued, seconds, own, deadline_ms)
         parsed = time.perf_counter()
         encoded, used, truncated = await self._tokenized(served, texts, cut)

@@ -6,7 +6,7 @@ the calls of a ladder's rungs (serve/ladder.py) take the core in turns, as the l
 The hand-off is one queue put and, for the answer, one `call_soon_threadsafe` that settles an asyncio future on the
 event loop. `loop.run_in_executor` (a ThreadPoolExecutor, a concurrent future, and wrap_future chaining it to an
 asyncio one) took 37-60 us a call against 24 us for this on an idle core (uvloop, a call that returns at once,
-median of 5 rounds of 2,000; /work/notes helper E60's report, 2026-11-29): the hand-off is on every request's path.
+median of 5 rounds of 2,000, 2026-11-29): the hand-off is on every request's path.
 """
 
 from __future__ import annotations
