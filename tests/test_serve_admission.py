@@ -251,17 +251,17 @@ def test_while_draining_every_request_gets_503_and_health_says_so(plain):
 
 def test_the_event_loops_lag_counts_against_the_deadline_twice():
     """A request's time before the app sees it and after its answer is ready is the event loop's: LoopLag measures
-    how late the loop runs what is ready (a loop blocked 60 ms: about 50 ms late), and the admission adds it twice
-    to the queue's estimate, so a queue that fits the deadline alone is refused once the loop is that late."""
+    how late the loop runs what is ready (a loop blocked 120 ms: its tick about 90 ms late), and the admission adds
+    it twice to the queue's estimate, so a queue that fits the deadline alone is refused once the loop is that late."""
     from matryoshka2d.serve.admission import FLOOR_FACTOR, LoopLag
     from matryoshka2d.serve.protocol import ApiError
 
     async def blocked_loop() -> float:
         lag = LoopLag()
         lag.start(asyncio.get_running_loop())
-        await asyncio.sleep(0.05)
-        time.sleep(0.06)  # the loop runs nothing meanwhile: the tick due within it is late
-        await asyncio.sleep(0.03)
+        await asyncio.sleep(0.02)
+        time.sleep(0.12)  # the loop runs nothing meanwhile: the tick due within it (at 50 ms) is late
+        await asyncio.sleep(0.06)
         lag.stop()
         return lag.seconds
 

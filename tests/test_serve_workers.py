@@ -27,16 +27,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Loaded by every process the tests start (PYTHONPATH): in a worker (WORKER_ENV set), a model call of a text holding
-# "slow" says so (with its pid); with FAIL_LATER_WORKERS, every worker but the first to start fails where the model
-# loads, with a message of its own.
+# "slow" says so (with its pid) and lasts 2 s more (the texts alone took 0.3 s on a quiet Xeon: every accepted
+# request was answered before the drain's new requests came); with FAIL_LATER_WORKERS, every worker but the first
+# to start fails where the model loads, with a message of its own.
 SITECUSTOMIZE = f"""
-import os, sys
+import os, sys, time
 if {WORKER_ENV!r} in os.environ:
     from matryoshka2d.serve import backends
     real = backends.TorchBackend.pooled
     def pooled(self, texts, layer, encoded=None):
         if any("slow" in text for text in texts):
             print(f"MODEL CALL STARTED in {{os.getpid()}}", file=sys.stderr, flush=True)
+            time.sleep(2)
         return real(self, texts, layer, encoded)
     backends.TorchBackend.pooled = pooled
     marker = os.environ.get("FAIL_LATER_WORKERS")
