@@ -245,7 +245,9 @@ def test_a_queue_that_waited_still_gets_calls_as_long_as_the_objective():
             await asyncio.gather(long, *(batcher.encode([f"text {i}"], 2) for i in range(10)))
 
     asyncio.run(behind_a_long_call())
-    assert backend.calls[:3] == [1, 4, 6], backend.calls
+    # 6 texts fit the target at the nominal cost (5 where a loaded machine's sleeps overshoot it); the rule that
+    # counted the oldest's wait takes at most 3
+    assert backend.calls[:2] == [1, 4] and backend.calls[2] >= 5, backend.calls
 
 
 def test_a_request_that_joins_a_queue_waits_for_its_whole_call_no_longer_than_the_target_or_max_batch():
