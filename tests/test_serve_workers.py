@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Loaded by every process the tests start (PYTHONPATH): in a worker (WORKER_ENV set), a model call of a text holding
-# "slow" says so (with its pid) and lasts 2 s more (the texts alone took 0.3 s on a quiet Xeon: every accepted
+# "slow" says so (with its pid) and lasts 1 s more (the texts alone took 0.3 s on a quiet Xeon: every accepted
 # request was answered before the drain's new requests came); with FAIL_LATER_WORKERS, every worker but the first
 # to start fails where the model loads, with a message of its own.
 SITECUSTOMIZE = f"""
@@ -38,7 +38,7 @@ if {WORKER_ENV!r} in os.environ:
     def pooled(self, texts, layer, encoded=None):
         if any("slow" in text for text in texts):
             print(f"MODEL CALL STARTED in {{os.getpid()}}", file=sys.stderr, flush=True)
-            time.sleep(2)
+            time.sleep(1)
         return real(self, texts, layer, encoded)
     backends.TorchBackend.pooled = pooled
     marker = os.environ.get("FAIL_LATER_WORKERS")
