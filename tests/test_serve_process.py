@@ -20,7 +20,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from helpers.data import SENTENCES
-from helpers.models import tiny_transformer
+from helpers.models import tiny_transformer, wide_bert_folder
 from helpers.server import FakeBackend, ServerProcess, app_of, post, request
 from matryoshka2d.models.encoder import ElasticEncoder
 from matryoshka2d.serve import process
@@ -114,21 +114,7 @@ SLOW_SERVE = slow_serve(20)
 def wide_model(tmp_path_factory, tokenizer):
     """A random BERT of 12 layers x 384 (minilm-l6's width, twice its depth), as a folder: a text of 500 tokens is
     a second of a core, so requests are surely in flight when the signal comes."""
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=384,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=1536,
-    )
-    path = tmp_path_factory.mktemp("wide")
-    tf.AutoModel.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return wide_bert_folder(tmp_path_factory.mktemp("wide"), tokenizer)
 
 
 LONG = "red cat sleeps on the old mat " * 70  # about 490 tokens

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from helpers.models import wide_bert_folder
 from helpers.server import ServerProcess, post, request
 from matryoshka2d.cli import main
 from matryoshka2d.serve.workers import WORKER_ENV
@@ -57,21 +58,7 @@ LONG = "a slow one: red cat sleeps on the old mat " * 40  # about 440 tokens
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory, tokenizer):
     """A random BERT of 12 layers x 384, as a folder: a text of 440 tokens is about a second of a core."""
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=384,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=1536,
-    )
-    path = tmp_path_factory.mktemp("wide")
-    tf.AutoModel.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return wide_bert_folder(tmp_path_factory.mktemp("wide"), tokenizer)
 
 
 def two_workers(model, tmp_path, *options, **env) -> ServerProcess:

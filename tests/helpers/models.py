@@ -82,3 +82,23 @@ def set_heads_record(folder, **changes) -> None:
     meta = json.loads(meta_path.read_text())
     meta["exit_heads"].update(changes)
     meta_path.write_text(json.dumps(meta))
+
+
+def wide_bert_folder(folder, tokenizer):
+    """A random BERT of 12 layers x 384 (minilm-l6's width, twice its depth) saved with `tokenizer` in `folder`: a
+    text of about 450 tokens is a good fraction of a second of a core, so the server tests that signal a server with
+    requests in flight find them still running."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=384,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=1536,
+    )
+    tf.AutoModel.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
